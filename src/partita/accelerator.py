@@ -1,0 +1,111 @@
+"""The device partita computes on: CUDA when present, else CPU.
+
+The only module that touches ``torch.cuda``. Engines and algorithms ask it for the device,
+streams, events, pinned memory and memory statistics, so the same code path runs on CPU
+(where streams are no-ops and pinning is skipped) and on GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from functools import lru_cache
+
+import psutil
+import torch
+
+
+class Accelerator:
+    """One device type's operations. `device_type` is "cuda" or "cpu"."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    @property
+    def is_cuda(self) -> bool:
+        """True on CUDA devices."""
+        return self.device_type == "cuda"
+
+    @property
+    def communication_backend(self) -> str:
+        """The torch.distributed backend matching this device."""
+        return "nccl" if self.is_cuda else "gloo"
+
+    def device_for_rank(self, local_rank: int) -> torch.device | None:
+        """The device a process with `local_rank` uses (None on CPU: no binding needed)."""
+        if not self.is_cuda:
+            return None
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+    def current_device(self) -> torch.device:
+        """The device tensors of this process live on."""
+        if self.is_cuda:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def set_device(self, local_rank: int) -> None:
+        """Binds this process to its device (no-op on CPU)."""
+        if self.is_cuda:
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+    def synchronize(self) -> None:
+        """Waits for all queued device work (no-op on CPU)."""
+        if self.is_cuda:
+            torch.cuda.synchronize()
+
+    def new_stream(self) -> torch.cuda.Stream | None:
+        """A side stream for communication or copies (None on CPU)."""
+        return torch.cuda.Stream() if self.is_cuda else None
+
+    @contextlib.contextmanager
+    def stream(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """Runs the block on `stream` (a no-op for None)."""
+        if stream is None:
+            yield
+        else:
+            with torch.cuda.stream(stream):
+                yield
+
+    def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Page-locked copy of a CPU tensor on CUDA machines; the tensor itself elsewhere."""
+        return tensor.pin_memory() if self.is_cuda else tensor
+
+    def memory_allocated(self) -> int:
+        """Bytes of device memory held by tensors (0 on CPU: see `host_rss`)."""
+        return int(torch.cuda.memory_allocated()) if self.is_cuda else 0
+
+    def max_memory_allocated(self) -> int:
+        """Peak device memory held by tensors since start or the last reset (0 on CPU)."""
+        return int(torch.cuda.max_memory_allocated()) if self.is_cuda else 0
+
+    def reset_peak_memory_stats(self) -> None:
+        """Restarts peak tracking (no-op on CPU)."""
+        if self.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+
+def host_rss() -> int:
+    """Resident set size of this process, bytes."""
+    return int(psutil.Process().memory_info().rss)
+
+
+def host_peak_rss() -> int:
+    """Peak resident set size of this process, bytes (Linux: VmHWM; else current RSS)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return host_rss()
+
+
+@lru_cache(maxsize=1)
+def get_accelerator() -> Accelerator:
+    """The process-wide accelerator. PARTITA_ACCELERATOR=cpu forces CPU on a GPU machine."""
+    forced = os.environ.get("PARTITA_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "")).lower()
+    if forced == "cpu" or not torch.cuda.is_available():
+        return Accelerator("cpu")
+    return Accelerator("cuda")

@@ -1,0 +1,110 @@
+"""`initialize()` and the other top-level entry points a DeepSpeed script calls."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from partita import cluster_env, comm
+from partita.config import ConfigError, DeepSpeedConfig, load_config
+from partita.data import DistributedDataLoader
+from partita.engine import Engine
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds DeepSpeed's command-line arguments: ``--deepspeed [CONFIG]`` and
+    ``--deepspeed_config CONFIG`` (``--deepscale*`` kept as hidden aliases)."""
+    group = parser.add_argument_group("partita", "partita / DeepSpeed configuration")
+    group.add_argument(
+        "--deepspeed",
+        nargs="?",
+        const=True,
+        default=False,
+        help="enable partita; optionally followed by the config file (as in Hugging Face scripts)",
+    )
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON/hjson config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is not None and config_params is not None:
+        raise ConfigError("pass the config as either config= or config_params=, not both")
+    config = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+        flag = getattr(args, "deepspeed", None)
+        if from_args is None and isinstance(flag, str):
+            from_args = flag
+    if config is not None and from_args is not None:
+        raise ConfigError(
+            f"a config was given both in the arguments ({from_args}) and to initialize(config=...); "
+            "keep one"
+        )
+    source = config if config is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no config: pass initialize(config=dict or path) or --deepspeed_config PATH"
+        )
+    return source
+
+
+def _world_size() -> int:
+    """Data-parallel world size, known before any collective runs."""
+    if comm.is_initialized():
+        return comm.get_world_size()
+    return cluster_env.detect().world_size
+
+
+def initialize(
+    args: Any = None,
+    model: Any = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[Engine, Any, DistributedDataLoader | None, Any]:
+    """Wraps `model` for distributed training; returns ``(engine, optimizer, dataloader,
+    lr_scheduler)`` like ``deepspeed.initialize``.
+
+    The config is validated on every rank before any process group or collective exists, so a
+    bad config fails fast with the offending key instead of hanging the job.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model/pipeline parallel units (mpu, mesh_param) are not supported")
+    source = _config_source(args, config, config_params)
+    cfg: DeepSpeedConfig = (
+        source if isinstance(source, DeepSpeedConfig) else load_config(source, world_size=_world_size())
+    )
+    if dist_init_required is not False:
+        comm.init_distributed(distributed_port=distributed_port)
+    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    loader = None
+    if training_data is not None:
+        loader = DistributedDataLoader(
+            training_data,
+            batch_size=cfg.train_micro_batch_size_per_gpu,
+            rank=comm.get_rank(),
+            world_size=comm.get_world_size(),
+            collate_fn=collate_fn,
+            seed=int(os.environ.get("PARTITA_DATA_SEED", "0")),
+        )
+        engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def init_distributed(*args: Any, **kwargs: Any) -> None:
+    """DeepSpeed's ``deepspeed.init_distributed``: see `partita.comm.init_distributed`."""
+    comm.init_distributed(*args, **kwargs)

@@ -1,0 +1,54 @@
+"""Communication layer: the only importer of ``torch.distributed`` in partita.
+
+Process-group set-up (`init_distributed`, idempotent), rank queries, collectives as plain
+functions with async handles, and byte counters (`COUNTERS`) that tests and benchmarks read.
+"""
+
+from partita.comm.collectives import (
+    ReduceOp,
+    Work,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+    reduce_scatter,
+)
+from partita.comm.counters import COUNTERS, CommCounters
+from partita.comm.process_group import (
+    DEFAULT_TIMEOUT,
+    ProcessGroup,
+    destroy_process_group,
+    get_backend,
+    get_local_rank,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+    new_group,
+)
+
+__all__ = [
+    "COUNTERS",
+    "DEFAULT_TIMEOUT",
+    "CommCounters",
+    "ProcessGroup",
+    "ReduceOp",
+    "Work",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "destroy_process_group",
+    "get_backend",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_initialized",
+    "new_group",
+    "reduce_scatter",
+]

@@ -1,0 +1,73 @@
+"""Bytes-moved accounting for every collective partita issues.
+
+Each collective records the payload bytes it carries under its op name (``all_reduce``,
+``reduce_scatter``, ``all_gather``, ``broadcast``) and an optional tag (``"grad"``, ``"param"``,
+``"overflow"``...). Tests and benchmarks read totals per op, per tag and for the current step.
+
+Payload convention: all_reduce and broadcast count the tensor they carry; reduce_scatter counts
+its full (unsharded) input; all_gather counts its full (gathered) output. So ZeRO's
+reduce-scatter + all-gather of Ψ elements reads as 2Ψ, and a data-parallel all-reduce of Ψ
+elements reads as Ψ; `volume_elements` converts both to the same "elements moved per rank"
+measure (an all-reduce is a reduce-scatter followed by an all-gather, so it counts twice).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+_ALL_REDUCE_FACTOR = 2
+
+
+@dataclass
+class CommCounters:
+    """Running totals of collective payloads, overall and since the last `begin_step`."""
+
+    total_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    total_calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    step_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    step_elements: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, tag: str, nbytes: int, numel: int) -> None:
+        """Adds one collective's payload to the totals."""
+        key = (op, tag)
+        self.total_bytes[key] += nbytes
+        self.total_calls[key] += 1
+        self.step_bytes[key] += nbytes
+        self.step_elements[key] += numel
+
+    def begin_step(self) -> None:
+        """Starts a new per-step window (the engine calls it after each optimizer step)."""
+        self.step_bytes = defaultdict(int)
+        self.step_elements = defaultdict(int)
+
+    def reset(self) -> None:
+        """Clears every total."""
+        self.total_bytes = defaultdict(int)
+        self.total_calls = defaultdict(int)
+        self.begin_step()
+
+    def bytes(self, op: str | None = None, tag: str | None = None, *, step: bool = False) -> int:
+        """Sum of payload bytes matching `op` and `tag` (None matches any)."""
+        table = self.step_bytes if step else self.total_bytes
+        return sum(v for (o, t), v in table.items() if _match(o, t, op, tag))
+
+    def elements(self, op: str | None = None, tag: str | None = None) -> int:
+        """Sum of payload elements in the current step matching `op` and `tag`."""
+        return sum(v for (o, t), v in self.step_elements.items() if _match(o, t, op, tag))
+
+    def volume_elements(self, tag: str | None = None) -> int:
+        """Elements moved per rank in the current step, all-reduce counted as RS + AG."""
+        total = 0
+        for (o, t), v in self.step_elements.items():
+            if _match(o, t, None, tag):
+                total += v * (_ALL_REDUCE_FACTOR if o == "all_reduce" else 1)
+        return total
+
+
+def _match(o: str, t: str, op: str | None, tag: str | None) -> bool:
+    return (op is None or o == op) and (tag is None or t == tag)
+
+
+COUNTERS = CommCounters()
+"""The process-wide counters every collective in `partita.comm` records into."""

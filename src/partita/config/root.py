@@ -1,0 +1,128 @@
+"""``DeepSpeedConfig``: the root model of a DeepSpeed ``ds_config.json``.
+
+Build it with :func:`partita.config.load_config`, which derives the missing batch sizes from
+the data-parallel world size before validating; this model holds the resolved values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from .errors import ConfigError
+from .rules import check_rules
+from .sections.base import Bool, NonNegFloat, PositiveFloat, PositiveInt, Section
+from .sections.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
+from .sections.optim import OptimizerConfig, SchedulerConfig
+from .sections.precision import BF16Config, DataTypesConfig, DTypeName, FP16Config
+from .sections.runtime import ActivationCheckpointingConfig, AioConfig, CheckpointConfig
+from .sections.zero import ZeroConfig
+
+__all__ = ["DeepSpeedConfig"]
+
+
+class DeepSpeedConfig(Section):
+    """A validated DeepSpeed config: every section, with DeepSpeed's defaults filled in.
+
+    ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    data-parallel world size`` holds for a config from ``load_config``.
+    """
+
+    renamed_keys: ClassVar[Mapping[str, str]] = {"bfloat16": "bf16"}
+
+    train_batch_size: PositiveInt = Field(
+        description="Samples per optimizer step over all data-parallel ranks (resolved)."
+    )
+    train_micro_batch_size_per_gpu: PositiveInt = Field(
+        description="Samples per forward/backward on one rank (resolved)."
+    )
+    gradient_accumulation_steps: PositiveInt = Field(
+        description="Micro-batches accumulated per optimizer step (resolved)."
+    )
+    optimizer: OptimizerConfig | None = Field(
+        default=None, description="Optimizer built by the engine; None means the script passes one."
+    )
+    scheduler: SchedulerConfig | None = Field(
+        default=None,
+        description="LR scheduler built by the engine; None means none or the script's.",
+    )
+    fp16: FP16Config = Field(default_factory=FP16Config, description="float16 training.")
+    bf16: BF16Config = Field(default_factory=BF16Config, description="bfloat16 training.")
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig, description="ZeRO partitioning and offload."
+    )
+    aio: AioConfig = Field(default_factory=AioConfig, description="Async I/O for NVMe offload.")
+    gradient_clipping: NonNegFloat = Field(
+        default=1.0,
+        description="Clip the global gradient norm to this value; 0 disables clipping. "
+        "DeepSpeed's default became 1.0 in v0.19.3 (it was 0 before).",
+    )
+    steps_per_print: PositiveInt | None = Field(
+        default=None, description="Log progress every this many optimizer steps; None never."
+    )
+    wall_clock_breakdown: Bool = Field(
+        default=False, description="Time forward, backward and step and log the breakdown."
+    )
+    memory_breakdown: Bool = Field(default=False, description="Log memory use along the step.")
+    communication_data_type: DTypeName | None = Field(
+        default=None,
+        description="Dtype gradients are reduced in ('fp32', 'fp16', 'bf16'); None uses the "
+        "training precision.",
+    )
+    prescale_gradients: Bool = Field(
+        default=False,
+        description="Divide gradients by the world size before the reduction, not after.",
+    )
+    gradient_predivide_factor: PositiveFloat = Field(
+        default=1.0,
+        description="Divide gradients by this before the reduction and by world_size / factor "
+        "after it.",
+    )
+    zero_allow_untested_optimizer: Bool = Field(
+        default=False, description="Allow ZeRO with an optimizer that is not on the tested list."
+    )
+    zero_force_ds_cpu_optimizer: Bool = Field(
+        default=True,
+        description="With optimizer offload, require the built-in CPU optimizer rather than "
+        "a client optimizer.",
+    )
+    dump_state: Bool = Field(
+        default=False, description="Print the engine state after initialisation."
+    )
+    dataloader_drop_last: Bool = Field(
+        default=False, description="Drop the last incomplete batch in the engine's data loader."
+    )
+    tensorboard: TensorBoardConfig = Field(
+        default_factory=TensorBoardConfig, description="TensorBoard monitor."
+    )
+    csv_monitor: CSVMonitorConfig = Field(
+        default_factory=CSVMonitorConfig, description="CSV monitor."
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="W&B monitor.")
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="Activation checkpointing behaviour.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="Checkpoint save/load behaviour."
+    )
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig, description="Dtype overrides."
+    )
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> DeepSpeedConfig:
+        # Raised as ConfigError so the loader can list each problem with its own path.
+        problems = check_rules(self)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as a plain JSON-ready dict (e.g. to save with a checkpoint).
+
+        ``load_config(cfg.to_dict(), world_size=w)`` gives back an equal config.
+        """
+        return self.model_dump(mode="json")

@@ -1,0 +1,193 @@
+"""Cross-field rules: combinations of values DeepSpeed rejects or partita does not implement.
+
+Each rule returns problems instead of asserting, so one pass reports all of them. The
+``_NOT_IMPLEMENTED`` table is the single place that says which DeepSpeed features partita
+lacks; drop an entry when the feature lands.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import Problem
+
+if TYPE_CHECKING:
+    from .root import DeepSpeedConfig
+    from .sections.zero import OffloadOptimizerConfig, OffloadParamConfig
+
+__all__ = ["check_rules"]
+
+# (dotted path, getter, "is this value in use?", what the feature is, what to write instead)
+_NOT_IMPLEMENTED: tuple[
+    tuple[str, Callable[[DeepSpeedConfig], Any], Callable[[Any], bool], str, str], ...
+] = (
+    (
+        "zero_optimization.zero_hpz_partition_size",
+        lambda c: c.zero_optimization.zero_hpz_partition_size,
+        lambda v: v > 1,
+        "ZeRO++ hierarchical partitioning (hpZ)",
+        "use 1",
+    ),
+    (
+        "zero_optimization.zero_quantized_weights",
+        lambda c: c.zero_optimization.zero_quantized_weights,
+        bool,
+        "ZeRO++ quantized weight all-gather (qwZ)",
+        "use false",
+    ),
+    (
+        "zero_optimization.zero_quantized_nontrainable_weights",
+        lambda c: c.zero_optimization.zero_quantized_nontrainable_weights,
+        bool,
+        "quantized storage of frozen weights",
+        "use false",
+    ),
+    (
+        "zero_optimization.zero_quantized_gradients",
+        lambda c: c.zero_optimization.zero_quantized_gradients,
+        bool,
+        "ZeRO++ quantized gradient reduction (qgZ)",
+        "use false",
+    ),
+    (
+        "zero_optimization.zeropp_loco_param",
+        lambda c: c.zero_optimization.zeropp_loco_param,
+        lambda v: v is not None,
+        "LoCo-ZeRO++",
+        "remove the key",
+    ),
+    (
+        "zero_optimization.mics_shard_size",
+        lambda c: c.zero_optimization.mics_shard_size,
+        lambda v: v > 0,
+        "MiCS sharding",
+        "use -1",
+    ),
+    (
+        "zero_optimization.mics_hierarchical_params_gather",
+        lambda c: c.zero_optimization.mics_hierarchical_params_gather,
+        bool,
+        "MiCS hierarchical all-gather",
+        "use false",
+    ),
+    (
+        "zero_optimization.legacy_stage1",
+        lambda c: c.zero_optimization.legacy_stage1,
+        bool,
+        "DeepSpeed's old stage 1 implementation",
+        "use false",
+    ),
+    (
+        "zero_optimization.offload_optimizer.super_offload",
+        lambda c: (
+            c.zero_optimization.offload_optimizer is not None
+            and c.zero_optimization.offload_optimizer.super_offload
+        ),
+        bool,
+        "SuperOffload",
+        "use false",
+    ),
+    (
+        "zero_optimization.offload_optimizer.ratio",
+        lambda c: (
+            1.0
+            if c.zero_optimization.offload_optimizer is None
+            else c.zero_optimization.offload_optimizer.ratio
+        ),
+        lambda v: v < 1.0,
+        "partial optimizer offload",
+        "use 1.0",
+    ),
+)
+
+
+def _not_implemented(cfg: DeepSpeedConfig) -> list[Problem]:
+    problems = []
+    for path, get, in_use, feature, instead in _NOT_IMPLEMENTED:
+        value = get(cfg)
+        if in_use(value):
+            problems.append(
+                Problem(path, f"{feature} is not supported by partita (got {value!r}); {instead}")
+            )
+    return problems
+
+
+def _precision(cfg: DeepSpeedConfig) -> list[Problem]:
+    problems = []
+    stage = cfg.zero_optimization.stage
+    if cfg.fp16.enabled and cfg.bf16.enabled:
+        problems.append(
+            Problem("fp16.enabled", "fp16 and bf16 are both enabled; enable at most one")
+        )
+    needs_zero = (
+        ("fp16.fp16_master_weights_and_grads", cfg.fp16.fp16_master_weights_and_grads),
+        ("bf16.bf16_master_weights_and_grads", cfg.bf16.bf16_master_weights_and_grads),
+        ("bf16.bf16_optimizer_states", cfg.bf16.bf16_optimizer_states),
+    )
+    for path, on in needs_zero:
+        if on and stage == 0:
+            problems.append(Problem(path, "needs zero_optimization.stage 1, 2 or 3 (got stage 0)"))
+    if cfg.bf16.bf16_optimizer_states and not cfg.bf16.bf16_master_weights_and_grads:
+        problems.append(
+            Problem(
+                "bf16.bf16_optimizer_states",
+                "needs bf16.bf16_master_weights_and_grads to be true",
+            )
+        )
+    if cfg.fp16.fp16_master_weights_and_grads and not cfg.fp16.enabled:
+        problems.append(
+            Problem("fp16.fp16_master_weights_and_grads", "needs fp16.enabled to be true")
+        )
+    return problems
+
+
+def _offload_target(
+    path: str, block: OffloadParamConfig | OffloadOptimizerConfig | None
+) -> list[Problem]:
+    if block is not None and block.device == "nvme" and not block.nvme_path:
+        return [Problem(f"{path}.nvme_path", "device 'nvme' needs an nvme_path directory")]
+    return []
+
+
+def _offload(cfg: DeepSpeedConfig) -> list[Problem]:
+    zero = cfg.zero_optimization
+    problems = _offload_target("zero_optimization.offload_param", zero.offload_param)
+    problems += _offload_target("zero_optimization.offload_optimizer", zero.offload_optimizer)
+    if zero.offload_param is not None and zero.offload_param.device != "none" and zero.stage < 3:
+        problems.append(
+            Problem(
+                "zero_optimization.offload_param",
+                f"parameter offload needs zero_optimization.stage 3 (got stage {zero.stage}); "
+                "use offload_optimizer for stages 1-2",
+            )
+        )
+    opt = zero.offload_optimizer
+    if opt is not None and opt.device != "none" and zero.stage == 0:
+        problems.append(
+            Problem(
+                "zero_optimization.offload_optimizer",
+                "optimizer offload needs zero_optimization.stage 1, 2 or 3 (got stage 0)",
+            )
+        )
+    return problems
+
+
+def _batch_identity(cfg: DeepSpeedConfig) -> list[Problem]:
+    # Without the world size only divisibility can be checked; load_config checks equality.
+    per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    if cfg.train_batch_size % per_rank:
+        return [
+            Problem(
+                "train_batch_size",
+                f"train_batch_size={cfg.train_batch_size} is not a multiple of "
+                f"train_micro_batch_size_per_gpu={cfg.train_micro_batch_size_per_gpu} * "
+                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps}",
+            )
+        ]
+    return []
+
+
+def check_rules(cfg: DeepSpeedConfig) -> list[Problem]:
+    """Every cross-field problem of an otherwise well-typed config (empty when fine)."""
+    return _batch_identity(cfg) + _precision(cfg) + _offload(cfg) + _not_implemented(cfg)

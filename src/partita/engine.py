@@ -1,0 +1,311 @@
+"""The training engine: forward, backward, step, with DeepSpeed's API and bookkeeping.
+
+The engine composes; it holds no algorithm of its own. A `Strategy` (the ZeRO stage) owns
+gradients, master weights, optimizer state and their communication; the engine decides *when*
+to call it (accumulation boundary, `no_sync`), scales the loss, applies the loss-scaler's
+verdict, steps the scheduler and reports to monitors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from partita import comm, engine_setup
+from partita.accelerator import get_accelerator, host_peak_rss, host_rss
+from partita.config import DeepSpeedConfig
+from partita.monitor import build_monitor
+from partita.precision import LossScaler, PrecisionPolicy
+from partita.zero.strategy import Strategy
+
+logger = logging.getLogger("partita")
+
+
+class Engine(torch.nn.Module):
+    """Wraps a module for distributed training (see `partita.initialize`)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: DeepSpeedConfig,
+        optimizer: engine_setup.ClientOptimizer = None,
+        model_parameters: Any = None,
+        lr_scheduler: engine_setup.ClientScheduler = None,
+    ) -> None:
+        super().__init__()
+        self._config = config
+        self.config = config.model_dump()
+        self.accelerator = get_accelerator()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_world_size = self.world_size
+        self.local_rank = comm.get_local_rank()
+        self.device = self.accelerator.current_device()
+        self.policy: PrecisionPolicy = engine_setup.precision_policy(config)
+        self.module = module.to(device=self.device, dtype=self.policy.param_dtype)
+        self._broadcast_module()
+        groups = engine_setup.param_groups(self.module, model_parameters, optimizer)
+        make_optimizer = engine_setup.optimizer_factory(config, optimizer, groups)
+        param_lists = [list(g["params"]) for g in groups]
+        self.strategy: Strategy = engine_setup.strategy(config, param_lists, self.policy, make_optimizer)
+        self.optimizer = self.strategy.optimizer
+        self.lr_scheduler = engine_setup.lr_scheduler(config, lr_scheduler, self.optimizer)
+        self.loss_scaler: LossScaler = engine_setup.loss_scaler(config, self.policy)
+        self.monitor = build_monitor(
+            config.tensorboard, config.csv_monitor, config.wandb, rank=self.global_rank
+        )
+        self.training_dataloader: Any = None
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._inside_no_sync = False
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._last_step_comm: dict[tuple[str, str], int] = {}
+        self._timer = _WallClock(self.accelerator, enabled=config.wall_clock_breakdown)
+        self._window_start = time.perf_counter()
+        _ensure_log_handler(self.global_rank)
+
+    # --- DeepSpeed-style accessors -------------------------------------------------------
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks."""
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on one rank."""
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro steps per optimizer step."""
+        return self._config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        """Max global gradient norm (0: no clipping)."""
+        return float(self._config.gradient_clipping)
+
+    def zero_optimization_stage(self) -> int:
+        """The configured ZeRO stage."""
+        return int(self._config.zero_optimization.stage)
+
+    def fp16_enabled(self) -> bool:
+        """True when the module runs in fp16."""
+        return self.policy.param_dtype == torch.float16
+
+    def bf16_enabled(self) -> bool:
+        """True when the module runs in bf16."""
+        return self.policy.param_dtype == torch.bfloat16
+
+    def get_lr(self) -> list[float]:
+        """Current learning rate of every parameter group."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global gradient norm (unscaled, before clipping) of the last boundary step."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False if the last boundary step was skipped because of non-finite gradients."""
+        return self._step_applied
+
+    @property
+    def cur_scale(self) -> float:
+        """Current loss scale (1.0 without fp16)."""
+        return self.loss_scaler.scale
+
+    @property
+    def last_step_comm_bytes(self) -> dict[tuple[str, str], int]:
+        """Collective payload bytes of the last optimizer step, by (op, tag)."""
+        return dict(self._last_step_comm)
+
+    # --- accumulation boundary -------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the coming `step()` will update the weights."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the boundary decision (for callers that count micro steps themselves)."""
+        self._boundary_override = is_boundary
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside the block accumulate gradients without reducing them."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(
+                f"no_sync() is not compatible with zero_optimization.stage="
+                f"{self.zero_optimization_stage()}: gradients are partitioned during backward"
+            )
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    # --- the training step -----------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module."""
+        with self._timer("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss`, scaled for accumulation and fp16; reduces gradients at the
+        boundary. Returns the loss as given."""
+        if loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+        sync = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        gas = self.gradient_accumulation_steps()
+        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
+        self._loss_sum += loss.detach().float() / gas
+        if self.loss_scaler.scale != 1.0:
+            scaled = scaled.float() * self.loss_scaler.scale
+        with self._timer("backward"):
+            self.strategy.begin_backward(sync)
+            scaled.backward(retain_graph=retain_graph)
+            self.strategy.end_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Updates the weights at the accumulation boundary; counts the micro step always."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the block first")
+        if self.is_gradient_accumulation_boundary():
+            with self._timer("step"):
+                self._take_model_step(lr_kwargs or {})
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
+        scale_before = self.loss_scaler.scale
+        outcome = self.strategy.step(self.gradient_clipping(), scale_before)
+        self.loss_scaler.update(not outcome.applied, self.global_steps)
+        self._step_applied = outcome.applied
+        self._global_grad_norm = outcome.grad_norm
+        if outcome.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        else:
+            self.skipped_steps += 1
+            if self.global_rank == 0:
+                logger.warning(
+                    "step %d: non-finite gradients (norm %s); step skipped on every rank, "
+                    "loss scale %g -> %g (skipped so far: %d)",
+                    self.global_steps, outcome.grad_norm, scale_before,
+                    self.loss_scaler.scale, self.skipped_steps,
+                )
+        self.strategy.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._last_step_comm = dict(comm.COUNTERS.step_bytes)
+        comm.COUNTERS.begin_step()
+        self._report()
+
+    def _report(self) -> None:
+        loss = float(self._loss_sum)
+        self._loss_sum.zero_()
+        if self.monitor.is_writer:
+            self.monitor.write_events(self._events(loss))
+        spp = self._config.steps_per_print
+        if spp and self.global_steps % spp == 0 and self.global_rank == 0:
+            elapsed = time.perf_counter() - self._window_start
+            self._window_start = time.perf_counter()
+            logger.info(
+                "step=%d skipped=%d loss=%.6g lr=%s samples/s=%.1f%s",
+                self.global_steps, self.skipped_steps, loss, self.get_lr(),
+                spp * self.train_batch_size() / max(elapsed, 1e-9), self._timer.summary(),
+            )
+
+    def _events(self, loss: float) -> list[tuple[str, float, int]]:
+        from partita.monitor import events as ev
+
+        step = self.global_samples
+        out = [(ev.EVENT_TRAIN_LOSS, loss, step), (ev.EVENT_LR, self.get_lr()[0], step)]
+        if self.fp16_enabled():
+            out.append((ev.EVENT_LOSS_SCALE, self.loss_scaler.scale, step))
+        out.append(
+            (ev.EVENT_SAMPLES_PER_SEC, self._timer.samples_per_sec(self.train_batch_size()), step)
+        )
+        return out
+
+    def zero_grad(self) -> None:
+        """Zeroes accumulated gradients."""
+        self.strategy.zero_grad()
+
+    # --- memory and teardown -----------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds per category (params, grads, master_params, optimizer_state,
+        comm_buffers), the device's peak allocation, and the process's RSS and peak RSS."""
+        report = self.strategy.memory_breakdown()
+        report["params"] = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        report["device_peak"] = self.accelerator.max_memory_allocated()
+        report["rss"] = host_rss()
+        report["peak_rss"] = host_peak_rss()
+        return report
+
+    def destroy(self) -> None:
+        """Releases hooks and closes monitors (the process group stays up)."""
+        self.strategy.close()
+        self.monitor.close()
+
+    def _broadcast_module(self) -> None:
+        """Makes every rank start from rank 0's weights and buffers, as DeepSpeed does."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                comm.broadcast(t.data, src=0, tag="init")
+
+
+class _WallClock:
+    """Optional forward/backward/step timers (``wall_clock_breakdown``) and throughput."""
+
+    def __init__(self, accelerator: Any, enabled: bool) -> None:
+        self.accelerator = accelerator
+        self.enabled = enabled
+        self.totals: dict[str, float] = {}
+        self._last_step_end = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        self.accelerator.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.accelerator.synchronize()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+    def samples_per_sec(self, batch: int) -> float:
+        now = time.perf_counter()
+        elapsed, self._last_step_end = now - self._last_step_end, now
+        return batch / max(elapsed, 1e-9)
+
+    def summary(self) -> str:
+        if not self.enabled:
+            return ""
+        text = " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in self.totals.items())
+        self.totals.clear()
+        return " " + text
+
+
+def _ensure_log_handler(rank: int) -> None:
+    """Shows partita's INFO messages on rank 0 (warnings on every rank) unless the
+    application configured logging itself."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[partita rank{rank}] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False

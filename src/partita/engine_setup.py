@@ -1,0 +1,151 @@
+"""Builds the engine's parts from the config: parameter groups, optimizer, scheduler, loss
+scaler and the ZeRO strategy. Composition only; the algorithms live in `partita.zero`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.config import ConfigError, DeepSpeedConfig
+from partita.optim import build_optimizer, build_scheduler
+from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
+from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.sharded import Sharded
+from partita.zero.stage0 import DataParallel
+from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
+
+ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+ClientScheduler = Any  # an LR scheduler instance, or a callable taking the optimizer
+
+
+def param_groups(
+    module: torch.nn.Module, model_parameters: Iterable[Any] | None, client: ClientOptimizer = None
+) -> list[dict[str, Any]]:
+    """The optimizer's parameter groups as dicts (hyperparameters and trainable ``params``).
+
+    The groups come from a client optimizer instance when one is given, else from
+    `model_parameters`: None (all of the module's parameters), an iterable of tensors, or an
+    iterable of group dicts with per-group hyperparameters. Frozen parameters are left out. Every
+    parameter must belong to `module`, and every trainable parameter of `module` must be in a
+    group: the engine reduces and steps exactly the parameters it manages.
+    """
+    if isinstance(client, torch.optim.Optimizer):
+        groups = list(client.param_groups)
+    else:
+        items = list(module.parameters() if model_parameters is None else model_parameters)
+        groups = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+    names = {p: n for n, p in module.named_parameters()}
+    covered: set[torch.nn.Parameter] = set()
+    for gi, group in enumerate(groups):
+        raw = group["params"]
+        params = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        for p in params:
+            if p not in names:
+                raise ValueError(
+                    f"optimizer parameter group {gi} holds a tensor of shape {tuple(p.shape)} "
+                    "that is not a parameter of the model passed to initialize()"
+                )
+        group["params"] = [p for p in params if p.requires_grad]
+        covered.update(group["params"])
+    missing = [n for p, n in names.items() if p.requires_grad and p not in covered]
+    if missing:
+        raise ValueError(
+            f"parameters {missing[:5]} require grad but are in no optimizer parameter group; "
+            "pass them in model_parameters (or to the optimizer) or freeze them"
+        )
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_factory(
+    config: DeepSpeedConfig,
+    client: ClientOptimizer,
+    groups: list[dict[str, Any]],
+) -> OptimizerFactory:
+    """How to build the optimizer once the strategy knows which tensors it steps per group."""
+    if client is not None and config.optimizer is not None:
+        raise ConfigError(
+            "an optimizer was passed to initialize() and the config also has an 'optimizer' "
+            "block; keep one of them"
+        )
+
+    def mapped(stepped: list[list[torch.Tensor]]) -> list[dict[str, Any]]:
+        return [{**g, "params": s} for g, s in zip(groups, stepped, strict=True)]
+
+    if isinstance(client, torch.optim.Optimizer):
+        instance = client
+
+        def rewrite(stepped: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
+            if instance.state:
+                raise ValueError("the optimizer passed to initialize() already has state; pass a fresh one")
+            for group, tensors in zip(groups, stepped, strict=True):
+                group["params"] = tensors
+            instance.param_groups = list(groups)
+            return instance
+
+        return rewrite
+    if client is not None:
+        factory = client
+        return lambda stepped: factory(mapped(stepped))
+    opt = config.optimizer
+    if opt is None:
+        raise ConfigError(
+            "no optimizer: pass one to initialize(optimizer=...) or add an 'optimizer' block "
+            "to the config"
+        )
+    return lambda stepped: build_optimizer(opt.type, dict(opt.params), mapped(stepped))
+
+
+def lr_scheduler(
+    config: DeepSpeedConfig, client: ClientScheduler, optimizer: torch.optim.Optimizer
+) -> Any:
+    """The config's scheduler (it takes precedence, as in DeepSpeed), else the client's."""
+    if config.scheduler is not None:
+        return build_scheduler(config.scheduler.type, dict(config.scheduler.params), optimizer)
+    if client is None or hasattr(client, "step"):
+        return client
+    return client(optimizer)
+
+
+def loss_scaler(config: DeepSpeedConfig, policy: PrecisionPolicy) -> LossScaler:
+    """Dynamic or static scaling for fp16; a unit static scale otherwise."""
+    fp16 = config.fp16
+    if not policy.uses_loss_scaling:
+        return StaticLossScaler(1.0)
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(float(fp16.loss_scale))
+    return DynamicLossScaler(
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+    )
+
+
+def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
+    """Module, master and communication dtypes from the config."""
+    return PrecisionPolicy.from_flags(
+        config.fp16.enabled, config.bf16.enabled, config.communication_data_type
+    )
+
+
+def strategy(
+    config: DeepSpeedConfig,
+    groups: ParamGroups,
+    policy: PrecisionPolicy,
+    make_optimizer: OptimizerFactory,
+) -> Strategy:
+    """The ZeRO stage the config asks for."""
+    zero = config.zero_optimization
+    world = comm.get_world_size()
+    scaling = ReduceScaling(world, config.prescale_gradients, config.gradient_predivide_factor)
+    if zero.stage == 0:
+        return DataParallel(groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
+    if zero.stage in (1, 2):
+        return Sharded(zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
+    raise ConfigError(
+        f"zero_optimization.stage={zero.stage} is not available in this version of partita yet"
+    )

@@ -1,0 +1,280 @@
+"""The ``partita`` command: launch a training script on this node, or run a subcommand.
+
+``partita [launcher flags] script.py [script args...]`` starts one worker per GPU (or
+``--num_procs`` CPU workers) through torchrun's elastic agent; the flags follow DeepSpeed's
+``deepspeed`` launcher, so existing command lines keep working. Multi-node jobs run ``partita``
+once on every node with ``--num_nodes``, ``--node_rank`` and ``--master_addr`` (DeepSpeed's
+``--no_ssh`` mode); partita never ssh-es into other hosts.
+
+If the first argument names a subcommand in ``SUBCOMMANDS`` it runs that instead. Nothing here
+imports torch at module level, so ``partita --help`` answers quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# launch.py imports torch only inside its functions, so this import keeps --help fast.
+from partita.launcher.launch import (
+    ACCELERATOR_ENV,
+    DEFAULT_MASTER_PORT,
+    LaunchError,
+    LaunchOptions,
+    launch,
+)
+
+__all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_launch_args"]
+
+#: Subcommand name -> ``"module:function"``; the function takes the remaining argv and returns
+#: an exit status. Loaded only when used. A script whose name equals a subcommand is launched
+#: by giving its path (``partita ./export``).
+SUBCOMMANDS: dict[str, str] = {}
+
+# DeepSpeed launcher flags partita recognises but does not implement, with what to do instead;
+# a clear refusal beats argparse's "unrecognized arguments" or a silently ignored flag.
+_PER_NODE = (
+    "partita does not ssh into other hosts; run it on each node with --num_nodes, --node_rank "
+    "and --master_addr (or under srun/mpirun)"
+)
+_DEVICES = "select devices with CUDA_VISIBLE_DEVICES and --num_gpus"
+_ELASTIC = "elastic membership is not supported; use --num_nodes (and --max_restarts)"
+_BINDING = "core binding is not supported; wrap the script with numactl or taskset"
+_SLURM = "Slurm launcher option; run partita under srun instead"
+_UNSUPPORTED: dict[tuple[str, ...], str] = {
+    ("-H", "--hostfile"): _PER_NODE,
+    ("-i", "--include"): _DEVICES,
+    ("-e", "--exclude"): _DEVICES,
+    ("--launcher",): _PER_NODE,
+    ("--launcher_args",): _PER_NODE,
+    ("--force_multi",): _PER_NODE,
+    ("--no_ssh_check",): _PER_NODE,
+    ("--ssh_port",): _PER_NODE,
+    ("--autotuning",): "partita has no autotuner",
+    ("--elastic_training",): _ELASTIC,
+    ("--min_elastic_nodes",): _ELASTIC,
+    ("--max_elastic_nodes",): _ELASTIC,
+    ("--bind_cores_to_rank",): _BINDING,
+    ("--bind_core_list",): _BINDING,
+    ("--save_pid",): "use the pid of the partita process itself",
+    ("--enable_each_rank_log",): "workers write to partita's stdout/stderr; redirect those",
+    ("--comment",): _SLURM,
+    ("--account",): _SLURM,
+}
+
+
+class _Unsupported(argparse.Action):
+    """Fails the parse with the reason a DeepSpeed flag is not supported."""
+
+    def __init__(self, *args: Any, reason: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reason = reason
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(f"{option_string} is not supported by partita: {self.reason}")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in some messages
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {value}")
+    return value
+
+
+def _epilog() -> str:
+    lines = [
+        "Workers get --local_rank=<N> as their first argument (unless --no_local_rank) and the",
+        "env vars RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and",
+        f"{ACCELERATOR_ENV}=cpu|cuda (the device this launch is for).",
+        "",
+        *textwrap.wrap(
+            "DeepSpeed flags refused with a reason: "
+            + ", ".join(names[-1] for names in _UNSUPPORTED),
+            width=88,
+        ),
+    ]
+    if SUBCOMMANDS:
+        lines += ["", "subcommands (partita <name> --help): " + ", ".join(sorted(SUBCOMMANDS))]
+    return "\n".join(lines)
+
+
+def _add_node_flags(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group("multi-node (run partita on every node)")
+    nodes.add_argument(
+        "--num_nodes",
+        type=_int_at_least(1),
+        default=1,
+        metavar="K",
+        help="number of nodes in the job (default: 1)",
+    )
+    nodes.add_argument(
+        "--node_rank",
+        type=_int_at_least(0),
+        metavar="R",
+        help="this node's index in [0, K); required when K > 1",
+    )
+    nodes.add_argument(
+        "--master_addr",
+        metavar="ADDR",
+        help="address of node 0; required when K > 1 (default: 127.0.0.1)",
+    )
+    nodes.add_argument(
+        "--master_port",
+        type=_port,
+        metavar="PORT",
+        help=f"rendezvous port on node 0 (default: a free port; {DEFAULT_MASTER_PORT} when K > 1)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser (flags named as in DeepSpeed's ``deepspeed`` command)."""
+    parser = argparse.ArgumentParser(
+        prog="partita",
+        description="Launch a partita/DeepSpeed training script on this node.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        # No prefix matching: a typo must not silently select a different flag.
+        allow_abbrev=False,
+    )
+    procs = parser.add_mutually_exclusive_group()
+    procs.add_argument(
+        "--num_gpus",
+        "--num_accelerators",
+        type=_int_at_least(1),
+        metavar="N",
+        help="GPU workers per node, on GPUs 0..N-1 (default: all visible GPUs, else 1 CPU worker)",
+    )
+    procs.add_argument(
+        "--num_procs",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"CPU workers per node (gloo); sets {ACCELERATOR_ENV}=cpu even if GPUs are present",
+    )
+    _add_node_flags(parser)
+    parser.add_argument(
+        "--max_restarts",
+        type=_int_at_least(0),
+        default=0,
+        metavar="M",
+        help="restart all workers up to M times after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--module", action="store_true", help="run the script as a module, like 'python -m'"
+    )
+    parser.add_argument(
+        "--no_python",
+        action="store_true",
+        help="execute the script directly instead of with python",
+    )
+    parser.add_argument(
+        "--no_local_rank", action="store_true", help="do not pass --local_rank=<N> to the script"
+    )
+    parser.add_argument(
+        "--no_ssh",
+        action="store_true",
+        help="accepted for DeepSpeed compatibility; partita always runs per node",
+    )
+    for names, reason in _UNSUPPORTED.items():
+        # Listed once in the epilog: a help line each would bury the flags that work.
+        # nargs="?" so the refusal fires whether or not the user gave the flag a value.
+        parser.add_argument(
+            *names, nargs="?", action=_Unsupported, reason=reason, help=argparse.SUPPRESS
+        )
+    parser.add_argument("script", help="training script (a module with --module)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _check_script(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.module and ns.no_python:
+        parser.error("--module and --no_python cannot be used together")
+    if ns.no_python:
+        if shutil.which(ns.script) is None:
+            parser.error(f"executable {ns.script!r} not found (--no_python runs it directly)")
+    elif not ns.module and not os.path.isfile(ns.script):
+        parser.error(f"script {ns.script!r} not found (working directory: {os.getcwd()})")
+
+
+def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.num_nodes > 1:
+        missing = [flag for flag in ("node_rank", "master_addr") if getattr(ns, flag) is None]
+        if missing:
+            flags = " and ".join(f"--{flag}" for flag in missing)
+            parser.error(f"--num_nodes {ns.num_nodes} needs {flags} (run partita on each node)")
+    node_rank = 0 if ns.node_rank is None else ns.node_rank
+    if node_rank >= ns.num_nodes:
+        parser.error(
+            f"--node_rank must be in [0, {ns.num_nodes}) for --num_nodes {ns.num_nodes}, got {node_rank}"
+        )
+
+
+def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
+    """Parse and validate launcher arguments; exits with status 2 and a message when invalid."""
+    parser = build_parser()
+    ns = parser.parse_args(list(argv))
+    _check_script(parser, ns)
+    _check_nodes(parser, ns)
+    return LaunchOptions(
+        script=ns.script,
+        script_args=tuple(ns.script_args),
+        num_gpus=ns.num_gpus,
+        num_procs=ns.num_procs,
+        num_nodes=ns.num_nodes,
+        node_rank=0 if ns.node_rank is None else ns.node_rank,
+        master_addr="127.0.0.1" if ns.master_addr is None else ns.master_addr,
+        master_port=ns.master_port,
+        max_restarts=ns.max_restarts,
+        module=ns.module,
+        no_python=ns.no_python,
+        no_local_rank=ns.no_local_rank,
+    )
+
+
+def _run_subcommand(name: str, argv: list[str]) -> int:
+    module_name, _, func_name = SUBCOMMANDS[name].partition(":")
+    func = getattr(importlib.import_module(module_name), func_name)
+    status = func(argv)
+    return 0 if status is None else int(status)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``partita`` command; returns the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in SUBCOMMANDS:
+        return _run_subcommand(args[0], args[1:])
+    options = parse_launch_args(args)
+    try:
+        return launch(options)
+    except LaunchError as err:
+        print(f"partita: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Multi-process test harness: run a function on N CPU ranks joined by a gloo process group.
+
+- `run_distributed(fn, world_size, *args, timeout=..., env=..., **kwargs)`: per-rank results
+  in rank order; fail-fast `DistributedTestError` naming failed ranks with their tracebacks;
+  `DistributedTimeoutError` with every live rank's stack on a hang.
+- `run_distributed_grid(fn, world_size, cases)`: many `fn(**case)` sub-cases in one spawn.
+- `GridCache`: one spawn per grid shared by many pytest test ids (fixture `distributed_grid`).
+
+Importing this package does not import torch (the ranks import it after start-up set-up).
+"""
+
+from __future__ import annotations
+
+from partita.testing.distributed import (
+    FAIL_FAST_GRACE_S,
+    STARTUP_TIMEOUT_S,
+    DistributedTestError,
+    DistributedTimeoutError,
+    run_distributed,
+)
+from partita.testing.grid import GridCache, GridCaseError, run_distributed_grid
+
+__all__ = [
+    "FAIL_FAST_GRACE_S",
+    "STARTUP_TIMEOUT_S",
+    "DistributedTestError",
+    "DistributedTimeoutError",
+    "GridCache",
+    "GridCaseError",
+    "run_distributed",
+    "run_distributed_grid",
+]

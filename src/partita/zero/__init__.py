@@ -1,0 +1,1 @@
+"""partita.zero"""

@@ -1,0 +1,152 @@
+"""ZeRO stages 1 and 2: optimizer state (and, in stage 2, gradients) sharded over ranks.
+
+Each optimizer parameter group is laid out in one flat, padded buffer (`FlatLayout`, segments =
+gradient buckets); the module's parameters become views into it, so the all-gather of updated
+shards after the step writes straight into the module. Each rank keeps an fp32 master copy of
+its shard and an fp32 gradient shard, and an ordinary `torch.optim` optimizer steps one flat
+shard tensor per group (per-group hyperparameters carry over unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from partita import comm
+from partita.partition import FlatLayout, plan_buckets, segment_views
+from partita.precision import PrecisionPolicy
+from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.sharded_grads import ShardedGradients
+from partita.zero.strategy import OptimizerFactory, ParamGroups, StepOutcome, optimizer_state_bytes
+
+
+class ShardedGroup:
+    """One parameter group: its layout, flat parameter buffer and this rank's fp32 shards."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], bucket_numel: int, world: int, rank: int, master_dtype: torch.dtype
+    ) -> None:
+        self.params = params
+        numels = [p.numel() for p in params]
+        order = list(reversed(range(len(params))))
+        buckets = [b.indices for b in plan_buckets(numels, bucket_numel, order=order)]
+        self.layout = FlatLayout.build(numels, world, buckets=buckets)
+        self.rank = rank
+        device, dtype = params[0].device, params[0].dtype
+        self.flat_param = torch.zeros(self.layout.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(params, self.layout.offsets, strict=True):
+                view = self.flat_param[off : off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+        self.master = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device))
+        self.master.grad = torch.zeros_like(self.master)
+        with torch.no_grad():
+            for seg in range(len(self.layout.segments)):
+                v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
+                v.shard.copy_(self._own_chunk(v.full))
+
+    def _own_chunk(self, full: torch.Tensor) -> torch.Tensor:
+        chunk = full.numel() // self.layout.world_size
+        return full[self.rank * chunk : (self.rank + 1) * chunk]
+
+    @property
+    def shard_grad(self) -> torch.Tensor:
+        """This rank's fp32 gradient shard."""
+        grad = self.master.grad
+        assert grad is not None
+        return grad
+
+    def all_gather_params(self, handles: list[comm.Work]) -> None:
+        """Casts the updated master shard into the flat parameters and starts the all-gathers."""
+        with torch.no_grad():
+            for seg in range(len(self.layout.segments)):
+                v = segment_views(self.flat_param, self.master, self.layout, seg, self.rank)
+                if v.full.numel() == 0:
+                    continue
+                own = self._own_chunk(v.full)
+                own.copy_(v.shard)
+                handle = comm.all_gather(v.full, own.clone(), async_op=True, tag="param")
+                if handle is not None:
+                    handles.append(handle)
+
+
+class Sharded:
+    """Stage 1 (`stage=1`) and stage 2 (`stage=2`) strategy (see `Strategy`)."""
+
+    def __init__(
+        self,
+        stage: int,
+        groups: ParamGroups,
+        policy: PrecisionPolicy,
+        make_optimizer: OptimizerFactory,
+        bucket_numel: int,
+        scaling: ReduceScaling,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
+        self.stage = stage
+        world, rank = comm.get_world_size(group), comm.get_rank(group)
+        self.groups = [ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype) for g in groups]
+        self.grads = ShardedGradients(
+            layouts=[g.layout for g in self.groups],
+            params=[g.params for g in self.groups],
+            shard_grads=[g.shard_grad for g in self.groups],
+            persistent=stage == 1,
+            scaling=scaling,
+            reduce_dtype=policy.reduce_dtype,
+            rank=rank,
+            group=group,
+        )
+        self.process_group = group
+        self.optimizer = make_optimizer([[g.master] for g in self.groups])
+
+    def begin_backward(self, sync: bool) -> None:
+        """Stage 1 reduces in the boundary backward only; stage 2 in every backward."""
+        self.grads.begin_backward(sync or self.stage >= 2)
+
+    def end_backward(self) -> None:
+        """Finishes this backward's reduce-scatters."""
+        self.grads.end_backward()
+
+    def step(self, clip: float, loss_scale: float) -> StepOutcome:
+        """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
+        masters = [g.master for g in self.groups]
+        grads = [g.shard_grad for g in self.groups]
+        if loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        norms = torch._foreach_norm(grads, 2.0)
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
+        comm.all_reduce(sq, group=self.process_group, tag="norm")
+        norm = sq.sqrt()
+        norm_value = float(norm)
+        if not math.isfinite(norm_value):
+            return StepOutcome(applied=False, grad_norm=norm_value)
+        if clip > 0.0:
+            torch.nn.utils.clip_grads_with_norm_(masters, clip, norm)
+        self.optimizer.step()
+        handles: list[comm.Work] = []
+        for g in self.groups:
+            g.all_gather_params(handles)
+        for h in handles:
+            h.wait()
+        return StepOutcome(applied=True, grad_norm=norm_value)
+
+    def zero_grad(self) -> None:
+        """Zeroes full (stage 1) and sharded gradients."""
+        self.grads.zero_()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held per category on this rank."""
+        shard_grad = sum(g.shard_grad.numel() * g.shard_grad.element_size() for g in self.groups)
+        return {
+            "params": sum(g.flat_param.numel() * g.flat_param.element_size() for g in self.groups),
+            "grads": shard_grad + self.grads.persistent_bytes,
+            "master_params": sum(g.master.numel() * g.master.element_size() for g in self.groups),
+            "optimizer_state": optimizer_state_bytes(self.optimizer),
+            "comm_buffers": self.grads.peak_transient_bytes,
+        }
+
+    def close(self) -> None:
+        """Removes the gradient hooks."""
+        self.grads.remove_hooks()

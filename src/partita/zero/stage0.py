@@ -1,0 +1,94 @@
+"""ZeRO stage 0: plain data parallelism with bucketed, overlapped gradient all-reduce.
+
+Every rank holds the whole model, gradients and optimizer state. With a 16-bit module, fp32
+master weights (and their gradients) are kept for the optimizer; with an fp32 module the
+optimizer steps the module's parameters directly, so no copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from partita import comm
+from partita.precision import PrecisionPolicy
+from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
+from partita.zero.master import MasterWeights
+from partita.zero.strategy import OptimizerFactory, ParamGroups, StepOutcome, optimizer_state_bytes
+
+
+class DataParallel:
+    """Stage 0 strategy (see `partita.zero.strategy.Strategy`)."""
+
+    def __init__(
+        self,
+        groups: ParamGroups,
+        policy: PrecisionPolicy,
+        make_optimizer: OptimizerFactory,
+        bucket_numel: int,
+        scaling: ReduceScaling,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
+        self.params = [p for g in groups for p in g]
+        self.buckets = GradientBuckets(self.params, bucket_numel, scaling, policy.reduce_dtype, group)
+        self.master = MasterWeights(self.params, policy.master_dtype) if policy.needs_master else None
+        if self.master is not None:
+            mapping = self.master.by_model_param
+            self.optimizer = make_optimizer([[mapping[p] for p in g] for g in groups])
+        else:
+            self.optimizer = make_optimizer([list(g) for g in groups])
+
+    def begin_backward(self, sync: bool) -> None:
+        """Arms the all-reduce hooks for the boundary backward."""
+        self.buckets.begin_backward(sync)
+
+    def end_backward(self) -> None:
+        """Waits for every bucket's all-reduce (launching stragglers first), if armed."""
+        self.buckets.finish()
+
+    def _stepped_params(self) -> list[torch.nn.Parameter]:
+        """The tensors the optimizer steps, with this step's gradients in their `.grad`."""
+        if self.master is None:
+            return self.params
+        self.master.restore_grad_views()
+        self.master.load_grads([p.grad for p in self.params])  # type: ignore[misc]
+        return self.master.params
+
+    def step(self, clip: float, loss_scale: float) -> StepOutcome:
+        """Unscale, norm and overflow check, clip, step; returns what happened."""
+        stepped = self._stepped_params()
+        grads: list[torch.Tensor] = [p.grad for p in stepped]  # type: ignore[misc]
+        if loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)
+        # The reduced gradients are identical on every rank, so the norm (and with it the
+        # overflow decision) is too: no collective is needed to agree on skipping.
+        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        norm_value = float(norm)
+        if not math.isfinite(norm_value):
+            return StepOutcome(applied=False, grad_norm=norm_value)
+        if clip > 0.0:
+            torch.nn.utils.clip_grads_with_norm_(stepped, clip, norm)
+        self.optimizer.step()
+        if self.master is not None:
+            self.master.copy_to_model()
+        return StepOutcome(applied=True, grad_norm=norm_value)
+
+    def zero_grad(self) -> None:
+        """Zeroes the gradient buckets (the masters' gradients are overwritten each step)."""
+        self.buckets.zero_()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held per category on this rank."""
+        param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        master = self.master
+        return {
+            "params": param_bytes,
+            "grads": self.buckets.buffer_bytes + (master.grad_nbytes if master else 0),
+            "master_params": master.nbytes if master else 0,
+            "optimizer_state": optimizer_state_bytes(self.optimizer),
+            "comm_buffers": 0,
+        }
+
+    def close(self) -> None:
+        """Removes the gradient hooks."""
+        self.buckets.remove_hooks()

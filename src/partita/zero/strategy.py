@@ -1,0 +1,74 @@
+"""The contract between the engine and a ZeRO stage implementation.
+
+The engine owns the training loop bookkeeping (micro steps, accumulation boundary, loss scale,
+scheduler, monitors); a strategy owns where gradients, master weights and optimizer state live
+and how they are communicated. Stage 0 (data parallel) and stages 1-2 implement the same
+interface, so the engine never branches on the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+OptimizerFactory = Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]
+"""Builds the optimizer given, for each parameter group (in the order of `ParamGroups`), the
+tensors the optimizer steps for it: the parameters themselves, their masters, or one flat
+shard. The factory keeps each group's hyperparameters (config optimizer, client instance or
+callable)."""
+
+ParamGroups = list[list[torch.nn.Parameter]]
+"""The trainable parameters of each optimizer parameter group, in order."""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What happened at an accumulation boundary."""
+
+    applied: bool
+    """False when the step was skipped (non-finite gradients)."""
+    grad_norm: float
+    """Global L2 norm of the unscaled gradients before clipping (inf/nan on overflow)."""
+
+
+class Strategy(Protocol):
+    """A ZeRO stage: gradient reduction, optimizer step and the state they own."""
+
+    optimizer: torch.optim.Optimizer
+
+    def begin_backward(self, sync: bool) -> None:
+        """Called before each backward; `sync` is true at the accumulation boundary."""
+        ...
+
+    def end_backward(self) -> None:
+        """Called after every backward: completes whatever reduction `begin_backward` armed."""
+        ...
+
+    def step(self, clip: float, loss_scale: float) -> StepOutcome:
+        """Unscale, overflow check, clip, optimizer step, weights back to the module."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Zeroes accumulated gradients."""
+        ...
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held per category: params, grads, master_params, optimizer_state, comm_buffers."""
+        ...
+
+    def close(self) -> None:
+        """Removes hooks and frees buffers."""
+        ...
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (moments, step counters...)."""
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+    return total

@@ -1,0 +1,110 @@
+"""Per-rank training bodies for engine tests (module level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import partita
+from partita import comm
+from models import global_batches, make_model, rank_micro_batch, two_groups
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def base_config(micro: int, gas: int, lr: float = 1e-3, clip: float = 0.0, **extra: Any) -> dict:
+    """A ds_config with AdamW and the given batch split."""
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+        **extra,
+    }
+
+
+def _inject_inf(param: torch.nn.Parameter, when: list[bool]) -> None:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if when[0]:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    param.register_hook(hook)
+
+
+def train(
+    config: dict,
+    steps: int,
+    inject_inf: tuple[int, tuple[int, ...]] | None = None,
+    model_kwargs: dict | None = None,
+    groups: bool = False,
+) -> dict[str, Any]:
+    """Trains `steps` optimizer steps on the shared global batches; returns per-step global
+    mean losses, final parameters (fp32), counters and per-step comm bytes.
+
+    `inject_inf=(rank, steps)` puts an inf into one gradient element on that rank at those steps.
+    """
+    rank, world = comm.get_rank(), comm.get_world_size()
+    micro, gas = config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"]
+    model = make_model(**(model_kwargs or {}))
+    capture = _Capture()
+    logging.getLogger("partita").addHandler(capture)
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    armed = [False]
+    if inject_inf is not None and inject_inf[0] == rank:
+        _inject_inf(next(engine.module.parameters()), armed)
+    dtype = next(engine.module.parameters()).dtype
+    losses, comm_bytes, applied, scales, unchanged = [], [], [], [], []
+    for step, batch in enumerate(global_batches(steps, micro * gas * world)):
+        armed[0] = inject_inf is not None and step in inject_inf[1]
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        step_loss = torch.zeros(())
+        for m in range(gas):
+            tokens, targets = rank_micro_batch(batch, rank, world, micro, m)
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / gas
+        comm_bytes.append(engine.last_step_comm_bytes)
+        comm.all_reduce(step_loss, tag="test")
+        losses.append(step_loss.item() / world)
+        applied.append(engine.was_step_applied())
+        scales.append(engine.cur_scale)
+        unchanged.append(all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters())))
+    logging.getLogger("partita").removeHandler(capture)
+    return {
+        "losses": losses,
+        "params": [p.detach().float().clone() for p in engine.module.parameters()],
+        "dtype": str(dtype),
+        "skipped": engine.skipped_steps,
+        "applied": applied,
+        "scales": scales,
+        "unchanged": unchanged,
+        "comm": comm_bytes,
+        "grad_bytes": sum(
+            p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad
+        ),
+        "warnings": capture.messages,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "memory": engine.memory_breakdown(),
+        "numel": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+    }
+
+
+def train_grid(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs `train(**case)` for every case in one set of processes (amortises spawn cost)."""
+    return [train(**case) for case in cases]

@@ -1,0 +1,123 @@
+"""Stage 0 (data parallel) engine: parity with single-process torch.optim, accumulation,
+determinism, mixed precision, overflow handling and communication accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_workers import base_config, train_grid
+from models import reference_run
+
+from partita.testing import run_distributed
+
+STEPS = 20
+RTOL = 1e-6
+
+
+def _assert_parity(result: dict, ref_losses: list[float], ref_params: list[torch.Tensor]) -> None:
+    torch.testing.assert_close(
+        torch.tensor(result["losses"], dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=RTOL,
+        atol=0.0,
+    )
+    for got, want in zip(result["params"], ref_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
+    micro = 2
+    cases = [
+        {"config": base_config(micro=2, gas=1), "steps": STEPS},
+        {"config": base_config(micro=2, gas=4), "steps": STEPS},
+        {"config": base_config(micro=8, gas=1), "steps": STEPS},
+        {"config": base_config(micro=2, gas=1, clip=0.05), "steps": STEPS},
+        {"config": base_config(micro=2, gas=1), "steps": STEPS},  # the first, again: bitwise
+    ]
+    results = run_distributed(train_grid, world, cases, timeout=240)
+    plain, accum, big_micro, clipped, again = results[0]
+
+    ref_losses, ref_params = reference_run(STEPS, batch=micro * world)
+    _assert_parity(plain, ref_losses, ref_params)
+    ref8_losses, ref8_params = reference_run(STEPS, batch=8 * world)
+    _assert_parity(accum, ref8_losses, ref8_params)
+    _assert_parity(big_micro, ref8_losses, ref8_params)
+    ref_clip_losses, ref_clip_params = reference_run(STEPS, batch=micro * world, clip=0.05)
+    _assert_parity(clipped, ref_clip_losses, ref_clip_params)
+    # Clipping must have changed the trajectory far beyond the tolerance, or the clipped case
+    # proves nothing.
+    assert abs(ref_clip_losses[-1] - ref_losses[-1]) > 100 * RTOL * abs(ref_losses[-1])
+
+    assert again["losses"] == plain["losses"]
+    for a, b in zip(again["params"], plain["params"], strict=True):
+        assert torch.equal(a, b)
+    # Every rank holds the same weights.
+    for rank_results in results[1:]:
+        for a, b in zip(rank_results[0]["params"], plain["params"], strict=True):
+            assert torch.equal(a, b)
+    assert plain["global_steps"] == STEPS
+    assert accum["global_samples"] == STEPS * 8 * world
+
+
+def test_mixed_precision_tracks_fp32_and_overflow_is_skipped_everywhere() -> None:
+    world = 2
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    cases = [
+        {"config": base_config(micro=2, gas=1, lr=5e-3), "steps": STEPS},
+        {"config": base_config(micro=2, gas=1, lr=5e-3, bf16={"enabled": True}), "steps": STEPS},
+        {"config": base_config(micro=2, gas=1, lr=5e-3, fp16=fp16), "steps": STEPS},
+        # inf on rank 1 at step 5 with hysteresis 1: skip everywhere, halve the scale.
+        {
+            "config": base_config(micro=2, gas=1, lr=5e-3, fp16=fp16),
+            "steps": 8,
+            "inject_inf": (1, (5,)),
+        },
+        # default hysteresis 2: the first overflow keeps the scale, the second halves it.
+        {
+            "config": base_config(
+                micro=2, gas=1, lr=5e-3, fp16={"enabled": True, "initial_scale_power": 8}
+            ),
+            "steps": 8,
+            "inject_inf": (1, (4, 5)),
+        },
+        {
+            "config": base_config(micro=2, gas=1, lr=5e-3, bf16={"enabled": True}),
+            "steps": 8,
+            "inject_inf": (0, (3,)),
+        },
+    ]
+    results = run_distributed(train_grid, world, cases, timeout=240)
+    fp32, bf16, fp16_run, hyst1, hyst2, bf16_inf = results[0]
+    assert bf16["dtype"] == "torch.bfloat16" and fp16_run["dtype"] == "torch.float16"
+    assert fp32["losses"][-1] < 0.8 * fp32["losses"][0]  # the model learns
+    for run in (bf16, fp16_run):
+        assert run["losses"] != fp32["losses"]  # really ran in 16 bits
+        assert abs(run["losses"][-1] - fp32["losses"][-1]) <= 1e-2 * abs(fp32["losses"][-1])
+        assert run["skipped"] == 0
+
+    for rank_results in results:
+        h1, h2, b = rank_results[3], rank_results[4], rank_results[5]
+        assert h1["applied"] == [True] * 5 + [False] + [True] * 2
+        assert h1["unchanged"][5] and not h1["unchanged"][4]
+        assert h1["skipped"] == 1
+        assert h1["scales"][5] == h1["scales"][4] / 2
+        assert h2["applied"][4:6] == [False, False] and h2["skipped"] == 2
+        assert h2["scales"][4] == h2["scales"][3] and h2["scales"][5] == h2["scales"][3] / 2
+        assert b["applied"][3] is False and b["unchanged"][3] and b["skipped"] == 1
+    assert any("step 5" in m and "skipped" in m for m in hyst1["warnings"])
+
+
+def test_gradient_all_reduce_bytes_equal_gradient_bytes() -> None:
+    cases = [
+        {
+            "config": base_config(micro=2, gas=1, zero_optimization={"reduce_bucket_size": 3000}),
+            "steps": 3,
+        },
+        {"config": base_config(micro=2, gas=4), "steps": 3},
+        {"config": base_config(micro=2, gas=1, bf16={"enabled": True}), "steps": 3},
+    ]
+    for result in run_distributed(train_grid, 2, cases, timeout=240)[0]:
+        for step_bytes in result["comm"]:
+            grad = sum(v for (op, tag), v in step_bytes.items() if tag == "grad")
+            assert step_bytes.get(("all_reduce", "grad")) == result["grad_bytes"] == grad

@@ -1,0 +1,250 @@
+"""Tests of the multi-process harness (partita.testing): results, failures, hangs, clean-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from partita import comm
+from partita.accelerator import get_accelerator
+from partita.testing import (
+    DistributedTestError,
+    DistributedTimeoutError,
+    GridCache,
+    run_distributed,
+)
+from partita.testing.distributed import execute
+
+# Functions the ranks run: module level, so the spawned processes can unpickle them.
+
+
+def _whoami_and_sum(numel: int, *, marker: str) -> dict[str, Any]:
+    rank = comm.get_rank()
+    tensor = torch.full((numel,), float(rank + 1))
+    comm.all_reduce(tensor)
+    return {
+        "env_rank": int(os.environ["RANK"]),
+        "rank": rank,
+        "world": comm.get_world_size(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "local_world": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "backend": comm.get_backend(),
+        "device": get_accelerator().device_type,
+        "accelerator_env": os.environ["PARTITA_ACCELERATOR"],
+        "marker": marker,
+        "extra_env": os.environ.get("PARTITA_TEST_EXTRA"),
+        "threads": torch.get_num_threads(),
+        "sum": tensor.tolist(),
+        "all_reduce_bytes": comm.COUNTERS.bytes("all_reduce"),
+        "pid": os.getpid(),
+    }
+
+
+def _raise_on_rank_1() -> None:
+    if comm.get_rank() == 1:
+        raise ValueError("boom from rank 1 on purpose")
+    if comm.get_rank() == 2:
+        os._exit(3)  # dies without an exception
+    time.sleep(600)  # rank 0 never finishes on its own: the harness must kill it
+
+
+def _hang_forever(pid_file: str) -> None:
+    if comm.get_rank() == 1:
+        # A grandchild: the harness must kill it too.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        Path(pid_file).write_text(str(child.pid))
+    time.sleep(600)
+
+
+def _grid_case(numel: int, fail_on_rank: int | None = None) -> dict[str, Any]:
+    if fail_on_rank == comm.get_rank():
+        raise RuntimeError(f"case with numel={numel} fails on purpose")
+    tensor = torch.arange(numel, dtype=torch.float64) * (comm.get_rank() + 1)
+    comm.all_reduce(tensor)
+    return {
+        "pid": os.getpid(),
+        "rank": comm.get_rank(),
+        "sum": float(tensor.sum()),
+        "bytes": comm.COUNTERS.bytes("all_reduce"),
+    }
+
+
+def _children() -> set[int]:
+    """Live descendants of this process, except multiprocessing's resource tracker (started
+    once per session by the first spawn, by design)."""
+    return {
+        proc.pid
+        for proc in psutil.Process().children(recursive=True)
+        if not any("resource_tracker" in part for part in proc.cmdline())
+    }
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_in_rank_order_and_all_reduce(world_size: int) -> None:
+    before = _children()
+    numel = 5
+    results = run_distributed(
+        _whoami_and_sum, world_size, numel, marker="kw", env={"PARTITA_TEST_EXTRA": "yes"}
+    )
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert [r["env_rank"] for r in results] == list(range(world_size))
+    assert [r["local_rank"] for r in results] == list(range(world_size))
+    expected_sum = world_size * (world_size + 1) / 2
+    cpus = len(os.sched_getaffinity(0))
+    for r in results:
+        assert r["world"] == world_size and r["local_world"] == world_size
+        assert r["backend"] == "gloo"
+        assert r["device"] == "cpu" and r["accelerator_env"] == "cpu"
+        assert r["marker"] == "kw" and r["extra_env"] == "yes"
+        assert r["threads"] == max(1, cpus // world_size)
+        assert r["sum"] == [expected_sum] * numel
+        assert r["all_reduce_bytes"] == numel * 4  # float32
+    assert len({r["pid"] for r in results}) == world_size
+    assert _children() <= before
+
+
+def test_failing_rank_is_named_and_fails_fast() -> None:
+    before = _children()
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_raise_on_rank_1, 3, timeout=60.0)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert not isinstance(err, DistributedTimeoutError)
+    assert sorted(err.failed_ranks) == [1, 2]
+    message = str(err)
+    assert "ValueError: boom from rank 1 on purpose" in message
+    assert "rank 2 exited with code 3 without reporting a result" in message
+    # Rank 0 was still sleeping: it was stopped, and its stack says where.
+    assert "_raise_on_rank_1" in err.reports[0] and "still running" in err.reports[0]
+    # Start-up takes a few seconds; the point is not waiting for the 60 s timeout.
+    assert elapsed < 30.0, elapsed
+    assert _children() <= before
+
+
+def test_hang_times_out_with_every_rank_stack(tmp_path: Path) -> None:
+    before = _children()
+    pid_file = tmp_path / "grandchild.pid"
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        run_distributed(_hang_forever, 2, str(pid_file), timeout=1.5)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.failed_ranks == [0, 1]
+    message = str(err)
+    assert "timed out after 1.5 s" in message
+    for rank in (0, 1):
+        assert f"----- rank {rank} was still running" in message
+        assert "_hang_forever" in err.reports[rank]
+    assert elapsed < 30.0, elapsed
+    assert _children() <= before
+    assert _is_gone(int(pid_file.read_text())), "the rank's own child survived"
+
+
+GRID = [{"numel": n} for n in (1, 3, 8, 100, 1000, 7)]
+_GRID_PIDS: dict[int, set[int]] = {}
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"numel{c['numel']}")
+def test_grid_runs_many_cases_in_one_spawn_shared_by_test_ids(
+    distributed_grid: GridCache, case: dict[str, int]
+) -> None:
+    per_rank = distributed_grid.case(_grid_case, 2, GRID, case)
+    n = case["numel"]
+    assert [r["rank"] for r in per_rank] == [0, 1]
+    for r in per_rank:
+        assert r["sum"] == 3 * n * (n - 1) / 2  # (1 + 2) * sum(range(n))
+        assert r["bytes"] == n * 8  # counters are reset per case: this case's float64 only
+    # Every case, and every test id, saw the same rank processes: one spawn ran them all.
+    for rank, result in enumerate(per_rank):
+        _GRID_PIDS.setdefault(rank, set()).add(result["pid"])
+        assert len(_GRID_PIDS[rank]) == 1, _GRID_PIDS
+
+
+def test_grid_failure_names_case_keeps_earlier_results_and_skips_later() -> None:
+    cache = GridCache()
+    cases = [{"numel": 4}, {"numel": 5, "fail_on_rank": 1}, {"numel": 6}]
+    start = time.monotonic()
+    assert [r["sum"] for r in cache.case(_grid_case, 2, cases, 0, timeout=60.0)] == [18.0] * 2
+    assert time.monotonic() - start < 30.0  # failed fast, not after the 60 s timeout
+    with pytest.raises(DistributedTestError) as info:
+        cache.case(_grid_case, 2, cases, 1, timeout=60.0)
+    err = info.value
+    assert not isinstance(err, DistributedTimeoutError)
+    assert str(err).startswith("grid case 1 {'numel': 5, 'fail_on_rank': 1} failed")
+    assert err.case_index == 1
+    assert err.failed_ranks[0] == 1
+    assert "GridCaseError: grid case 1" in err.reports[1]
+    assert "fails on purpose" in err.reports[1]
+    assert [[r["sum"] for r in row] for row in err.completed_cases] == [[18.0, 18.0]]
+    with pytest.raises(DistributedTestError, match="did not run: case 1 failed before it"):
+        cache.case(_grid_case, 2, cases, cases[2], timeout=60.0)
+    assert cache.spawns == 1
+
+
+def test_unpicklable_function_is_rejected_before_spawning() -> None:
+    before = _children()
+    with pytest.raises(TypeError, match="module-level function"):
+        run_distributed(lambda: None, 2)
+    assert _children() == before
+
+
+@pytest.mark.parametrize(("world_size", "timeout"), [(0, 10.0), (2, 0.0)])
+def test_bad_arguments(world_size: int, timeout: float) -> None:
+    with pytest.raises(ValueError, match="run_distributed"):
+        run_distributed(_grid_case, world_size, timeout=timeout)
+
+
+def test_startup_timeout_dumps_and_kills(tmp_path: Path) -> None:
+    before = _children()
+    with pytest.raises(DistributedTimeoutError, match=r"start-up exceeded 0.3 s") as info:
+        execute(
+            _grid_case,
+            2,
+            (3,),
+            {},
+            timeout=60.0,
+            env=None,
+            run_dir=str(tmp_path),
+            startup_timeout=0.3,
+        )
+    assert info.value.failed_ranks == [0, 1]
+    assert set(info.value.reports) == {0, 1}
+    assert _children() <= before
+
+
+class _Interrupted(BaseException):
+    """Stands in for KeyboardInterrupt or a pytest-timeout firing during a run."""
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+def test_interrupted_run_leaves_nothing_running(tmp_path: Path) -> None:
+    before = _children()
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(_Interrupted):
+            run_distributed(_hang_forever, 2, str(tmp_path / "unused.pid"), timeout=60.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert _children() <= before

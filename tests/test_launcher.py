@@ -1,0 +1,251 @@
+"""Tests of the ``partita`` launcher: fast --help, real 2-process launches, failures, bad flags."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from partita.launcher import cli
+from partita.launcher.launch import (
+    LaunchError,
+    LaunchOptions,
+    WorkerPlan,
+    plan_workers,
+    worker_command,
+    worker_env,
+)
+
+CLI = [sys.executable, "-m", "partita.launcher.cli"]
+
+# Checks what the launcher promised, then proves the ranks can talk over gloo.
+GOOD_SCRIPT = """
+import argparse, json, os, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--local_rank", type=int, required=True)
+parser.add_argument("--foo", type=int, required=True)
+parser.add_argument("--literal", required=True)
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+dist.destroy_process_group()
+record = {
+    "rank": rank,
+    "local_rank_arg": args.local_rank,
+    "local_rank_env": int(os.environ["LOCAL_RANK"]),
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "master_addr": os.environ["MASTER_ADDR"],
+    "accelerator": os.environ["PARTITA_ACCELERATOR"],
+    "foo": args.foo,
+    "literal": args.literal,
+    "sum": total.item(),
+}
+Path(args.out, f"rank{rank}.json").write_text(json.dumps(record))
+"""
+
+# Rank 1 raises once rank 0 is up; rank 0 would sleep for minutes unless the launcher kills it.
+FAILING_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+
+out = Path(sys.argv[-1])
+rank = int(os.environ["RANK"])
+(out / f"pid{rank}").write_text(str(os.getpid()))
+if rank == 1:
+    while not (out / "pid0").exists():
+        time.sleep(0.05)
+    raise RuntimeError("deliberate failure on rank 1")
+time.sleep(600)
+"""
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_help_is_fast_and_does_not_import_torch() -> None:
+    start = time.monotonic()
+    result = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=30)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 0, result.stderr
+    assert "--num_gpus" in result.stdout and "--num_procs" in result.stdout
+    assert elapsed < 2.0, f"partita --help took {elapsed:.2f}s"
+    probe = (
+        "import sys, partita.launcher.cli as c\n"
+        "try:\n    c.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported by the launcher CLI'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_two_cpu_processes_get_rank_env_and_all_reduce(tmp_path: Path) -> None:
+    script = _write(tmp_path / "train.py", GOOD_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    # '$' must reach the script untouched although the agent substitutes ${local_rank}.
+    literal = "a$b${local_rank}$$c"
+    cmd = [*CLI, "--num_procs", "2", str(script), "--foo", "1", "--literal", literal]
+    result = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, record in enumerate(records):
+        assert record == {
+            "rank": rank,
+            "local_rank_arg": rank,
+            "local_rank_env": rank,
+            "world_size": 2,
+            "master_addr": "127.0.0.1",
+            "accelerator": "cpu",
+            "foo": 1,
+            "literal": literal,
+            "sum": 3.0,
+        }
+
+
+def test_failing_rank_stops_job_names_rank_and_leaves_no_process(tmp_path: Path) -> None:
+    script = _write(tmp_path / "fail.py", FAILING_SCRIPT)
+    start = time.monotonic()
+    result = subprocess.run(
+        [*CLI, "--num_procs", "2", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - start
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert elapsed < 30.0, f"partita took {elapsed:.1f}s to report the failure"
+    assert "deliberate failure on rank 1" in output
+    assert "partita: rank 1 (local_rank 1 on node 0) failed first, exit code 1" in output
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", output), output  # agent's summary
+    pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
+    survivors = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        matches = proc.info["pid"] in pids or str(script) in cmdline
+        # A zombie has finished running; only its exit status waits to be collected.
+        if matches and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            survivors.append((proc.info["pid"], cmdline))
+    assert not survivors, f"worker processes left behind: {survivors}"
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    """An existing (empty) script path for argument-parsing tests."""
+    return str(_write(tmp_path / "s.py", "\n"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num_procs", "0", "{s}"], "--num_procs: must be >= 1, got 0"),
+        (
+            ["--num_gpus", "x", "{s}"],
+            "argument --num_gpus/--num_accelerators: expected an integer, got 'x'",
+        ),
+        ([], "the following arguments are required: script"),
+        (["--num_procs", "2"], "the following arguments are required: script"),
+        (["--num_procs", "2", "no_such_script.py"], "script 'no_such_script.py' not found"),
+        (["--num_gpus", "1", "--num_procs", "2", "{s}"], "not allowed with argument"),
+        (["--hostfile", "hosts", "{s}"], "--hostfile is not supported by partita"),
+        (["--include", "localhost:0", "{s}"], "--include is not supported by partita"),
+        (["--force_multi", "{s}"], "--force_multi is not supported by partita"),
+        (["--num_nodes", "2", "{s}"], "--num_nodes 2 needs --node_rank and --master_addr"),
+        (
+            ["--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "{s}"],
+            "--node_rank must be in [0, 2) for --num_nodes 2, got 2",
+        ),
+        (["--node_rank", "1", "{s}"], "--node_rank must be in [0, 1)"),
+        (["--master_port", "70000", "{s}"], "must be a TCP port in [1, 65535], got 70000"),
+        (["--module", "--no_python", "pkg.train"], "--module and --no_python cannot be used"),
+        (["--no_python", "no-such-binary-xyz"], "executable 'no-such-binary-xyz' not found"),
+        (["--num_proc", "2", "{s}"], "unrecognized arguments"),  # no prefix matching
+    ],
+)
+def test_bad_flags_exit_2_with_clear_message(
+    argv: list[str], message: str, script: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([arg.replace("{s}", script) for arg in argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_parse_multi_node_and_script_args(script: str) -> None:
+    argv = ["--num_nodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1"]
+    options = cli.parse_launch_args([*argv, "--master_port", "1234", script, "--num_procs", "5"])
+    assert options == LaunchOptions(
+        script=script,
+        script_args=("--num_procs", "5"),  # flags after the script belong to the script
+        num_nodes=2,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=1234,
+    )
+
+
+def test_subcommand_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write(tmp_path / "fake_sub.py", "def run(argv):\n    return 7 if argv == ['-x'] else 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.SUBCOMMANDS, "fake", "fake_sub:run")
+    assert cli.main(["fake", "-x"]) == 7
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "num_procs", "visible", "expected"),
+    [
+        (None, None, 0, WorkerPlan("cpu", 1)),
+        (None, None, 4, WorkerPlan("cuda", 4)),
+        (2, None, 4, WorkerPlan("cuda", 2)),
+        (None, 3, 4, WorkerPlan("cpu", 3)),
+        (None, 3, 0, WorkerPlan("cpu", 3)),
+    ],
+)
+def test_plan_workers(
+    num_gpus: int | None, num_procs: int | None, visible: int, expected: WorkerPlan
+) -> None:
+    assert plan_workers(num_gpus, num_procs, visible) == expected
+
+
+def test_plan_workers_rejects_unavailable_gpus() -> None:
+    with pytest.raises(LaunchError, match="use --num_procs 2 to run 2 CPU processes"):
+        plan_workers(2, None, 0)
+    with pytest.raises(LaunchError, match="--num_gpus 8 is more than the 2 CUDA device"):
+        plan_workers(8, None, 2)
+
+
+def test_worker_command_variants() -> None:
+    python = sys.executable
+    plain = worker_command(LaunchOptions(script="t.py", script_args=("--a", "1")))
+    assert plain == (python, ["-u", "t.py", "--local_rank=${local_rank}", "--a", "1"])
+    module = worker_command(LaunchOptions(script="pkg.t", module=True, no_local_rank=True))
+    assert module == (python, ["-u", "-m", "pkg.t"])
+    binary = worker_command(LaunchOptions(script="run.sh", script_args=("$x",), no_python=True))
+    assert binary == ("run.sh", ["--local_rank=${local_rank}", "$$x"])
+
+
+def test_worker_env_sets_accelerator_and_keeps_user_threads() -> None:
+    env = worker_env(WorkerPlan("cpu", 2), {})
+    assert env["PARTITA_ACCELERATOR"] == "cpu" and int(env["OMP_NUM_THREADS"]) >= 1
+    assert worker_env(WorkerPlan("cuda", 2), {"OMP_NUM_THREADS": "8"}) == {
+        "PARTITA_ACCELERATOR": "cuda"
+    }

@@ -1,0 +1,124 @@
+"""ZeRO stages 1 and 2: parity with single-process torch.optim and stage 0, mixed precision,
+overflow, memory per rank and communication volume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_workers import base_config, train_grid
+from models import reference_run
+
+from partita.testing import run_distributed
+
+STEPS = 20
+RTOL = 1e-6
+BUCKET = {"reduce_bucket_size": 3000}
+
+
+def _zero(stage: int, **extra: object) -> dict:
+    return {"zero_optimization": {"stage": stage, **BUCKET}, **extra}
+
+
+def _assert_parity(result: dict, ref_losses: list[float], ref_params: list[torch.Tensor]) -> None:
+    torch.testing.assert_close(
+        torch.tensor(result["losses"], dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=RTOL,
+        atol=0.0,
+    )
+    for got, want in zip(result["params"], ref_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _cases(stage: int) -> list[dict]:
+    z = _zero(stage)
+    return [
+        {"config": base_config(2, 1, **z), "steps": STEPS},
+        {"config": base_config(2, 4, **z), "steps": STEPS},
+        {"config": base_config(2, 1, clip=0.05, **z), "steps": STEPS},
+        {"config": base_config(2, 1, **z), "steps": STEPS, "groups": True, "model_kwargs": {"frozen": True}},
+        {"config": base_config(2, 1, **z), "steps": STEPS},  # the first, again: bitwise
+        {"config": base_config(2, 1), "steps": STEPS},  # stage 0 on the same data
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_parity_with_reference_and_stage0(stage: int, world: int) -> None:
+    results = run_distributed(train_grid, world, _cases(stage), timeout=240)
+    plain, accum, clipped, grouped, again, stage0 = results[0]
+    batch = 2 * world
+    _assert_parity(plain, *reference_run(STEPS, batch=batch))
+    _assert_parity(accum, *reference_run(STEPS, batch=8 * world))
+    _assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
+    _assert_parity(grouped, *reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True}))
+    _assert_parity(plain, stage0["losses"], stage0["params"])
+    assert again["losses"] == plain["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(again["params"], plain["params"], strict=True))
+    for rank_results in results[1:]:  # every rank ends with the same full weights
+        assert all(torch.equal(a, b) for a, b in zip(rank_results[0]["params"], plain["params"], strict=True))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hugging_face_models_match_reference(kind: str) -> None:
+    world = 2
+    cases = [
+        {"config": base_config(2, 1, **_zero(stage)), "steps": STEPS, "model_kwargs": {"kind": kind}}
+        for stage in (1, 2)
+    ]
+    results = run_distributed(train_grid, world, cases, timeout=240)
+    ref = reference_run(STEPS, batch=2 * world, model_kwargs={"kind": kind})
+    for result in results[0]:
+        _assert_parity(result, *ref)
+
+
+def test_mixed_precision_and_overflow() -> None:
+    world = 2
+    fp16 = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    cases = []
+    for stage in (1, 2):
+        cases += [
+            {"config": base_config(2, 1, lr=5e-3, **_zero(stage)), "steps": STEPS},
+            {"config": base_config(2, 1, lr=5e-3, bf16={"enabled": True}, **_zero(stage)), "steps": STEPS},
+            {"config": base_config(2, 1, lr=5e-3, fp16=fp16, **_zero(stage)), "steps": STEPS},
+            {"config": base_config(2, 1, lr=5e-3, fp16=fp16, **_zero(stage)), "steps": 8, "inject_inf": (1, (5,))},
+        ]
+    results = run_distributed(train_grid, world, cases, timeout=240)
+    for s in range(2):
+        fp32, bf16, fp16_run, _ = results[0][4 * s : 4 * s + 4]
+        assert bf16["dtype"] == "torch.bfloat16" and fp16_run["dtype"] == "torch.float16"
+        for run in (bf16, fp16_run):
+            assert run["losses"] != fp32["losses"]
+            assert abs(run["losses"][-1] - fp32["losses"][-1]) <= 1e-2 * abs(fp32["losses"][-1])
+        for rank_results in results:
+            inj = rank_results[4 * s + 3]
+            assert inj["applied"] == [True] * 5 + [False] + [True] * 2
+            assert inj["unchanged"][5] and inj["skipped"] == 1
+            assert inj["scales"][5] == inj["scales"][4] / 2
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_and_communication_match_theory(world: int) -> None:
+    cases = [{"config": base_config(2, 1, **_zero(stage)), "steps": 2} for stage in (0, 1, 2)]
+    results = run_distributed(train_grid, world, cases, timeout=240)
+    bucket = BUCKET["reduce_bucket_size"]
+    for rank_results in results:
+        stage0, stage1, stage2 = rank_results
+        psi = stage1["numel"]
+        # Padding: at most world * 16 elements per bucket segment, plus alignment per tensor.
+        slack = 16 * (world + 1) * (psi // bucket + 2) + 16 * 40
+        for res in (stage1, stage2):
+            mem = res["memory"]
+            state = mem["master_params"] + mem["optimizer_state"]
+            assert abs(state - 12 * psi / world) <= 12 * slack / world + 64, (state, 12 * psi / world)
+        grads2 = stage2["memory"]["grads"]
+        assert abs(grads2 - 4 * psi / world) <= 4 * slack / world
+        assert stage2["memory"]["comm_buffers"] <= 2 * 4 * (bucket + slack)
+        # Stage 0 keeps the full model's state.
+        assert stage0["memory"]["optimizer_state"] >= 8 * psi
+        # Per step: reduce-scatter + all-gather volume equals data parallelism's all-reduce.
+        for s0, s1, s2 in zip(stage0["comm"], stage1["comm"], stage2["comm"], strict=True):
+            dp = 2 * s0[("all_reduce", "grad")] // 4
+            for step in (s1, s2):
+                moved = (step[("reduce_scatter", "grad")] + step[("all_gather", "param")]) // 4
+                assert dp <= moved <= dp + 2 * slack, (dp, moved)
