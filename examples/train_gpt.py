@@ -102,16 +102,18 @@ def micro_batch_size(engine: Any, args: argparse.Namespace) -> int:
 
 def print_memory(engine: Any) -> None:
     """Print each rank's memory breakdown (partita's ``engine.memory_breakdown()``) on rank 0."""
-    if not hasattr(engine, "memory_breakdown"):  # DeepSpeed has no such method
+    # DeepSpeed's engine.memory_breakdown() is a config flag (a bool), not a breakdown.
+    mine = engine.memory_breakdown() if hasattr(engine, "memory_breakdown") else None
+    if not isinstance(mine, dict):
         return
-    rows = [engine.memory_breakdown()]
+    rows: list[Any] = [mine]
     if dist.is_initialized():
         rows = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, engine.memory_breakdown())
+        dist.all_gather_object(rows, mine)
     if engine.global_rank == 0:
-        print("memory (MB)  " + "  ".join(f"rank {r:>2}" for r in range(len(rows))))
+        print("memory (MB)      " + "  ".join(f"rank {r:>2}" for r in range(len(rows))))
         for key in rows[0]:
-            print(f"{key:<13}" + "  ".join(f"{row[key] / MB:7.1f}" for row in rows))
+            print(f"{key:<16}" + "  ".join(f"{row[key] / MB:7.1f}" for row in rows))
 
 
 @torch.no_grad()
@@ -136,6 +138,7 @@ def main() -> None:
     config = GPT2Config(
         vocab_size=256, n_positions=args.seq_len, n_embd=args.n_embd, n_layer=args.n_layer,
         n_head=args.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=None, eos_token_id=None,  # GPT-2's 50256 is outside a byte vocabulary
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     engine, _, _, _ = deepspeed.initialize(
@@ -153,10 +156,11 @@ def main() -> None:
         print(f"{deepspeed.__name__}: {world} ranks, {n_params / 1e6:.2f}M parameters, "
               f"{len(dataset)} windows of {args.seq_len} bytes, micro-batch {micro_bs}")  # fmt: skip
 
+    # A disabled tqdm (ranks > 0) does not count, so the step counter is our own.
     bar = tqdm(total=args.steps, disable=rank != 0, unit="step")
     tokens_per_step = micro_bs * args.seq_len * world * grad_accum
-    micro_step, epoch, t0 = 0, 0, time.perf_counter()
-    while bar.n < args.steps:
+    step, micro_step, epoch, t0 = 0, 0, 0, time.perf_counter()
+    while step < args.steps:
         sampler.set_epoch(epoch)
         for batch in loader:
             batch = batch.to(engine.device)
@@ -166,13 +170,14 @@ def main() -> None:
             micro_step += 1
             if micro_step % grad_accum:
                 continue
+            step += 1
             bar.update(1)
-            if bar.n % args.print_every == 0 or bar.n == args.steps:
+            if step % args.print_every == 0 or step == args.steps:
                 rss = peak_rss_per_rank()  # collective: every rank takes part
-                tok_s = tokens_per_step * bar.n / (time.perf_counter() - t0)
+                tok_s = tokens_per_step * step / (time.perf_counter() - t0)
                 bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{engine.get_lr()[0]:.1e}",
                                 tok_s=f"{tok_s:,.0f}", rss_mb="/".join(f"{m:.0f}" for m in rss))  # fmt: skip
-            if bar.n == args.steps:
+            if step == args.steps:
                 break
         epoch += 1
     bar.close()

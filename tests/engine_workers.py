@@ -60,9 +60,9 @@ def train(
     model = make_model(**(model_kwargs or {}))
     capture = _Capture()
     logging.getLogger("partita").addHandler(capture)
-    engine, _, _, _ = partita.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
+    wd = config["optimizer"]["params"]["weight_decay"]
+    params = two_groups(model, wd) if groups else model.parameters()
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=params, config=config)
     armed = [False]
     if inject_inf is not None and inject_inf[0] == rank:
         _inject_inf(next(engine.module.parameters()), armed)

@@ -88,6 +88,13 @@ def test_slurm_uneven_layout_uses_tasks_per_node() -> None:
     assert detect(env).local_world_size == 1
 
 
+def test_slurm_uneven_layout_without_tasks_per_node_is_not_rejected() -> None:
+    # 5 tasks on 2 nodes, no SLURM_TASKS_PER_NODE: the even-split guess (2) must not reject
+    # the third task of node 0.
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "5", "SLURM_NNODES": "2", "SLURM_LOCALID": "2"}
+    assert (detect(env).local_rank, detect(env).local_world_size) == (2, 3)
+
+
 def test_slurm_master_addr_falls_back_to_nodelist_and_defaults() -> None:
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODELIST": "login1"}
     assert detect(env).master_addr == "login1"

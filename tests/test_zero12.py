@@ -6,13 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_workers import base_config, train_grid
-from models import reference_run
+from models import make_model, reference_run
 
 from partita.testing import run_distributed
 
 STEPS = 20
 RTOL = 1e-6
 BUCKET = {"reduce_bucket_size": 3000}
+# A fine-tuning learning rate for the Hugging Face models. Adam turns rounding noise in
+# near-zero gradients into steps of about lr, and the reference sums a 4-sample batch in one
+# matmul while two ranks sum 2 + 2: at lr 1e-3 a few of 10^4 weights drift 3e-6 apart over
+# 20 steps with no engine error involved (the losses still agree to 1e-6).
+HF_LR = 1e-4
 
 
 def _zero(stage: int, **extra: object) -> dict:
@@ -59,17 +64,44 @@ def test_fp32_parity_with_reference_and_stage0(stage: int, world: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(rank_results[0]["params"], plain["params"], strict=True))
 
 
+def _not_gpt2_key_bias(param: torch.Tensor, kind: str) -> torch.Tensor:
+    """Mask of the elements compared with the reference.
+
+    GPT-2's key bias (the middle third of each ``c_attn`` bias) has an identically zero true
+    gradient: softmax ignores a constant added to all key scores of a query. It receives only
+    rounding noise, which differs with the summation order and which Adam normalises into
+    lr-sized steps, so its values are noise too. It is still checked: bitwise against stage 0.
+    """
+    keep = torch.ones_like(param, dtype=torch.bool)
+    if kind == "gpt2" and param.dim() == 1 and param.numel() == 3 * 32:
+        keep[32:64] = False
+    return keep
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_hugging_face_models_match_reference(kind: str) -> None:
     world = 2
     cases = [
-        {"config": base_config(2, 1, **_zero(stage)), "steps": STEPS, "model_kwargs": {"kind": kind}}
-        for stage in (1, 2)
+        {"config": base_config(2, 1, lr=HF_LR, **_zero(stage)), "steps": STEPS, "model_kwargs": {"kind": kind}}
+        for stage in (0, 1, 2)
     ]
     results = run_distributed(train_grid, world, cases, timeout=240)
-    ref = reference_run(STEPS, batch=2 * world, model_kwargs={"kind": kind})
-    for result in results[0]:
-        _assert_parity(result, *ref)
+    ref_losses, ref_params = reference_run(STEPS, batch=2 * world, lr=HF_LR, model_kwargs={"kind": kind})
+    stage0 = results[0][0]
+    for result in results[0][1:]:
+        torch.testing.assert_close(
+            torch.tensor(result["losses"], dtype=torch.float64),
+            torch.tensor(ref_losses, dtype=torch.float64),
+            rtol=RTOL,
+            atol=0.0,
+        )
+        # With two ranks a sum has one order, so ZeRO's reduce-scatter and stage 0's all-reduce
+        # produce the same bits, and so must the whole run.
+        assert result["losses"] == stage0["losses"]
+        for got, ref, dp in zip(result["params"], ref_params, stage0["params"], strict=True):
+            assert torch.equal(got, dp)
+            keep = _not_gpt2_key_bias(got, kind)
+            torch.testing.assert_close(got[keep], ref[keep], rtol=1e-6, atol=1e-6)
 
 
 def test_mixed_precision_and_overflow() -> None:
@@ -113,7 +145,10 @@ def test_memory_and_communication_match_theory(world: int) -> None:
             assert abs(state - 12 * psi / world) <= 12 * slack / world + 64, (state, 12 * psi / world)
         grads2 = stage2["memory"]["grads"]
         assert abs(grads2 - 4 * psi / world) <= 4 * slack / world
-        assert stage2["memory"]["comm_buffers"] <= 2 * 4 * (bucket + slack)
+        # Transient full-gradient buffers: the units in flight (2) plus the one filling, each at
+        # most one bucket (or one parameter larger than a bucket) plus its padding.
+        largest = max(bucket, max(p.numel() for p in make_model().parameters()))
+        assert stage2["memory"]["comm_buffers"] <= 3 * 4 * (largest + 16 * (world + 1) * 8)
         # Stage 0 keeps the full model's state.
         assert stage0["memory"]["optimizer_state"] >= 8 * psi
         # Per step: reduce-scatter + all-gather volume equals data parallelism's all-reduce.

@@ -57,9 +57,10 @@ def _first_slurm_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]?", lambda m: m.group(1).split(",")[0].split("-")[0], entry)
 
 
-def _slurm_tasks_on_node(env: Mapping[str, str], world: int) -> int:
+def _slurm_tasks_on_node(env: Mapping[str, str], world: int, local_rank: int) -> int:
     """Tasks on this node: SLURM_TASKS_PER_NODE (``"2(x3),1"``) at index SLURM_NODEID, which
-    handles uneven layouts; else an even split over SLURM_NNODES."""
+    handles uneven layouts; else an even split over SLURM_NNODES, raised to cover this task's
+    local rank (the split is only a guess, so it must not make a valid layout look invalid)."""
     key = (
         "SLURM_STEP_TASKS_PER_NODE"
         if "SLURM_STEP_TASKS_PER_NODE" in env
@@ -77,7 +78,7 @@ def _slurm_tasks_on_node(env: Mapping[str, str], world: int) -> int:
         if 0 <= node < len(counts):
             return counts[node]
     nodes = _int(env, "SLURM_NNODES", 1)
-    return max(1, world // max(nodes, 1))
+    return max(1, world // max(nodes, 1), local_rank + 1)
 
 
 def _checked(cluster: ClusterEnv, names: tuple[str, str, str, str]) -> ClusterEnv:
@@ -143,12 +144,13 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID", 0)
         nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
         cluster = ClusterEnv(
             rank=_int(env, "SLURM_PROCID"),
             world_size=world,
-            local_rank=_int(env, "SLURM_LOCALID", 0),
-            local_world_size=_slurm_tasks_on_node(env, world),
+            local_rank=local_rank,
+            local_world_size=_slurm_tasks_on_node(env, world, local_rank),
             master_addr=addr or _first_slurm_host(nodelist),
             master_port=port,
             source="slurm",
