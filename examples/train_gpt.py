@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import resource
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from tqdm import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -93,13 +92,6 @@ def peak_rss_per_rank() -> list[float]:
     return everyone
 
 
-def micro_batch_size(engine: Any, args: argparse.Namespace) -> int:
-    """The per-rank micro-batch size the engine resolved from the config."""
-    if hasattr(engine, "train_micro_batch_size_per_gpu"):
-        return int(engine.train_micro_batch_size_per_gpu())
-    return int(json.loads(Path(args.deepspeed_config).read_text())["train_micro_batch_size_per_gpu"])
-
-
 def print_memory(engine: Any) -> None:
     """Print each rank's memory breakdown (partita's ``engine.memory_breakdown()``) on rank 0."""
     # DeepSpeed's engine.memory_breakdown() is a config flag (a bool), not a breakdown.
@@ -145,7 +137,7 @@ def main() -> None:
         args=args, model=model, model_parameters=model.parameters()
     )
     rank, world = engine.global_rank, engine.world_size
-    micro_bs = micro_batch_size(engine, args)
+    micro_bs = engine.train_micro_batch_size_per_gpu()
     grad_accum = engine.gradient_accumulation_steps()
     # Each rank reads its own 1/world of the windows, reshuffled every epoch (seeded).
     dataset = ByteChunks(load_corpus(), args.seq_len)
@@ -175,7 +167,7 @@ def main() -> None:
             if step % args.print_every == 0 or step == args.steps:
                 rss = peak_rss_per_rank()  # collective: every rank takes part
                 tok_s = tokens_per_step * step / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{engine.get_lr()[0]:.1e}",
+                bar.set_postfix(loss=f"{loss.item():.3f}"  # rank 0's micro-batch, lr=f"{engine.get_lr()[0]:.1e}",
                                 tok_s=f"{tok_s:,.0f}", rss_mb="/".join(f"{m:.0f}" for m in rss))  # fmt: skip
             if step == args.steps:
                 break

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 import partita
-from partita import comm
 from models import global_batches, make_model, rank_micro_batch, two_groups
+from partita import comm
 
 
 class _Capture(logging.Handler):
@@ -83,7 +83,9 @@ def train(
         losses.append(step_loss.item() / world)
         applied.append(engine.was_step_applied())
         scales.append(engine.cur_scale)
-        unchanged.append(all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters())))
+        unchanged.append(
+            all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+        )
     logging.getLogger("partita").removeHandler(capture)
     return {
         "losses": losses,
@@ -108,3 +110,35 @@ def train(
 def train_grid(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs `train(**case)` for every case in one set of processes (amortises spawn cost)."""
     return [train(**case) for case in cases]
+
+
+def accessor_probe(config: dict) -> dict[str, Any]:
+    """Two steps, then a boundary backward; reads every accessor before the third step."""
+    from partita import utils
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    micro = config["train_micro_batch_size_per_gpu"]
+    model = make_model()
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    batches = global_batches(3, micro * world)
+    for i, batch in enumerate(batches):
+        loss = engine(*rank_micro_batch(batch, rank, world, micro, 0))
+        engine.backward(loss)
+        if i < 2:
+            engine.step()
+    params = list(engine.module.parameters())
+    out: dict[str, Any] = {
+        "param": [utils.safe_get_full_fp32_param(p) for p in params],
+        "grad": [utils.safe_get_full_grad(p) for p in params],
+        "exp_avg": [utils.safe_get_full_optimizer_state(p, "exp_avg") for p in params],
+        "local_param": [utils.safe_get_local_fp32_param(p) for p in params],
+        "local_exp_avg_sq": [utils.safe_get_local_optimizer_state(p, "exp_avg_sq") for p in params],
+    }
+    out["exp_avg_sq"] = [utils.safe_get_full_optimizer_state(p, "exp_avg_sq") for p in params]
+    target = params[1]
+    utils.safe_set_full_fp32_param(target, torch.full_like(target, 0.5, dtype=torch.float32))
+    out["after_set_module"] = target.detach().float().clone()
+    out["after_set_master"] = utils.safe_get_full_fp32_param(target)
+    return out

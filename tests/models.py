@@ -51,14 +51,25 @@ class HFCausalLM(nn.Module):
 
         if kind == "gpt2":
             cfg = transformers.GPT2Config(
-                vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                vocab_size=VOCAB,
+                n_positions=SEQ,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             )
             self.model = transformers.GPT2LMHeadModel(cfg)
         elif kind == "llama":
             cfg = transformers.LlamaConfig(
-                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=SEQ,
             )
             self.model = transformers.LlamaForCausalLM(cfg)
         else:
@@ -69,7 +80,9 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=tokens, labels=targets).loss
 
 
-def make_model(seed: int = 0, kind: str = "tiny", frozen: bool = False, **kwargs: object) -> nn.Module:
+def make_model(
+    seed: int = 0, kind: str = "tiny", frozen: bool = False, **kwargs: object
+) -> nn.Module:
     """The same weights for every caller with the same seed; `frozen` freezes one sub-module
     (the first block of TinyLM, the first layer of HF models), as LoRA-style runs do."""
     torch.manual_seed(seed)
@@ -134,7 +147,11 @@ def reference_run(
     device, so any difference left is the engine's, not two kernels' rounding.
     """
     model = make_model(**(model_kwargs or {}))
-    params = two_groups(model, weight_decay) if groups else [p for p in model.parameters() if p.requires_grad]
+    params = (
+        two_groups(model, weight_decay)
+        if groups
+        else [p for p in model.parameters() if p.requires_grad]
+    )
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     losses = []
     for tokens, targets in global_batches(steps, batch):

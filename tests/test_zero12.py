@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from engine_workers import base_config, train_grid
 from models import make_model, reference_run
-
 from partita.testing import run_distributed
 
 STEPS = 20
@@ -41,7 +41,12 @@ def _cases(stage: int) -> list[dict]:
         {"config": base_config(2, 1, **z), "steps": STEPS},
         {"config": base_config(2, 4, **z), "steps": STEPS},
         {"config": base_config(2, 1, clip=0.05, **z), "steps": STEPS},
-        {"config": base_config(2, 1, **z), "steps": STEPS, "groups": True, "model_kwargs": {"frozen": True}},
+        {
+            "config": base_config(2, 1, **z),
+            "steps": STEPS,
+            "groups": True,
+            "model_kwargs": {"frozen": True},
+        },
         {"config": base_config(2, 1, **z), "steps": STEPS},  # the first, again: bitwise
         {"config": base_config(2, 1), "steps": STEPS},  # stage 0 on the same data
     ]
@@ -56,12 +61,17 @@ def test_fp32_parity_with_reference_and_stage0(stage: int, world: int) -> None:
     _assert_parity(plain, *reference_run(STEPS, batch=batch))
     _assert_parity(accum, *reference_run(STEPS, batch=8 * world))
     _assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
-    _assert_parity(grouped, *reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True}))
+    _assert_parity(
+        grouped, *reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True})
+    )
     _assert_parity(plain, stage0["losses"], stage0["params"])
     assert again["losses"] == plain["losses"]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], plain["params"], strict=True))
     for rank_results in results[1:]:  # every rank ends with the same full weights
-        assert all(torch.equal(a, b) for a, b in zip(rank_results[0]["params"], plain["params"], strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(rank_results[0]["params"], plain["params"], strict=True)
+        )
 
 
 def _not_gpt2_key_bias(param: torch.Tensor, kind: str) -> torch.Tensor:
@@ -82,11 +92,17 @@ def _not_gpt2_key_bias(param: torch.Tensor, kind: str) -> torch.Tensor:
 def test_hugging_face_models_match_reference(kind: str) -> None:
     world = 2
     cases = [
-        {"config": base_config(2, 1, lr=HF_LR, **_zero(stage)), "steps": STEPS, "model_kwargs": {"kind": kind}}
+        {
+            "config": base_config(2, 1, lr=HF_LR, **_zero(stage)),
+            "steps": STEPS,
+            "model_kwargs": {"kind": kind},
+        }
         for stage in (0, 1, 2)
     ]
     results = run_distributed(train_grid, world, cases, timeout=240)
-    ref_losses, ref_params = reference_run(STEPS, batch=2 * world, lr=HF_LR, model_kwargs={"kind": kind})
+    ref_losses, ref_params = reference_run(
+        STEPS, batch=2 * world, lr=HF_LR, model_kwargs={"kind": kind}
+    )
     stage0 = results[0][0]
     for result in results[0][1:]:
         torch.testing.assert_close(
@@ -111,9 +127,16 @@ def test_mixed_precision_and_overflow() -> None:
     for stage in (1, 2):
         cases += [
             {"config": base_config(2, 1, lr=5e-3, **_zero(stage)), "steps": STEPS},
-            {"config": base_config(2, 1, lr=5e-3, bf16={"enabled": True}, **_zero(stage)), "steps": STEPS},
+            {
+                "config": base_config(2, 1, lr=5e-3, bf16={"enabled": True}, **_zero(stage)),
+                "steps": STEPS,
+            },
             {"config": base_config(2, 1, lr=5e-3, fp16=fp16, **_zero(stage)), "steps": STEPS},
-            {"config": base_config(2, 1, lr=5e-3, fp16=fp16, **_zero(stage)), "steps": 8, "inject_inf": (1, (5,))},
+            {
+                "config": base_config(2, 1, lr=5e-3, fp16=fp16, **_zero(stage)),
+                "steps": 8,
+                "inject_inf": (1, (5,)),
+            },
         ]
     results = run_distributed(train_grid, world, cases, timeout=240)
     for s in range(2):
@@ -142,7 +165,10 @@ def test_memory_and_communication_match_theory(world: int) -> None:
         for res in (stage1, stage2):
             mem = res["memory"]
             state = mem["master_params"] + mem["optimizer_state"]
-            assert abs(state - 12 * psi / world) <= 12 * slack / world + 64, (state, 12 * psi / world)
+            assert abs(state - 12 * psi / world) <= 12 * slack / world + 64, (
+                state,
+                12 * psi / world,
+            )
         grads2 = stage2["memory"]["grads"]
         assert abs(grads2 - 4 * psi / world) <= 4 * slack / world
         # Transient full-gradient buffers: the units in flight (2) plus the one filling, each at
@@ -157,3 +183,34 @@ def test_memory_and_communication_match_theory(world: int) -> None:
             for step in (s1, s2):
                 moved = (step[("reduce_scatter", "grad")] + step[("all_gather", "param")]) // 4
                 assert dp <= moved <= dp + 2 * slack, (dp, moved)
+
+
+def test_safe_get_and_set_accessors_agree_across_stages() -> None:
+    from engine_workers import accessor_probe
+
+    world = 2
+    results = {
+        stage: run_distributed(
+            accessor_probe, world, base_config(2, 1, **_zero(stage)), timeout=240
+        )
+        for stage in (0, 1, 2)
+    }
+    reference = results[0][0]
+    for stage in (1, 2):
+        ranks = results[stage]
+        for key in ("param", "grad", "exp_avg", "exp_avg_sq"):
+            for got, want in zip(ranks[0][key], reference[key], strict=True):
+                assert got is not None and torch.equal(got, want), key
+            for other in ranks[1:]:  # full values are the same on every rank
+                assert all(
+                    torch.equal(a, b) for a, b in zip(other[key], ranks[0][key], strict=True)
+                )
+        # Local parts from all ranks reassemble the full value.
+        for i, full in enumerate(ranks[0]["param"]):
+            local = torch.cat([r["local_param"][i] for r in ranks])
+            assert torch.equal(local, full.reshape(-1))
+            local_sq = torch.cat([r["local_exp_avg_sq"][i] for r in ranks])
+            assert torch.equal(local_sq, ranks[0]["exp_avg_sq"][i].reshape(-1))
+        for r in ranks:
+            assert torch.all(r["after_set_module"] == 0.5)
+            assert torch.all(r["after_set_master"] == 0.5)

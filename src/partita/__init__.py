@@ -25,6 +25,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "comm": ("partita.comm", None),
     "zero": ("partita.zero", None),
     "accelerator": ("partita.accelerator", None),
+    "utils": ("partita.utils", None),
 }
 
 __all__ = ["__version__", *_LAZY]

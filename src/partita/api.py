@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import Any
 
-from partita import cluster_env, comm
-from partita.config import ConfigError, DeepSpeedConfig, load_config
+from partita import cluster_env, comm, engine_setup
+from partita.config import DeepSpeedConfig, config_error, load_config
 from partita.data import DistributedDataLoader
 from partita.engine import Engine
 
@@ -23,7 +23,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default=False,
         help="enable partita; optionally followed by the config file (as in Hugging Face scripts)",
     )
-    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON/hjson config")
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed JSON/hjson config"
+    )
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
     return parser
@@ -31,23 +33,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if config is not None and config_params is not None:
-        raise ConfigError("pass the config as either config= or config_params=, not both")
+        raise config_error("", "pass the config as either config= or config_params=, not both")
     config = config if config is not None else config_params
     from_args = None
     if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+        from_args = getattr(args, "deepspeed_config", None) or getattr(
+            args, "deepscale_config", None
+        )
         flag = getattr(args, "deepspeed", None)
         if from_args is None and isinstance(flag, str):
             from_args = flag
     if config is not None and from_args is not None:
-        raise ConfigError(
-            f"a config was given both in the arguments ({from_args}) and to initialize(config=...); "
-            "keep one"
+        raise config_error(
+            "",
+            f"a config was given both in the arguments ({from_args}) and to initialize(config=...); keep one",
         )
     source = config if config is not None else from_args
     if source is None:
-        raise ConfigError(
-            "no config: pass initialize(config=dict or path) or --deepspeed_config PATH"
+        raise config_error(
+            "", "no config: pass initialize(config=dict or path) or --deepspeed_config PATH"
         )
     return source
 
@@ -83,14 +87,25 @@ def initialize(
     if model is None:
         raise ValueError("initialize() needs model=")
     if mpu is not None or mesh_param is not None:
-        raise NotImplementedError("model/pipeline parallel units (mpu, mesh_param) are not supported")
+        raise NotImplementedError(
+            "model/pipeline parallel units (mpu, mesh_param) are not supported"
+        )
     source = _config_source(args, config, config_params)
     cfg: DeepSpeedConfig = (
-        source if isinstance(source, DeepSpeedConfig) else load_config(source, world_size=_world_size())
+        source
+        if isinstance(source, DeepSpeedConfig)
+        else load_config(source, world_size=_world_size())
     )
+    engine_setup.check_supported(cfg)
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
-    engine = Engine(model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler)
+    engine = Engine(
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+    )
     loader = None
     if training_data is not None:
         loader = DistributedDataLoader(

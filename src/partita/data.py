@@ -30,8 +30,13 @@ class DistributedDataLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
         )
         self.loader = DataLoader(
             dataset,

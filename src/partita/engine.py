@@ -21,6 +21,7 @@ from partita.accelerator import get_accelerator, host_peak_rss, host_rss
 from partita.config import DeepSpeedConfig
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
+from partita.zero import accessors
 from partita.zero.strategy import Strategy
 
 logger = logging.getLogger("partita")
@@ -52,8 +53,11 @@ class Engine(torch.nn.Module):
         groups = engine_setup.param_groups(self.module, model_parameters, optimizer)
         make_optimizer = engine_setup.optimizer_factory(config, optimizer, groups)
         param_lists = [list(g["params"]) for g in groups]
-        self.strategy: Strategy = engine_setup.strategy(config, param_lists, self.policy, make_optimizer)
+        self.strategy: Strategy = engine_setup.strategy(
+            config, param_lists, self.policy, make_optimizer
+        )
         self.optimizer = self.strategy.optimizer
+        accessors.register(self.strategy)  # type: ignore[arg-type]
         self.lr_scheduler = engine_setup.lr_scheduler(config, lr_scheduler, self.optimizer)
         self.loss_scaler: LossScaler = engine_setup.loss_scaler(config, self.policy)
         self.monitor = build_monitor(
@@ -156,11 +160,15 @@ class Engine(torch.nn.Module):
         with self._timer("forward"):
             return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Backward of `loss`, scaled for accumulation and fp16; reduces gradients at the
         boundary. Returns the loss as given."""
         if loss.numel() != 1:
-            raise ValueError(f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}")
+            raise ValueError(
+                f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}"
+            )
         sync = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         gas = self.gradient_accumulation_steps()
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
@@ -176,7 +184,9 @@ class Engine(torch.nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Updates the weights at the accumulation boundary; counts the micro step always."""
         if self._inside_no_sync:
-            raise RuntimeError("engine.step() was called inside engine.no_sync(); leave the block first")
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(); leave the block first"
+            )
         if self.is_gradient_accumulation_boundary():
             with self._timer("step"):
                 self._take_model_step(lr_kwargs or {})
@@ -198,8 +208,11 @@ class Engine(torch.nn.Module):
                 logger.warning(
                     "step %d: non-finite gradients (norm %s); step skipped on every rank, "
                     "loss scale %g -> %g (skipped so far: %d)",
-                    self.global_steps, outcome.grad_norm, scale_before,
-                    self.loss_scaler.scale, self.skipped_steps,
+                    self.global_steps,
+                    outcome.grad_norm,
+                    scale_before,
+                    self.loss_scaler.scale,
+                    self.skipped_steps,
                 )
         self.strategy.zero_grad()
         self.global_steps += 1
@@ -219,8 +232,12 @@ class Engine(torch.nn.Module):
             self._window_start = time.perf_counter()
             logger.info(
                 "step=%d skipped=%d loss=%.6g lr=%s samples/s=%.1f%s",
-                self.global_steps, self.skipped_steps, loss, self.get_lr(),
-                spp * self.train_batch_size() / max(elapsed, 1e-9), self._timer.summary(),
+                self.global_steps,
+                self.skipped_steps,
+                loss,
+                self.get_lr(),
+                spp * self.train_batch_size() / max(elapsed, 1e-9),
+                self._timer.summary(),
             )
 
     def _events(self, loss: float) -> list[tuple[str, float, int]]:
@@ -235,8 +252,10 @@ class Engine(torch.nn.Module):
         )
         return out
 
-    def zero_grad(self) -> None:
-        """Zeroes accumulated gradients."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes accumulated gradients (the engine's buffers are reused: `set_to_none` is
+        accepted for nn.Module compatibility)."""
+        del set_to_none
         self.strategy.zero_grad()
 
     # --- memory and teardown -----------------------------------------------------------------

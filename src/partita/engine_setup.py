@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from partita import comm
-from partita.config import ConfigError, DeepSpeedConfig
+from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
 from partita.optim import build_optimizer, build_scheduler
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
@@ -36,7 +36,11 @@ def param_groups(
         groups = list(client.param_groups)
     else:
         items = list(module.parameters() if model_parameters is None else model_parameters)
-        groups = [dict(g) for g in items] if items and isinstance(items[0], dict) else [{"params": items}]
+        groups = (
+            [dict(g) for g in items]
+            if items and isinstance(items[0], dict)
+            else [{"params": items}]
+        )
     names = {p: n for n, p in module.named_parameters()}
     covered: set[torch.nn.Parameter] = set()
     for gi, group in enumerate(groups):
@@ -66,9 +70,9 @@ def optimizer_factory(
 ) -> OptimizerFactory:
     """How to build the optimizer once the strategy knows which tensors it steps per group."""
     if client is not None and config.optimizer is not None:
-        raise ConfigError(
-            "an optimizer was passed to initialize() and the config also has an 'optimizer' "
-            "block; keep one of them"
+        raise config_error(
+            "optimizer",
+            "an optimizer was passed to initialize() and the config also has an 'optimizer' block; keep one",
         )
 
     def mapped(stepped: list[list[torch.Tensor]]) -> list[dict[str, Any]]:
@@ -79,7 +83,9 @@ def optimizer_factory(
 
         def rewrite(stepped: list[list[torch.Tensor]]) -> torch.optim.Optimizer:
             if instance.state:
-                raise ValueError("the optimizer passed to initialize() already has state; pass a fresh one")
+                raise ValueError(
+                    "the optimizer passed to initialize() already has state; pass a fresh one"
+                )
             for group, tensors in zip(groups, stepped, strict=True):
                 group["params"] = tensors
             instance.param_groups = list(groups)
@@ -91,9 +97,9 @@ def optimizer_factory(
         return lambda stepped: factory(mapped(stepped))
     opt = config.optimizer
     if opt is None:
-        raise ConfigError(
-            "no optimizer: pass one to initialize(optimizer=...) or add an 'optimizer' block "
-            "to the config"
+        raise config_error(
+            "optimizer",
+            "no optimizer: pass one to initialize(optimizer=...) or add an 'optimizer' block",
         )
     return lambda stepped: build_optimizer(opt.type, dict(opt.params), mapped(stepped))
 
@@ -125,6 +131,48 @@ def loss_scaler(config: DeepSpeedConfig, policy: PrecisionPolicy) -> LossScaler:
     )
 
 
+def check_supported(config: DeepSpeedConfig) -> None:
+    """Rejects valid DeepSpeed settings this version of partita does not implement yet, so a
+    job fails at start-up, before any collective, instead of silently training differently."""
+    zero = config.zero_optimization
+    problems: list[Problem] = []
+    if zero.stage == 3:
+        problems.append(
+            Problem(
+                "zero_optimization.stage",
+                "3: parameter sharding is not available yet; use 0, 1 or 2",
+            )
+        )
+    for block in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, block)
+        if section is not None and section.device != "none":
+            problems.append(
+                Problem(
+                    f"zero_optimization.{block}.device",
+                    f"{section.device!r}: offload is not available yet; use 'none'",
+                )
+            )
+    for key, on in (
+        ("fp16.fp16_master_weights_and_grads", config.fp16.fp16_master_weights_and_grads),
+        ("bf16.bf16_master_weights_and_grads", config.bf16.bf16_master_weights_and_grads),
+        ("bf16.bf16_optimizer_states", config.bf16.bf16_optimizer_states),
+    ):
+        if on:
+            problems.append(
+                Problem(key, "partita keeps fp32 master weights and optimizer states; use false")
+            )
+    if config.data_types.grad_accum_dtype is not None:
+        problems.append(
+            Problem(
+                "data_types.grad_accum_dtype",
+                "a separate accumulation dtype is not available; remove the key (stage 0 accumulates "
+                "in the training dtype, ZeRO 1-2 gradient shards are fp32)",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
 def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     """Module, master and communication dtypes from the config."""
     return PrecisionPolicy.from_flags(
@@ -145,7 +193,9 @@ def strategy(
     if zero.stage == 0:
         return DataParallel(groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
     if zero.stage in (1, 2):
-        return Sharded(zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
-    raise ConfigError(
-        f"zero_optimization.stage={zero.stage} is not available in this version of partita yet"
+        return Sharded(
+            zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling
+        )
+    raise config_error(
+        "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .auto import AUTO_ALIASES, find_auto, resolve_auto
 from .batch import BatchSizes, resolve_batch_sizes
-from .errors import ConfigError, Problem
+from .errors import ConfigError, Problem, config_error
 from .loader import load_config, validate_config
 from .root import DeepSpeedConfig
 from .sections import (
@@ -53,6 +53,7 @@ __all__ = [
     "TensorBoardConfig",
     "WandbConfig",
     "ZeroConfig",
+    "config_error",
     "find_auto",
     "load_config",
     "resolve_auto",

@@ -68,3 +68,8 @@ def did_you_mean(key: str, candidates: Iterable[str]) -> str:
     """A ``"; did you mean 'x'?"`` suffix for a misspelt ``key``, or ``""`` if nothing is close."""
     matches = difflib.get_close_matches(key, sorted(set(candidates)), n=1, cutoff=0.6)
     return f"; did you mean '{matches[0]}'?" if matches else ""
+
+
+def config_error(path: str, message: str) -> ConfigError:
+    """A `ConfigError` with a single problem at dotted `path`."""
+    return ConfigError([Problem(path, message)])

@@ -47,7 +47,9 @@ class PrecisionPolicy:
         return self.param_dtype == torch.float16
 
     @classmethod
-    def from_flags(cls, fp16: bool, bf16: bool, communication_data_type: str | None) -> PrecisionPolicy:
+    def from_flags(
+        cls, fp16: bool, bf16: bool, communication_data_type: str | None
+    ) -> PrecisionPolicy:
         """The policy for the config's fp16/bf16 switches and ``communication_data_type``."""
         if fp16 and bf16:
             raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")

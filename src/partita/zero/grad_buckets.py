@@ -75,7 +75,9 @@ class GradientBuckets:
     def __post_init__(self) -> None:
         self._where: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self._build()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params
+        ]
         self._next_launch = 0
 
     def _build(self) -> None:
@@ -136,7 +138,9 @@ class GradientBuckets:
         p.grad = view
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+        while (
+            self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
+        ):
             self._launch(self.buckets[self._next_launch])
             self._next_launch += 1
 

@@ -14,7 +14,9 @@ import torch
 class MasterWeights:
     """Higher-precision copies of `params`, each an `nn.Parameter` with a `.grad` view."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype = torch.float32
+    ) -> None:
         self.model_params = list(params)
         total = sum(p.numel() for p in self.model_params)
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
@@ -56,7 +58,9 @@ class MasterWeights:
     def copy_to_model(self) -> None:
         """Writes the masters, cast to the module dtype, into the module's parameters."""
         if self.params:
-            torch._foreach_copy_([p.data for p in self.model_params], self.params)
+            torch._foreach_copy_(
+                [p.data for p in self.model_params], list[torch.Tensor](self.params)
+            )
 
     def restore_grad_views(self) -> None:
         """Puts the flat gradient views back if a caller replaced them (e.g. zero_grad)."""

@@ -25,7 +25,12 @@ class ShardedGroup:
     """One parameter group: its layout, flat parameter buffer and this rank's fp32 shards."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], bucket_numel: int, world: int, rank: int, master_dtype: torch.dtype
+        self,
+        params: list[torch.nn.Parameter],
+        bucket_numel: int,
+        world: int,
+        rank: int,
+        master_dtype: torch.dtype,
     ) -> None:
         self.params = params
         numels = [p.numel() for p in params]
@@ -40,7 +45,9 @@ class ShardedGroup:
                 view = self.flat_param[off : off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-        self.master = torch.nn.Parameter(torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device))
+        self.master = torch.nn.Parameter(
+            torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device)
+        )
         self.master.grad = torch.zeros_like(self.master)
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
@@ -87,7 +94,9 @@ class Sharded:
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
-        self.groups = [ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype) for g in groups]
+        self.groups = [
+            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype) for g in groups
+        ]
         self.grads = ShardedGradients(
             layouts=[g.layout for g in self.groups],
             params=[g.params for g in self.groups],
@@ -150,3 +159,81 @@ class Sharded:
     def close(self) -> None:
         """Removes the gradient hooks."""
         self.grads.remove_hooks()
+
+    # --- DeepSpeed's safe_get/set accessors (see partita.zero.accessors) ---------------------
+    def owns(self, param: torch.Tensor) -> bool:
+        """True for the parameters this strategy trains."""
+        return self._locate(param) is not None
+
+    def _locate(self, param: torch.Tensor) -> tuple[ShardedGroup, int] | None:
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                if p is param:
+                    return g, i
+        return None
+
+    def _shard(self, g: ShardedGroup, what: str) -> torch.Tensor | None:
+        if what == "param":
+            return g.master.detach()
+        if what == "grad":
+            return g.shard_grad
+        return self.optimizer.state.get(g.master, {}).get(what)
+
+    def _pieces(self, param: torch.Tensor) -> tuple[torch.Tensor | None, list, int]:
+        found = self._locate(param)
+        if found is None:
+            raise ValueError("parameter is not trained by this engine")
+        g, i = found
+        return g, [pc for pc in g.layout.shard_pieces(g.rank) if pc.index == i], i  # type: ignore[return-value]
+
+    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Parameter-shaped fp32 value assembled from every rank's shard (collective)."""
+        g, pieces, _ = self._pieces(param)
+        src = self._shard(g, what)  # type: ignore[arg-type]
+        if src is None:
+            return None
+        out = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        for pc in pieces:
+            out[pc.param_offset : pc.param_offset + pc.length] = src[
+                pc.shard_offset : pc.shard_offset + pc.length
+            ]
+        comm.all_reduce(out, group=self.process_group, tag="accessor")
+        return out.view(param.shape)
+
+    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """This rank's elements of the parameter's value, in parameter order (1-D)."""
+        g, pieces, _ = self._pieces(param)
+        src = self._shard(g, what)  # type: ignore[arg-type]
+        if src is None:
+            return None
+        parts = [src[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
+        return torch.cat(parts).float() if parts else src.new_zeros(0, dtype=torch.float32)
+
+    @torch.no_grad()
+    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes this rank's part of a full value (and, for "param", the module weight)."""
+        g, pieces, _ = self._pieces(param)
+        dst = self._shard(g, what)  # type: ignore[arg-type]
+        if dst is None:
+            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+        flat = value.reshape(-1)
+        for pc in pieces:
+            dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
+                flat[pc.param_offset : pc.param_offset + pc.length]
+            )
+        if what == "param":
+            param.copy_(value.view_as(param))
+
+    @torch.no_grad()
+    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes this rank's part (1-D, parameter order) of the value."""
+        g, pieces, _ = self._pieces(param)
+        dst = self._shard(g, what)  # type: ignore[arg-type]
+        if dst is None:
+            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+        offset = 0
+        for pc in pieces:
+            dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
+                value[offset : offset + pc.length]
+            )
+            offset += pc.length

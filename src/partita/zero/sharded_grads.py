@@ -65,14 +65,20 @@ class ShardedGradients:
         self._next = 0
         self._in_flight: list[Unit] = []
         self._transient_bytes = 0
-        hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g]
+        hooks = [
+            p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g
+        ]
         self._hooks = hooks
 
     def _build_units(self) -> None:
         order = {p: i for i, p in enumerate(reversed([p for g in self.params for p in g]))}
         for gi, (layout, params) in enumerate(zip(self.layouts, self.params, strict=True)):
             device, dtype = params[0].device, params[0].dtype
-            flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device) if self.persistent else None
+            flat = (
+                torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+                if self.persistent
+                else None
+            )
             self.flat_grads.append(flat)
             for seg in layout.segments:
                 members = [params[i] for i in seg.indices]
@@ -154,7 +160,9 @@ class ShardedGradients:
             data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
         unit.buffer = data if not self.persistent else None
         unit.output = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
-        unit.handle = comm.reduce_scatter(unit.output, data, group=self.group, async_op=True, tag="grad")
+        unit.handle = comm.reduce_scatter(
+            unit.output, data, group=self.group, async_op=True, tag="grad"
+        )
         self._in_flight.append(unit)
 
     def _retire(self, unit: Unit) -> None:
@@ -165,7 +173,9 @@ class ShardedGradients:
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         seg = unit.segment
-        self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel].add_(out)
+        self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel].add_(
+            out
+        )
         if unit.buffer is not None:
             self._transient_bytes -= unit.buffer.numel() * unit.buffer.element_size()
         unit.buffer = unit.output = unit.handle = None

@@ -8,6 +8,7 @@ optimizer steps the module's parameters directly, so no copy of the weights exis
 from __future__ import annotations
 
 import math
+
 import torch
 
 from partita import comm
@@ -30,8 +31,12 @@ class DataParallel:
         group: comm.ProcessGroup | None = None,
     ) -> None:
         self.params = [p for g in groups for p in g]
-        self.buckets = GradientBuckets(self.params, bucket_numel, scaling, policy.reduce_dtype, group)
-        self.master = MasterWeights(self.params, policy.master_dtype) if policy.needs_master else None
+        self.buckets = GradientBuckets(
+            self.params, bucket_numel, scaling, policy.reduce_dtype, group
+        )
+        self.master = (
+            MasterWeights(self.params, policy.master_dtype) if policy.needs_master else None
+        )
         if self.master is not None:
             mapping = self.master.by_model_param
             self.optimizer = make_optimizer([[mapping[p] for p in g] for g in groups])
@@ -92,3 +97,45 @@ class DataParallel:
     def close(self) -> None:
         """Removes the gradient hooks."""
         self.buckets.remove_hooks()
+
+    # --- DeepSpeed's safe_get/set accessors (see partita.zero.accessors) ---------------------
+    def owns(self, param: torch.Tensor) -> bool:
+        """True for the parameters this strategy trains."""
+        return any(param is p for p in self.params)
+
+    def _stepped(self, param: torch.Tensor) -> torch.Tensor:
+        if self.master is None:
+            return param
+        return self.master.by_model_param[param]  # type: ignore[index]
+
+    def _state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        stepped = self._stepped(param)
+        if what == "param":
+            return stepped.detach()
+        if what == "grad":
+            return param.grad
+        return self.optimizer.state.get(stepped, {}).get(what)
+
+    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Parameter-shaped fp32 copy of the master value, gradient or optimizer state."""
+        value = self._state(param, what)
+        return None if value is None else value.detach().float().clone()
+
+    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Stage 0 ranks hold everything: the full value, flattened."""
+        value = self.full_state(param, what)
+        return None if value is None else value.reshape(-1)
+
+    @torch.no_grad()
+    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes a master value (and the module weight), gradient or optimizer state."""
+        target = self._state(param, what)
+        if target is None:
+            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+        target.copy_(value.view_as(target))
+        if what == "param" and self.master is not None:
+            param.copy_(value.view_as(param))
+
+    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Same as `set_full_state` (the local part is the whole parameter)."""
+        self.set_full_state(param, what, value.reshape(param.shape))

@@ -1,0 +1,248 @@
+"""Shared pieces of the training benchmarks: model, data, timing, memory, launching, tables.
+
+A benchmark script is two halves. Its *orchestrator* launches one ``torchrun`` job per
+configuration with `launch_job` (so every configuration's peak RSS is its own processes'), and
+its *worker* (the same script, re-entered with ``--worker``) builds the model with
+`build_gpt2`, times steps with `time_steps` on `corpus_batches`, and returns `collect_result`.
+`render_markdown` and `write_results` print and save the side-by-side table.
+
+Everything here runs on CPU with gloo: the orchestrator hides GPUs from its jobs so that all
+configurations are compared on the same device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = ROOT / "data"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# GPT-2 shapes by name. "23m" is GPT-2 small's depth at a third of its width (12 layers of 256,
+# 4 heads of 64) with GPT-2's vocabulary and context: 22,605,568 parameters (tied embeddings),
+# big enough that the optimizer and gradient all-reduce matter, small enough for 2 CPU cores.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "23m": {"n_layer": 12, "n_embd": 256, "n_head": 4, "n_positions": 1024, "vocab_size": 50257},
+    "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+}
+
+# Hyper-parameters every configuration shares (torch.optim.AdamW's defaults, explicit).
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.999), 1e-8, 0.01, 1.0
+
+
+def build_gpt2(name: str, seed: int) -> torch.nn.Module:
+    """A Hugging Face GPT-2 of shape ``MODEL_SHAPES[name]`` with seeded random weights, no
+    dropout (so every configuration computes the same function)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(**MODEL_SHAPES[name], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def ds_config(micro_batch: int, stage: int, **extra: Any) -> dict[str, Any]:
+    """The DeepSpeed-style config shared by partita and DeepSpeed runs: fp32, AdamW with the
+    shared hyper-parameters, no scheduler, gradient clipping, ZeRO ``stage``."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "steps_per_print": 10**9,  # keep engine logging out of the timed steps
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WEIGHT_DECAY},
+        },
+        "zero_optimization": {"stage": stage},
+    }
+    config.update(extra)
+    return config
+
+
+def corpus_batches(rank: int, world: int, micro_batch: int, seq_len: int) -> Iterator[torch.Tensor]:
+    """Endless ``(micro_batch, seq_len)`` token batches from the bytes of ``data/*.txt``.
+
+    Step ``i`` on rank ``r`` reads windows ``(i * world + r) * micro_batch ...``, so every
+    configuration sees the same data and the ranks of one step never overlap."""
+    raw = b"\n\n".join(p.read_bytes() for p in sorted(DATA_DIR.glob("*.txt")))
+    tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    windows = tokens[: len(tokens) // seq_len * seq_len].view(-1, seq_len)
+    step = 0
+    while True:
+        first = ((step * world + rank) * micro_batch) % (len(windows) - micro_batch)
+        yield windows[first : first + micro_batch]
+        step += 1
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def time_steps(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    batches: Iterator[torch.Tensor],
+    warmup: int,
+    steps: int,
+) -> tuple[list[float], list[float]]:
+    """Run ``warmup`` untimed then ``steps`` timed training steps.
+
+    Each timed step starts at a barrier, so a step's time on a rank includes waiting for the
+    slowest rank's gradients. Returns (seconds per timed step, loss of every step)."""
+    times: list[float] = []
+    losses: list[float] = []
+    for i in range(warmup + steps):
+        batch = next(batches)
+        barrier()
+        start = time.perf_counter()
+        loss = step(batch)
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss.detach()))
+        if i >= warmup:
+            times.append(elapsed)
+    return times, losses
+
+
+def collect_result(
+    times: list[float], losses: list[float], baseline_rss_mb: float, extra: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Gather every rank's timings and memory; rank 0 gets the job's result, others None.
+
+    The step time of a step is the slowest rank's; the median over steps is the headline."""
+    mine = {"times": times, "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline_rss_mb}
+    ranks: list[Any] = [mine]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        if dist.get_rank() != 0:
+            return None
+    step_times = [max(r["times"][i] for r in ranks) for i in range(len(times))]
+    return {
+        "median_step_s": statistics.median(step_times),
+        "step_times_s": step_times,
+        "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+        "baseline_rss_mb": [r["baseline_rss_mb"] for r in ranks],
+        "losses": losses,
+        **extra,
+    }
+
+
+def launch_job(
+    script: Path, worker_args: Sequence[str], nprocs: int, threads: int, timeout_s: float
+) -> dict[str, Any]:
+    """Run ``script --result_file F *worker_args`` under torchrun with ``nprocs`` processes and
+    return the JSON its rank 0 wrote to F; raises RuntimeError with the job's output tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "result.json"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nprocs}", str(script), "--result_file", str(result_file),
+            *worker_args,
+        ]  # fmt: skip
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(threads),
+            "CUDA_VISIBLE_DEVICES": "",  # every configuration on CPU
+            "DS_ACCELERATOR": "cpu",  # DeepSpeed assumes CUDA unless told
+        }
+        proc = subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
+        )
+        if proc.returncode != 0 or not result_file.exists():
+            tail = (proc.stdout + proc.stderr)[-4000:]
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
+        return json.loads(result_file.read_text())
+
+
+def environment() -> dict[str, Any]:
+    """Versions and host facts that belong next to any timing."""
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }
+    try:
+        from importlib.metadata import version
+
+        info["deepspeed"] = version("deepspeed")
+    except Exception:  # not installed: the DeepSpeed rows are skipped
+        info["deepspeed"] = None
+    return info
+
+
+@dataclass
+class Row:
+    """One configuration's line of the table."""
+
+    name: str
+    result: dict[str, Any] | None  # None when the configuration was skipped or failed
+    note: str = ""
+    is_peer: bool = True  # peers are what partita is compared against
+
+
+def render_markdown(rows: list[Row], rss_reference: str, title: str) -> str:
+    """The side-by-side table: median step time, its ratio to the fastest peer, peak RSS per
+    rank and its ratio (largest rank) to the ``rss_reference`` row, and the last loss."""
+    done = [r for r in rows if r.result is not None]
+    peers = [r for r in done if r.is_peer]
+    best = min(peers, key=lambda r: r.result["median_step_s"]) if peers else None  # type: ignore[index]
+    ref = next((r for r in done if r.name == rss_reference), None)
+    lines = [
+        f"### {title}",
+        "",
+        "| configuration | median step (ms) | vs best peer | peak RSS per rank (MB) "
+        f"| RSS vs {rss_reference} | final loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        res = row.result
+        if res is None:
+            lines.append(f"| {row.name} | {row.note or 'skipped'} | | | | |")
+            continue
+        step_ms = res["median_step_s"] * 1e3
+        vs_best = f"{res['median_step_s'] / best.result['median_step_s']:.2f}x" if best else "-"  # type: ignore[index]
+        rss = " / ".join(f"{m:.0f}" for m in res["peak_rss_mb"])
+        vs_ref = (
+            f"{max(res['peak_rss_mb']) / max(ref.result['peak_rss_mb']):.2f}x" if ref else "-"  # type: ignore[union-attr]
+        )
+        lines.append(
+            f"| {row.name} | {step_ms:.1f} | {vs_best} | {rss} | {vs_ref} | {res['losses'][-1]:.4f} |"
+        )
+    if best is not None:
+        lines += ["", f"Best peer: {best.name}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(stem: str, markdown: str, payload: dict[str, Any]) -> tuple[Path, Path]:
+    """Write ``results/<stem>.md`` and ``results/<stem>.json``; returns both paths."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = RESULTS_DIR / f"{stem}.md", RESULTS_DIR / f"{stem}.json"
+    md_path.write_text(markdown)
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    return md_path, json_path
