@@ -38,6 +38,9 @@ IMPLS: dict[str, str] = {
     "deepspeed": "DeepSpeed stage 0",
 }
 PEERS = ("ddp-fused", "ddp", "deepspeed")
+# fp32 runs of one model on the same data differ only by summation order (fused vs for-loop
+# AdamW, bucketed all-reduce); a gap above this means a configuration trained something else.
+LOSS_GAP_WARN = 1e-3
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -59,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--job_timeout", type=float, default=1800.0, help="seconds per job")
+    p.add_argument("--results_dir", type=Path, default=common.RESULTS_DIR, help="where to write")
     p.add_argument("--worker", choices=list(IMPLS), help=argparse.SUPPRESS)
     p.add_argument("--result_file", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -119,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    baseline = common.peak_rss_mb()  # interpreter + torch + transformers, before the model
+    baseline = common.peak_rss_mb()  # interpreter and torch: before transformers, model, engine
     model = common.build_gpt2(args.model, args.seed)
     if args.worker in ("ddp", "ddp-fused"):
         step, extra = setup_ddp(model, fused=args.worker == "ddp-fused")
@@ -131,6 +135,7 @@ def worker(args: argparse.Namespace) -> None:
     result = common.collect_result(times, losses, baseline, extra)
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
+    common.shutdown()
 
 
 # --- orchestrator --------------------------------------------------------------------------
@@ -193,13 +198,19 @@ def main() -> None:
     )
     markdown = common.render_markdown(rows, rss_reference=IMPLS["ddp-fused"], title=title)
     print("\n" + markdown)
+    gaps = common.loss_gaps(rows, reference=IMPLS["ddp-fused"])
+    for name, gap in gaps.items():
+        if gap > LOSS_GAP_WARN:
+            print(f"WARNING: {name}: losses differ from {IMPLS['ddp-fused']} by up to {gap:.2e}")
     payload = {
-        "benchmark": "dp", "args": vars(args), "environment": common.environment(),
+        "benchmark": "dp", "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "environment": common.environment(),
         "rows": [{"name": r.name, "note": r.note, "peer": r.is_peer, "result": r.result} for r in rows],
-        "errors": errors,
+        "max_loss_gap_vs_ddp_fused": gaps, "errors": errors,
     }  # fmt: skip
-    md_path, json_path = common.write_results(f"dp_{args.model}", markdown, payload)
-    print(f"wrote {md_path.relative_to(common.ROOT)} and {json_path.relative_to(common.ROOT)}")
+    md_path, json_path = common.write_results(
+        f"dp_{args.model}", markdown, payload, args.results_dir
+    )
+    print(f"wrote {md_path} and {json_path}")
     if errors:
         sys.exit(1)
 

@@ -36,9 +36,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # GPT-2 shapes by name. "23m" is GPT-2 small's depth at a third of its width (12 layers of 256,
 # 4 heads of 64) with GPT-2's vocabulary and context: 22,605,568 parameters (tied embeddings),
 # big enough that the optimizer and gradient all-reduce matter, small enough for 2 CPU cores.
-MODEL_SHAPES: dict[str, dict[str, int]] = {
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "23m": {"n_layer": 12, "n_embd": 256, "n_head": 4, "n_positions": 1024, "vocab_size": 50257},
     "124m": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+    # For smoke tests of the benchmark scripts themselves: seconds, not minutes.
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 128, "vocab_size": 256},
 }
 
 # Hyper-parameters every configuration shares (torch.optim.AdamW's defaults, explicit).
@@ -94,14 +96,23 @@ def corpus_batches(rank: int, world: int, micro_batch: int, seq_len: int) -> Ite
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far, in MB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident set size so far, in MB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
 
 
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Tear the process group down once every rank is done, rather than leaving it to the
+    interpreter's exit, where the order in which library threads stop is not defined."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def time_steps(
@@ -174,7 +185,7 @@ def launch_job(
             cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
         )
         if proc.returncode != 0 or not result_file.exists():
-            tail = (proc.stdout + proc.stderr)[-4000:]
+            tail = (proc.stdout + proc.stderr)[-12000:]
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
         return json.loads(result_file.read_text())
 
@@ -208,41 +219,58 @@ class Row:
 
 def render_markdown(rows: list[Row], rss_reference: str, title: str) -> str:
     """The side-by-side table: median step time, its ratio to the fastest peer, peak RSS per
-    rank and its ratio (largest rank) to the ``rss_reference`` row, and the last loss."""
-    done = [r for r in rows if r.result is not None]
-    peers = [r for r in done if r.is_peer]
-    best = min(peers, key=lambda r: r.result["median_step_s"]) if peers else None  # type: ignore[index]
-    ref = next((r for r in done if r.name == rss_reference), None)
+    rank and its ratio (largest rank) to the ``rss_reference`` row, the last step's loss (equal
+    losses show that the configurations computed the same thing) and the optimizer class."""
+    done = {r.name: r.result for r in rows if r.result is not None}
+    peer_times = {r.name: r.result["median_step_s"] for r in rows if r.result and r.is_peer}
+    best = min(peer_times, key=peer_times.__getitem__) if peer_times else None
+    ref_rss = max(done[rss_reference]["peak_rss_mb"]) if rss_reference in done else None
     lines = [
         f"### {title}",
         "",
         "| configuration | median step (ms) | vs best peer | peak RSS per rank (MB) "
-        f"| RSS vs {rss_reference} | final loss |",
-        "|---|---:|---:|---:|---:|---:|",
+        f"| RSS vs {rss_reference} | final loss | optimizer |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         res = row.result
         if res is None:
-            lines.append(f"| {row.name} | {row.note or 'skipped'} | | | | |")
+            lines.append(f"| {row.name} | {row.note or 'skipped'} | | | | | |")
             continue
         step_ms = res["median_step_s"] * 1e3
-        vs_best = f"{res['median_step_s'] / best.result['median_step_s']:.2f}x" if best else "-"  # type: ignore[index]
+        vs_best = f"{res['median_step_s'] / peer_times[best]:.2f}x" if best else "-"
         rss = " / ".join(f"{m:.0f}" for m in res["peak_rss_mb"])
-        vs_ref = (
-            f"{max(res['peak_rss_mb']) / max(ref.result['peak_rss_mb']):.2f}x" if ref else "-"  # type: ignore[union-attr]
-        )
+        vs_ref = f"{max(res['peak_rss_mb']) / ref_rss:.2f}x" if ref_rss else "-"
         lines.append(
-            f"| {row.name} | {step_ms:.1f} | {vs_best} | {rss} | {vs_ref} | {res['losses'][-1]:.4f} |"
+            f"| {row.name} | {step_ms:.1f} | {vs_best} | {rss} | {vs_ref} | {res['losses'][-1]:.4f} "
+            f"| {res.get('optimizer', '')} |"
         )
     if best is not None:
-        lines += ["", f"Best peer: {best.name}."]
+        lines += ["", f"Best peer: {best}."]
     return "\n".join(lines) + "\n"
 
 
-def write_results(stem: str, markdown: str, payload: dict[str, Any]) -> tuple[Path, Path]:
-    """Write ``results/<stem>.md`` and ``results/<stem>.json``; returns both paths."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    md_path, json_path = RESULTS_DIR / f"{stem}.md", RESULTS_DIR / f"{stem}.json"
+def loss_gaps(rows: list[Row], reference: str) -> dict[str, float]:
+    """Largest per-step loss difference of each finished row from the ``reference`` row.
+
+    Every configuration trains the same model on the same data with the same optimizer, so the
+    gaps should be rounding-sized; a large one means a configuration computed something else."""
+    results = {r.name: r.result for r in rows if r.result is not None}
+    if reference not in results:
+        return {}
+    ref = results[reference]["losses"]
+    return {
+        name: max(abs(a - b) for a, b in zip(res["losses"], ref, strict=True))
+        for name, res in results.items()
+    }
+
+
+def write_results(
+    stem: str, markdown: str, payload: dict[str, Any], results_dir: Path = RESULTS_DIR
+) -> tuple[Path, Path]:
+    """Write ``<results_dir>/<stem>.md`` and ``.json``; returns both paths."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    md_path, json_path = results_dir / f"{stem}.md", results_dir / f"{stem}.json"
     md_path.write_text(markdown)
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     return md_path, json_path

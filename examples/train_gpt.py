@@ -6,7 +6,7 @@ Run it with 2 CPU processes (``scripts/demo.sh`` does exactly this)::
 
 ``import partita as deepspeed`` is the whole port: pass ``--backend deepspeed`` (or set
 ``PARTITA_BACKEND=deepspeed``) to run the same loop on the real DeepSpeed for comparison,
-launched with ``torchrun --nproc_per_node 2`` or ``deepspeed --num_gpus 2``.
+launched the same way or with ``torchrun --nproc_per_node 2``.
 
 Tokens are raw bytes (vocabulary 256), so nothing is downloaded; the model is a Hugging Face
 GPT-2 built from a small ``GPT2Config`` with random weights.
@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -84,7 +85,8 @@ def load_corpus() -> torch.Tensor:
 
 def peak_rss_per_rank() -> list[float]:
     """Peak resident memory of every rank in MB (a collective: all ranks must call it)."""
-    mine = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    mine = peak / (MB if sys.platform == "darwin" else 1024)
     if not dist.is_initialized():
         return [mine]
     everyone: list[Any] = [None] * dist.get_world_size()
@@ -141,7 +143,9 @@ def main() -> None:
     grad_accum = engine.gradient_accumulation_steps()
     # Each rank reads its own 1/world of the windows, reshuffled every epoch (seeded).
     dataset = ByteChunks(load_corpus(), args.seq_len)
-    sampler = DistributedSampler(dataset, world, rank, shuffle=True, seed=args.seed, drop_last=True)
+    sampler: DistributedSampler[torch.Tensor] = DistributedSampler(
+        dataset, world, rank, shuffle=True, seed=args.seed, drop_last=True
+    )
     loader = DataLoader(dataset, batch_size=micro_bs, sampler=sampler, drop_last=True)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -167,8 +171,10 @@ def main() -> None:
             if step % args.print_every == 0 or step == args.steps:
                 rss = peak_rss_per_rank()  # collective: every rank takes part
                 tok_s = tokens_per_step * step / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{loss.item():.3f}"  # rank 0's micro-batch, lr=f"{engine.get_lr()[0]:.1e}",
-                                tok_s=f"{tok_s:,.0f}", rss_mb="/".join(f"{m:.0f}" for m in rss))  # fmt: skip
+                postfix = {"loss": f"{loss.item():.3f}", "lr": f"{engine.get_lr()[0]:.1e}"}
+                postfix["tok_s"] = f"{tok_s:,.0f}"  # all ranks' tokens; the loss is rank 0's
+                postfix["rss_mb"] = "/".join(f"{mb:.0f}" for mb in rss)
+                bar.set_postfix(postfix)
             if step == args.steps:
                 break
         epoch += 1
@@ -179,6 +185,8 @@ def main() -> None:
         text = sample(engine, b"It is a truth ", args.sample_tokens, args.seq_len, args.seed)
         if rank == 0:
             print("sample:", text)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

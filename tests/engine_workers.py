@@ -70,7 +70,7 @@ def train(
     losses, comm_bytes, applied, scales, unchanged = [], [], [], [], []
     for step, batch in enumerate(global_batches(steps, micro * gas * world)):
         armed[0] = inject_inf is not None and step in inject_inf[1]
-        before = [p.detach().clone() for p in engine.module.parameters()]
+        before = _full_params(engine)
         step_loss = torch.zeros(())
         for m in range(gas):
             tokens, targets = rank_micro_batch(batch, rank, world, micro, m)
@@ -89,7 +89,7 @@ def train(
     logging.getLogger("partita").removeHandler(capture)
     return {
         "losses": losses,
-        "params": [p.detach().float().clone() for p in engine.module.parameters()],
+        "params": _full_params(engine),
         "dtype": str(dtype),
         "skipped": engine.skipped_steps,
         "applied": applied,
@@ -103,6 +103,7 @@ def train(
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "memory": engine.memory_breakdown(),
+        **_stage3_stats(engine),
         "numel": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
     }
 
@@ -142,3 +143,44 @@ def accessor_probe(config: dict) -> dict[str, Any]:
     out["after_set_module"] = target.detach().float().clone()
     out["after_set_master"] = utils.safe_get_full_fp32_param(target)
     return out
+
+
+def _stage3_stats(engine: Any) -> dict[str, Any]:
+    """Gather instrumentation of a stage-3 engine (empty for other stages)."""
+    strategy = engine.strategy
+    if not hasattr(strategy, "scheduler"):
+        return {}
+    return {
+        "peak_live": strategy.scheduler.peak_live_numel,
+        "unit_numels": [u.numel for u in strategy.units],
+        "padded_numel": sum(u.layout.padded_numel for u in strategy.all_units),
+        "persistent_numel": 0 if strategy.persistent is None else strategy.persistent.numel,
+    }
+
+
+def generate_after_training(config: dict, kind: str) -> list[list[int]]:
+    """Trains 2 steps, then greedy-generates with Hugging Face `generate` under no_grad."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    micro = config["train_micro_batch_size_per_gpu"]
+    model = make_model(kind=kind)
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    for batch in global_batches(2, micro * world):
+        loss = engine(*rank_micro_batch(batch, rank, world, micro, 0))
+        engine.backward(loss)
+        engine.step()
+    engine.eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        out = engine.module.model.generate(
+            prompt, max_new_tokens=4, do_sample=False, pad_token_id=0
+        )
+    return out.tolist()
+
+
+def _full_params(engine: Any) -> list[torch.Tensor]:
+    """Every parameter's full value as fp32 (gathered under stage 3)."""
+    params = list(engine.module.parameters())
+    with partita.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]

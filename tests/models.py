@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 VOCAB = 64
@@ -25,8 +26,11 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Embedding, residual blocks, norm and head; returns the mean token cross-entropy."""
 
-    def __init__(self, dim: int = 32, layers: int = 2, tie: bool = False) -> None:
+    def __init__(
+        self, dim: int = 32, layers: int = 2, tie: bool = False, checkpoint: bool = False
+    ) -> None:
         super().__init__()
+        self.checkpoint = checkpoint
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
         self.norm = nn.LayerNorm(dim)
@@ -37,7 +41,10 @@ class TinyLM(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.norm(x))
         return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 

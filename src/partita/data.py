@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+
+class _ResumeSampler(Sampler[int]):
+    """Passes `inner`'s indices through, dropping the first `skip` of the next pass once (how a
+    restored loader continues mid-epoch without loading the skipped samples)."""
+
+    def __init__(self, inner: Sampler[Any]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.inner), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
 
 
 class DistributedDataLoader:
@@ -38,28 +55,70 @@ class DistributedDataLoader:
             seed=seed,
             drop_last=drop_last,
         )
+        self._resume = _ResumeSampler(self.sampler)
+        self.seed = seed
+        self.generator = torch.Generator()
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size,
-            sampler=self.sampler,
+            sampler=self._resume,
+            generator=self.generator,
             collate_fn=collate_fn,
             drop_last=drop_last,
             num_workers=num_workers,
             pin_memory=pin_memory,
         )
         self.epoch = 0
+        self._resume_batches = 0
+        self._position = (0, 0)
+        """(epoch, batches yielded in it) of the pass in progress or about to start."""
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        self.sampler.set_epoch(self.epoch)
+        epoch, start = self.epoch, self._resume_batches
+        self._resume_batches = 0
+        self.sampler.set_epoch(epoch)
+        self.generator.manual_seed(self.seed + epoch)
+        self._resume.skip = start * self.batch_size
         self.epoch += 1
-        return iter(self.loader)
+        self._position = (epoch, start)
+        return self._counted(iter(self.loader), epoch, start)
+
+    def _counted(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
+        yielded = start
+        for batch in batches:
+            yielded += 1
+            self._position = (epoch, yielded)
+            yield batch
+        self._position = (epoch + 1, 0)
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch comes from: ``{"epoch", "batches"}`` (batches already yielded
+        in that epoch), plus the batch size and seed it applies to."""
+        epoch, done = self._position
+        if done >= len(self.loader):
+            epoch, done = epoch + 1, 0
+        return {"epoch": epoch, "batches": done, "batch_size": self.batch_size, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Makes the next pass continue at `state_dict`'s position (create iterators after
+        this call: one made before it keeps its old position)."""
+        if int(state["batch_size"]) != self.batch_size:
+            raise ValueError(
+                f"data loader state saved with batch_size={state['batch_size']}, this loader "
+                f"has batch_size={self.batch_size}"
+            )
+        self.epoch = int(state["epoch"])
+        self._resume_batches = int(state["batches"])
+        self._position = (self.epoch, self._resume_batches)
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the shuffle of pass `epoch` for the next iteration."""
         self.epoch = epoch
+        self._resume_batches = 0
+        self._position = (epoch, 0)
 
     @property
     def batch_size(self) -> int:

@@ -54,7 +54,7 @@ class Engine(torch.nn.Module):
         make_optimizer = engine_setup.optimizer_factory(config, optimizer, groups)
         param_lists = [list(g["params"]) for g in groups]
         self.strategy: Strategy = engine_setup.strategy(
-            config, param_lists, self.policy, make_optimizer
+            config, self.module, param_lists, self.policy, make_optimizer
         )
         self.optimizer = self.strategy.optimizer
         accessors.register(self.strategy)  # type: ignore[arg-type]
@@ -263,11 +263,61 @@ class Engine(torch.nn.Module):
         """Bytes this rank holds per category (params, grads, master_params, optimizer_state,
         comm_buffers), the device's peak allocation, and the process's RSS and peak RSS."""
         report = self.strategy.memory_breakdown()
-        report["params"] = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        if not self.strategy.shards_params:  # frozen weights are the module's, not the strategy's
+            report["params"] += sum(
+                p.numel() * p.element_size()
+                for p in self.module.parameters()
+                if not p.requires_grad
+            )
         report["device_peak"] = self.accelerator.max_memory_allocated()
         report["rss"] = host_rss()
         report["peak_rss"] = host_peak_rss()
         return report
+
+    # --- checkpoints (partita.checkpoint) -------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Saves a sharded, atomic checkpoint; every rank must call it (see
+        `partita.checkpoint.save_checkpoint`)."""
+        from partita.checkpoint import save_checkpoint
+
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Loads a checkpoint saved at any world size and stage; returns ``(load_path,
+        client_state)`` (see `partita.checkpoint.load_checkpoint`)."""
+        from partita.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
     def destroy(self) -> None:
         """Releases hooks and closes monitors (the process group stays up)."""

@@ -14,6 +14,7 @@ from partita.optim import build_optimizer, build_scheduler
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.sharded import Sharded
+from partita.zero.stage3 import FullySharded
 from partita.zero.stage0 import DataParallel
 from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
 
@@ -136,13 +137,6 @@ def check_supported(config: DeepSpeedConfig) -> None:
     job fails at start-up, before any collective, instead of silently training differently."""
     zero = config.zero_optimization
     problems: list[Problem] = []
-    if zero.stage == 3:
-        problems.append(
-            Problem(
-                "zero_optimization.stage",
-                "3: parameter sharding is not available yet; use 0, 1 or 2",
-            )
-        )
     for block in ("offload_optimizer", "offload_param"):
         section = getattr(zero, block)
         if section is not None and section.device != "none":
@@ -182,6 +176,7 @@ def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
 
 def strategy(
     config: DeepSpeedConfig,
+    module: torch.nn.Module,
     groups: ParamGroups,
     policy: PrecisionPolicy,
     make_optimizer: OptimizerFactory,
@@ -192,6 +187,8 @@ def strategy(
     scaling = ReduceScaling(world, config.prescale_gradients, config.gradient_predivide_factor)
     if zero.stage == 0:
         return DataParallel(groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
+    if zero.stage == 3:
+        return FullySharded(module, groups, policy, make_optimizer, zero, scaling)
     if zero.stage in (1, 2):
         return Sharded(
             zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling

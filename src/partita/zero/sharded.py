@@ -14,11 +14,17 @@ import math
 import torch
 
 from partita import comm
-from partita.partition import FlatLayout, plan_buckets, segment_views
+from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.sharded_grads import ShardedGradients
-from partita.zero.strategy import OptimizerFactory, ParamGroups, StepOutcome, optimizer_state_bytes
+from partita.zero.strategy import (
+    OptimizerFactory,
+    ParamGroups,
+    StepOutcome,
+    ensure_state,
+    optimizer_state_bytes,
+)
 
 
 class ShardedGroup:
@@ -179,19 +185,34 @@ class Sharded:
             return g.shard_grad
         return self.optimizer.state.get(g.master, {}).get(what)
 
-    def _pieces(self, param: torch.Tensor) -> tuple[torch.Tensor | None, list, int]:
+    def _pieces(self, param: torch.Tensor) -> tuple[ShardedGroup, list[Piece]]:
         found = self._locate(param)
         if found is None:
             raise ValueError("parameter is not trained by this engine")
         g, i = found
-        return g, [pc for pc in g.layout.shard_pieces(g.rank) if pc.index == i], i  # type: ignore[return-value]
+        return g, [pc for pc in g.layout.shard_pieces(g.rank) if pc.index == i]
+
+    shards_params = False
+    """True when parameters themselves are sharded (stage 3)."""
+    replicated = False
+    """Each rank holds the state of its own shard only."""
+
+    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        """(offset, length) ranges of the flattened parameter whose state this rank holds."""
+        _, pieces = self._pieces(param)
+        return [(pc.param_offset, pc.length) for pc in pieces]
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Names of the optimizer's per-parameter state entries."""
+        return sorted({k for st in self.optimizer.state.values() for k in st})
 
     def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """Parameter-shaped fp32 value assembled from every rank's shard (collective)."""
-        g, pieces, _ = self._pieces(param)
-        src = self._shard(g, what)  # type: ignore[arg-type]
-        if src is None:
-            return None
+        """Parameter-shaped fp32 value assembled from every rank's shard (collective); scalar
+        optimizer state (Adam's ``step``) is returned as is."""
+        g, pieces = self._pieces(param)
+        src = self._shard(g, what)
+        if src is None or src.dim() == 0:
+            return None if src is None else src.clone()
         out = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         for pc in pieces:
             out[pc.param_offset : pc.param_offset + pc.length] = src[
@@ -201,21 +222,30 @@ class Sharded:
         return out.view(param.shape)
 
     def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's elements of the parameter's value, in parameter order (1-D)."""
-        g, pieces, _ = self._pieces(param)
-        src = self._shard(g, what)  # type: ignore[arg-type]
-        if src is None:
-            return None
+        """This rank's elements of the parameter's value, in `owned_ranges` order (1-D)."""
+        g, pieces = self._pieces(param)
+        src = self._shard(g, what)
+        if src is None or src.dim() == 0:
+            return None if src is None else src.clone()
         parts = [src[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
         return torch.cat(parts).float() if parts else src.new_zeros(0, dtype=torch.float32)
+
+    def _target(self, g: ShardedGroup, what: str, value: torch.Tensor) -> torch.Tensor:
+        dst = self._shard(g, what)
+        if dst is None:
+            if what in ("param", "grad"):
+                raise ValueError(f"parameter has no {what!r} yet (run a backward first)")
+            dst = ensure_state(self.optimizer, g.master, what, value)
+        return dst
 
     @torch.no_grad()
     def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
         """Writes this rank's part of a full value (and, for "param", the module weight)."""
-        g, pieces, _ = self._pieces(param)
-        dst = self._shard(g, what)  # type: ignore[arg-type]
-        if dst is None:
-            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+        g, pieces = self._pieces(param)
+        dst = self._target(g, what, value)
+        if dst.dim() == 0:
+            dst.copy_(value)
+            return
         flat = value.reshape(-1)
         for pc in pieces:
             dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
@@ -226,14 +256,24 @@ class Sharded:
 
     @torch.no_grad()
     def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's part (1-D, parameter order) of the value."""
-        g, pieces, _ = self._pieces(param)
-        dst = self._shard(g, what)  # type: ignore[arg-type]
-        if dst is None:
-            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+        """Writes this rank's part (1-D, `owned_ranges` order) of the value. For "param" the
+        module weight follows at the next all-gather (`refresh_params` forces one)."""
+        g, pieces = self._pieces(param)
+        dst = self._target(g, what, value)
+        if dst.dim() == 0:
+            dst.copy_(value)
+            return
         offset = 0
         for pc in pieces:
             dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
                 value[offset : offset + pc.length]
             )
             offset += pc.length
+
+    def refresh_params(self) -> None:
+        """All-gathers the master shards into the module's parameters (after loading state)."""
+        handles: list[comm.Work] = []
+        for g in self.groups:
+            g.all_gather_params(handles)
+        for h in handles:
+            h.wait()

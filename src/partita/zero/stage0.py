@@ -15,7 +15,13 @@ from partita import comm
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
 from partita.zero.master import MasterWeights
-from partita.zero.strategy import OptimizerFactory, ParamGroups, StepOutcome, optimizer_state_bytes
+from partita.zero.strategy import (
+    OptimizerFactory,
+    ParamGroups,
+    StepOutcome,
+    ensure_state,
+    optimizer_state_bytes,
+)
 
 
 class DataParallel:
@@ -124,18 +130,41 @@ class DataParallel:
     def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
         """Stage 0 ranks hold everything: the full value, flattened."""
         value = self.full_state(param, what)
-        return None if value is None else value.reshape(-1)
+        if value is None or value.dim() == 0:
+            return value
+        return value.reshape(-1)
+
+    shards_params = False
+    """True when parameters themselves are sharded (stage 3)."""
+    replicated = True
+    """Every rank holds every parameter's whole state (checkpoints save it once)."""
+
+    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        """(offset, length) ranges of the flattened parameter whose state this rank holds."""
+        return [(0, param.numel())]
+
+    def refresh_params(self) -> None:
+        """Copies the masters into the module (after loading state into them)."""
+        if self.master is not None:
+            self.master.copy_to_model()
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Names of the optimizer's per-parameter state entries."""
+        return sorted({k for st in self.optimizer.state.values() for k in st})
 
     @torch.no_grad()
     def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes a master value (and the module weight), gradient or optimizer state."""
+        """Writes a master value (and the module weight), gradient or optimizer state (created
+        if the optimizer has none yet)."""
         target = self._state(param, what)
         if target is None:
-            raise ValueError(f"parameter has no {what!r} state yet (run a step first)")
+            if what in ("param", "grad"):
+                raise ValueError(f"parameter has no {what!r} yet (run a backward first)")
+            target = ensure_state(self.optimizer, self._stepped(param), what, value)
         target.copy_(value.view_as(target))
         if what == "param" and self.master is not None:
             param.copy_(value.view_as(param))
 
     def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
         """Same as `set_full_state` (the local part is the whole parameter)."""
-        self.set_full_state(param, what, value.reshape(param.shape))
+        self.set_full_state(param, what, value if value.dim() == 0 else value.reshape(param.shape))

@@ -63,6 +63,33 @@ class Strategy(Protocol):
         """Removes hooks and frees buffers."""
         ...
 
+    # State access, for accessors and checkpoints. `what` is "param" (fp32 master), "grad"
+    # (reduced gradient) or an optimizer state key; values are fp32.
+    replicated: bool
+    shards_params: bool
+    """True when the module's parameters themselves are sharded (stage 3)."""
+    """True when every rank holds every parameter's whole state (stage 0)."""
+
+    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        """(offset, length) ranges of the flattened `param` whose state this rank holds."""
+        ...
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Names of the optimizer's per-parameter state entries (e.g. exp_avg, step)."""
+        ...
+
+    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """This rank's owned elements (1-D, `owned_ranges` order); scalars as 0-dim tensors."""
+        ...
+
+    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes this rank's owned elements (creates missing optimizer state)."""
+        ...
+
+    def refresh_params(self) -> None:
+        """Brings the module's weights in line with the masters (after loading)."""
+        ...
+
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (moments, step counters...)."""
@@ -72,3 +99,18 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(v, torch.Tensor):
                 total += v.numel() * v.element_size()
     return total
+
+
+def ensure_state(
+    optimizer: torch.optim.Optimizer, stepped: torch.Tensor, what: str, value: torch.Tensor
+) -> torch.Tensor:
+    """The optimizer's state tensor `what` for `stepped`, created when absent (a checkpoint
+    loaded into a fresh optimizer): element-wise keys get zeros shaped like `stepped`, scalar
+    keys (such as Adam's ``step``) a 0-dim tensor of `value`'s dtype."""
+    state = optimizer.state[stepped]
+    if what not in state:
+        if value.dim() == 0:
+            state[what] = torch.zeros((), dtype=value.dtype, device=stepped.device)
+        else:
+            state[what] = torch.zeros_like(stepped, memory_format=torch.contiguous_format)
+    return state[what]

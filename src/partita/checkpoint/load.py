@@ -1,0 +1,231 @@
+"""`load_checkpoint`: any saved world size and stage into this engine's (see `reader`).
+
+Phases (each a collective that fails every rank together, see `rendezvous`): arrival; rank 0
+finds the checkpoint and reads its manifest; every rank checks a share of the files (size,
+sha256); every rank reads the ranges it owns and writes them into the strategy; the module's
+weights are refreshed from the masters; counters, loss scale, scheduler, RNG and data loader
+position are restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from partita import comm
+from partita.checkpoint.locate import PARTITA, locate, open_source
+from partita.checkpoint.manifest import CheckpointError, read_manifest
+from partita.checkpoint.reader import StateSource
+from partita.checkpoint.rendezvous import Arrival, arrive, gather_agreed
+from partita.checkpoint.state import (
+    Entry,
+    inventory,
+    restore_optimizer_groups,
+    set_rng_state,
+)
+
+logger = logging.getLogger("partita")
+T = TypeVar("T")
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str,
+    tag: str | None = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    trust_pickle: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Loads a partita (or, with `trust_pickle`, DeepSpeed ZeRO 1/2) checkpoint saved at any
+    world size and stage. Returns ``(checkpoint folder, client_state)``, or ``(None, None)``
+    with a warning when `load_dir` holds no checkpoint at all. Every rank must call it; a
+    broken checkpoint raises `CheckpointError` on every rank, naming the file and the check."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    arrival = arrive(load_dir, "load") if os.path.isdir(load_dir) else Arrival(None)
+    found = gather_agreed(lambda: _find(load_dir, tag) if rank == 0 else None)[0]
+    arrival.depart()
+    if found is None:
+        logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
+        return None, None
+    folder, kind, manifest = found
+    source = _run_all(lambda: open_source(folder, kind, trust_pickle, manifest))
+    try:
+        gather_agreed(lambda: source.verify(rank, world))
+        load_opt = load_optimizer_states and not load_module_only
+        gather_agreed(lambda: _load_tensors(engine, source, load_module_strict, load_opt))
+    finally:
+        source.close()
+    engine.strategy.refresh_params()
+    if not load_module_only:
+        gather_agreed(
+            lambda: _restore_training_state(engine, source.meta, load_opt, load_lr_scheduler_states)
+        )
+    if rank == 0:
+        logger.info(
+            "loaded checkpoint %s (saved at world size %s, stage %s)",
+            folder,
+            source.meta["world_size"],
+            source.meta["zero_stage"],
+        )
+    return folder, dict(source.meta.get("client_state") or {})
+
+
+def _run_all(fn: Callable[[], T]) -> T:
+    """`fn()` on every rank, failing every rank if it fails on one; this rank's result."""
+    box: list[T] = []
+    gather_agreed(lambda: box.append(fn()))
+    return box[0]
+
+
+def _find(load_dir: str, tag: str | None) -> tuple[str, str, dict[str, Any] | None] | None:
+    found = locate(load_dir, tag)
+    if found is None:
+        return None
+    folder, kind = found
+    manifest = read_manifest(folder) if kind == PARTITA else None
+    if tag is None:
+        logger.info("load_checkpoint: no tag given; loading %s", folder)
+    return folder, kind, manifest
+
+
+def _check_names(
+    entries: list[Entry], saved: dict[str, dict[str, Any]], strict: bool, folder: str
+) -> None:
+    here = {e.name for e in entries if e.kind != "alias"}
+    stored = {n for n, i in saved.items() if i["kind"] != "alias"}
+    excluded = {n for n, i in saved.items() if i.get("stored") is False}
+    missing = sorted(here - stored)
+    unexpected = sorted(stored - here)
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{folder}: module state mismatch (load_module_strict=True): missing from the "
+            f"checkpoint {missing[:10]}, unexpected in it {unexpected[:10]}"
+        )
+    if excluded & here and comm.get_rank() == 0:
+        logger.info(
+            "%d frozen parameters were excluded from the checkpoint; the module "
+            "keeps its own values for them",
+            len(excluded & here),
+        )
+
+
+def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -> None:
+    entries = inventory(engine)
+    saved = src.tensors
+    _check_names(entries, saved, strict, src.folder)
+    if load_opt:
+        _check_optimizer(engine, src.meta)
+    keys = list(src.meta.get("optimizer_state_keys") or []) if load_opt else []
+    for e in entries:
+        info = saved.get(e.name)
+        if info is None or e.kind == "alias" or info.get("stored") is False:
+            continue
+        if list(info["shape"]) != list(e.tensor.shape):
+            raise CheckpointError(
+                f"{src.folder}: {e.name!r} has shape {info['shape']} in the checkpoint, "
+                f"{list(e.tensor.shape)} in the module"
+            )
+        if e.kind == "trainable":
+            _load_trainable(engine.strategy, src, e, info, keys)
+        else:
+            _load_module_tensor(src, e, info)
+
+
+def _check_optimizer(engine: Any, meta: dict[str, Any]) -> None:
+    saved = meta.get("optimizer")
+    here = type(engine.optimizer).__name__
+    if saved is not None and saved != here:
+        raise CheckpointError(
+            f"optimizer state was saved from {saved}, this engine's optimizer is {here}; "
+            "use load_optimizer_states=False to load the weights only"
+        )
+
+
+def _load_trainable(strategy: Any, src: StateSource, e: Entry, info: dict, keys: list[str]) -> None:
+    ranges = [(int(o), int(n)) for o, n in strategy.owned_ranges(e.tensor)]
+    if info["kind"] == "trainable":
+        value = src.read(e.name, "param", ranges)
+        if value is None:
+            raise CheckpointError(f"{src.folder}: no master weights for {e.name!r}")
+    else:  # saved frozen (or as a buffer), trained now: start from its saved value
+        if keys:
+            raise CheckpointError(
+                f"{src.folder}: {e.name!r} was frozen when saved (no optimizer state) but is "
+                "trained now; load with load_optimizer_states=False"
+            )
+        flat = src.read_module(e.name).float().reshape(-1)
+        value = torch.cat([flat[o : o + n] for o, n in ranges]) if ranges else flat[:0]
+    strategy.set_local_state(e.tensor, "param", value.to(e.tensor.device))
+    scalars = set(src.meta.get("scalar_state_keys") or [])
+    for what in keys:
+        state = src.scalar(e.name, what) if what in scalars else src.read(e.name, what, ranges)
+        if state is not None:
+            strategy.set_local_state(e.tensor, what, state.to(e.tensor.device))
+
+
+@torch.no_grad()
+def _load_module_tensor(src: StateSource, e: Entry, info: dict) -> None:
+    if info["kind"] == "trainable":  # trained when saved, frozen now: its master weight
+        numel = e.tensor.numel()
+        value = src.read(e.name, "param", [(0, numel)])
+        assert value is not None
+    else:
+        value = src.read_module(e.name)
+    e.tensor.copy_(value.reshape(e.tensor.shape))
+
+
+def _restore_training_state(
+    engine: Any, meta: dict[str, Any], load_opt: bool, load_scheduler: bool
+) -> None:
+    counters = meta["counters"]
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    engine.micro_steps = int(
+        counters.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
+    )
+    scaler = meta.get("loss_scaler")
+    if scaler is not None:
+        if scaler.get("kind") == engine.loss_scaler.state_dict().get("kind"):
+            engine.loss_scaler.load_state_dict(scaler)
+        elif comm.get_rank() == 0:
+            logger.warning(
+                "checkpoint has a %s loss scaler, the engine a %s one; not loaded",
+                scaler.get("kind"),
+                engine.loss_scaler.state_dict().get("kind"),
+            )
+    if load_opt and meta.get("optimizer_param_groups"):
+        restore_optimizer_groups(engine.optimizer, meta["optimizer_param_groups"])
+    sched = meta.get("lr_scheduler")
+    if load_scheduler and sched is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(sched)
+    _restore_rank_state(engine, meta)
+
+
+def _restore_rank_state(engine: Any, meta: dict[str, Any]) -> None:
+    """RNG and data loader position, per rank: only meaningful at the saved world size."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    rng, loaders = meta.get("rng"), meta.get("data_loader")
+    if meta["world_size"] != world:
+        if rank == 0 and (rng or loaders):
+            logger.warning(
+                "checkpoint saved at world size %d, loading at %d: per-rank RNG and data "
+                "loader positions are not restored",
+                meta["world_size"],
+                world,
+            )
+        return
+    if rng:
+        set_rng_state(rng[rank])
+    loader = engine.training_dataloader
+    if loaders and loaders[rank] is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(loaders[rank])
+
+
+__all__ = ["load_checkpoint"]

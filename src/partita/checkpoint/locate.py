@@ -1,0 +1,55 @@
+"""Finding the checkpoint folder to read and its format (partita or DeepSpeed)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from partita.checkpoint.deepspeed_format import DeepSpeedSource, is_deepspeed_folder
+from partita.checkpoint.manifest import MANIFEST_NAME, read_latest, read_manifest, resolve_tag
+from partita.checkpoint.reader import PartitaSource, StateSource
+
+PARTITA = "partita"
+DEEPSPEED = "deepspeed"
+
+
+def _is_partita(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, MANIFEST_NAME))
+
+
+def locate(load_dir: str, tag: str | None) -> tuple[str, str] | None:
+    """``(folder, format)`` of the checkpoint to read; None when `load_dir` holds none.
+
+    `load_dir` may be a save directory (then `tag`, else `latest`, else the newest complete
+    checkpoint, see `resolve_tag`) or, with no tag, one checkpoint folder itself. Raises
+    `CheckpointError` naming the file when `latest` or the tag's folder is broken.
+    """
+    if tag is None:
+        if _is_partita(load_dir):
+            return load_dir, PARTITA
+        if is_deepspeed_folder(load_dir):
+            return load_dir, DEEPSPEED
+        named = read_latest(load_dir)
+        if named is not None:
+            folder = os.path.join(load_dir, named)
+            if is_deepspeed_folder(folder) and not _is_partita(folder):
+                return folder, DEEPSPEED
+        resolved = resolve_tag(load_dir, None)
+        return None if resolved is None else (os.path.join(load_dir, resolved), PARTITA)
+    folder = os.path.join(load_dir, tag)
+    if is_deepspeed_folder(folder) and not _is_partita(folder):
+        return folder, DEEPSPEED
+    resolve_tag(load_dir, tag)
+    return folder, PARTITA
+
+
+def open_source(
+    folder: str, kind: str, trust_pickle: bool = False, manifest: dict[str, Any] | None = None
+) -> StateSource:
+    """A reader for the checkpoint in `folder` (`manifest`: an already parsed one)."""
+    if kind == DEEPSPEED:
+        return DeepSpeedSource(folder, trust_pickle)
+    return PartitaSource(folder, manifest if manifest is not None else read_manifest(folder))
+
+
+__all__ = ["DEEPSPEED", "PARTITA", "locate", "open_source"]

@@ -1,0 +1,191 @@
+"""Reading saved state by parameter name and element range, whatever the saving world size.
+
+[Note: resharding]
+A saved trainable parameter is a list of `Segment`s: (offset, length) ranges of its flattened
+fp32 state, each stored somewhere in a source (a shard file for partita checkpoints, a rank's
+flat partition for DeepSpeed ones). A loading rank asks for the ranges *it* owns under its own
+world size and stage (`Strategy.owned_ranges`); `StateSource.read` intersects them with the
+saved segments and copies the overlaps. Padding is never saved, so any world size and stage can
+load any other: nothing is converted offline.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.checkpoint.manifest import MODULE_PREFIX, CheckpointError, state_key
+from partita.checkpoint.stfile import file_sha256
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements ``[offset, offset + length)`` of a flattened parameter, stored in `source`
+    starting at element `position` of that source's tensor for the parameter."""
+
+    offset: int
+    length: int
+    source: str
+    position: int
+
+
+class StateSource:
+    """A saved checkpoint, read by name and range. `meta` has the layout of a partita
+    manifest (see `partita.checkpoint.manifest`); formats differ only in `_fetch`,
+    `read_module` and `verify`."""
+
+    def __init__(self, folder: str, meta: dict[str, Any]) -> None:
+        self.folder = folder
+        self.meta = meta
+        self.segments: dict[str, list[Segment]] = {}
+
+    @property
+    def tensors(self) -> dict[str, dict[str, Any]]:
+        """Saved tensor table: name -> kind, shape, dtype (see the manifest)."""
+        return self.meta["tensors"]
+
+    def _fetch(self, source: str, name: str, what: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of `source`'s tensor `what` of parameter `name`."""
+        raise NotImplementedError
+
+    def has_state(self, source: str, name: str, what: str) -> bool:
+        """True when `source` holds state `what` of parameter `name`."""
+        raise NotImplementedError
+
+    def read_module(self, name: str) -> torch.Tensor:
+        """A frozen parameter or buffer, whole, in its saved dtype."""
+        raise NotImplementedError
+
+    def verify(self, rank: int, world: int) -> None:
+        """Checks the files this rank is responsible for; raises `CheckpointError`."""
+
+    def close(self) -> None:
+        """Releases open files."""
+
+    def scalar(self, name: str, what: str) -> torch.Tensor | None:
+        """A 0-dim state (Adam's ``step``) of `name`, from any source that holds it."""
+        for seg in self.segments.get(name, []):
+            if self.has_state(seg.source, name, what):
+                return self._fetch(seg.source, name, what, 0, 0)
+        return None
+
+    def read(self, name: str, what: str, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+        """The saved elements of `ranges` (concatenated, fp32) of state `what` of `name`;
+        None when the checkpoint has no such state for the parameter."""
+        segments = self.segments.get(name)
+        if not segments:
+            raise CheckpointError(f"{self.folder}: no saved state for parameter {name!r}")
+        if not any(self.has_state(s.source, name, what) for s in segments):
+            return None
+        total = sum(n for _, n in ranges)
+        out = torch.empty(total, dtype=torch.float32)
+        filled = 0
+        at = 0
+        for offset, length in ranges:
+            end = offset + length
+            for seg in segments:
+                lo, hi = max(offset, seg.offset), min(end, seg.offset + seg.length)
+                if lo >= hi:
+                    continue
+                if not self.has_state(seg.source, name, what):
+                    raise CheckpointError(
+                        f"{os.path.join(self.folder, seg.source)}: no {what!r} state for "
+                        f"{name!r} although other files have it"
+                    )
+                start = seg.position + lo - seg.offset
+                piece = self._fetch(seg.source, name, what, start, start + hi - lo)
+                out[at + lo - offset : at + hi - offset].copy_(piece.reshape(-1))
+                filled += hi - lo
+            at += length
+        if filled != total:
+            raise CheckpointError(
+                f"{self.folder}: saved {what!r} of {name!r} covers {filled} of the {total} "
+                "requested elements (overlapping or missing shards)"
+            )
+        return out
+
+
+class PartitaSource(StateSource):
+    """A partita checkpoint folder (safetensors shards + manifest)."""
+
+    def __init__(self, folder: str, manifest: dict[str, Any]) -> None:
+        super().__init__(folder, manifest)
+        self._open: dict[str, Any] = {}
+        self._keys: dict[str, set[str]] = {}
+        for fname, info in manifest["files"].items():
+            for name, ranges in info["ranges"].items():
+                position = 0  # each parameter is its own tensor in the file
+                for offset, length in ranges:
+                    seg = Segment(int(offset), int(length), fname, position)
+                    self.segments.setdefault(name, []).append(seg)
+                    position += int(length)
+
+    def _file(self, fname: str) -> Any:
+        handle = self._open.get(fname)
+        if handle is None:
+            from safetensors import safe_open
+
+            path = os.path.join(self.folder, fname)
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot be opened as safetensors ({e})") from e
+            self._open[fname] = handle
+            self._keys[fname] = set(handle.keys())
+        return handle
+
+    def has_state(self, source: str, name: str, what: str) -> bool:
+        """True when shard `source` stores `what` of `name`."""
+        self._file(source)
+        return state_key(what, name) in self._keys[source]
+
+    def _fetch(self, source: str, name: str, what: str, start: int, stop: int) -> torch.Tensor:
+        sl = self._file(source).get_slice(state_key(what, name))
+        if len(sl.get_shape()) == 0:
+            return self._file(source).get_tensor(state_key(what, name))
+        return sl[start:stop]
+
+    def read_module(self, name: str) -> torch.Tensor:
+        """A frozen parameter or buffer from rank 0's file."""
+        key = MODULE_PREFIX + name
+        for fname, info in self.meta["files"].items():
+            if info["rank"] != 0:
+                continue
+            handle = self._file(fname)
+            if key in self._keys[fname]:
+                return handle.get_tensor(key)
+        raise CheckpointError(f"{self.folder}: no saved tensor {name!r} in rank 0's file")
+
+    def verify(self, rank: int, world: int) -> None:
+        """Size and sha256 of files ``i`` with ``i % world == rank`` (every rank a share)."""
+        for i, (fname, info) in enumerate(sorted(self.meta["files"].items())):
+            if i % world != rank:
+                continue
+            path = os.path.join(self.folder, fname)
+            if not os.path.isfile(path):
+                raise CheckpointError(
+                    f"{path}: missing (the manifest lists it: rank {info['rank']}'s shard)"
+                )
+            size = os.path.getsize(path)
+            if size != info["bytes"]:
+                raise CheckpointError(
+                    f"{path}: size check failed: {size} bytes, manifest says {info['bytes']} "
+                    "(truncated or overwritten)"
+                )
+            digest = file_sha256(path)
+            if digest != info["sha256"]:
+                raise CheckpointError(
+                    f"{path}: sha256 check failed: {digest}, manifest says {info['sha256']} "
+                    "(the file is corrupt)"
+                )
+
+    def close(self) -> None:
+        """Drops the memory maps."""
+        self._open.clear()
+
+
+__all__ = ["PartitaSource", "Segment", "StateSource"]

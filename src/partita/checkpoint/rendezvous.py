@@ -1,0 +1,152 @@
+"""Every rank must call save/load: detecting ranks that did not, and failing together.
+
+[Note: arrival markers]
+A collective entered by only some ranks blocks until the process group's timeout and then
+fails without saying who is missing. Before its first collective, a checkpoint call therefore
+drops an arrival marker ``<dir>/.partita-calls/<op>-<seq>-rankNNNNN`` (seq counts this
+process's checkpoint calls, so it agrees across ranks of one job) and waits, polling the
+folder, until every rank's marker for the same call is there. After `timeout_s()` it removes its
+own marker and raises `CheckpointError` naming the missing ranks; no collective was entered, so
+nothing hangs. Each rank removes its marker once a later collective proves every rank has seen
+it (`Arrival.depart`). Markers left by a killed job are removed by the next save. The folder is
+the checkpoint directory itself, which every rank must reach anyway; where it cannot be written
+(a read-only load directory) the check is skipped and the process group's timeout applies.
+
+[Note: agreeing on failure]
+Each phase of a save or load runs in `gather_agreed`: an all-gather of every rank's error (or None).
+If any rank failed, every rank raises the same `CheckpointError`, so a corrupt file found by
+rank 1 fails rank 0 too, within seconds, instead of leaving it waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from partita import comm
+from partita.checkpoint.manifest import CheckpointError
+
+CALLS_DIR = ".partita-calls"
+TIMEOUT_ENV = "PARTITA_CHECKPOINT_TIMEOUT_S"
+_state = {"seq": 0}
+T = TypeVar("T")
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for the others to call save/load: ``$PARTITA_CHECKPOINT_TIMEOUT_S``,
+    else the process group's default timeout (30 minutes, as DeepSpeed)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw:
+        try:
+            return float(raw)
+        except ValueError:
+            raise CheckpointError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    return comm.DEFAULT_TIMEOUT.total_seconds()
+
+
+def _marker(folder: str, op: str, seq: int, rank: int) -> str:
+    return os.path.join(folder, CALLS_DIR, f"{op}-{seq:08d}-rank{rank:05d}")
+
+
+class Arrival:
+    """This rank's marker for one checkpoint call (see the module note)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def depart(self) -> None:
+        """Removes the marker (call after a collective every rank has passed)."""
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.path = None
+
+
+def arrive(folder: str, op: str) -> Arrival:
+    """Waits until every rank has started the same `op` call on `folder`; raises
+    `CheckpointError` naming the ranks that did not within `timeout_s()`."""
+    _state["seq"] += 1
+    world, rank = comm.get_world_size(), comm.get_rank()
+    if world == 1:
+        return Arrival(None)
+    seq = _state["seq"]
+    mine = _marker(folder, op, seq, rank)
+    try:
+        os.makedirs(os.path.dirname(mine), exist_ok=True)
+        with open(mine, "w", encoding="utf-8") as f:
+            f.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+    except OSError:
+        return Arrival(None)
+    limit = timeout_s()
+    deadline = time.monotonic() + limit
+    delay = 0.005
+    while True:
+        missing = [r for r in range(world) if not os.path.exists(_marker(folder, op, seq, r))]
+        if not missing:
+            return Arrival(mine)
+        if time.monotonic() >= deadline:
+            Arrival(mine).depart()
+            raise CheckpointError(
+                f"{op}_checkpoint({folder!r}): rank(s) {missing} of {world} did not call "
+                f"{op}_checkpoint within {limit:g} s (rank {rank} waited; this is checkpoint "
+                f"call #{seq} of this process); every rank must call it, with the same "
+                f"directory ({TIMEOUT_ENV} sets the wait)"
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.1)
+
+
+def remove_stale_markers(folder: str) -> None:
+    """Removes markers of earlier calls (left by killed jobs); rank 0 calls it during a save
+    after every rank has arrived, so the markers of the current call are all known."""
+    calls = os.path.join(folder, CALLS_DIR)
+    current = f"-{_state['seq']:08d}-"
+    try:
+        names = os.listdir(calls)
+    except OSError:
+        return
+    for name in names:
+        if current not in name:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(calls, name))
+
+
+def gather_agreed(fn: Callable[[], T]) -> list[T]:
+    """Runs `fn` on every rank and returns every rank's result (rank order); if it fails on
+    any rank, every rank raises the same `CheckpointError` (the failing rank chains its own
+    exception as the cause)."""
+    try:
+        value: T | None = fn()
+        error: str | None = None
+        cause: BaseException | None = None
+    except Exception as e:  # reported to every rank, then raised here with its cause
+        value, cause = None, e
+        error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    gathered = comm.all_gather_object((error, value))
+    failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
+    if failed:
+        text = "; ".join(f"rank {r}: {err}" for r, err in failed[:4])
+        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
+        raise CheckpointError(text + more) from cause
+    return [v for _, v in gathered]
+
+
+def run_agreed(fn: Callable[[], T]) -> T:
+    """`gather_agreed` returning only this rank's result."""
+    return gather_agreed(fn)[comm.get_rank()]
+
+
+__all__ = [
+    "CALLS_DIR",
+    "TIMEOUT_ENV",
+    "Arrival",
+    "arrive",
+    "gather_agreed",
+    "remove_stale_markers",
+    "run_agreed",
+    "timeout_s",
+]

@@ -1,0 +1,285 @@
+"""`save_checkpoint`: every rank writes what it holds; rank 0 commits the manifest last.
+
+Phases (each ends in a collective that fails every rank if one failed, see `rendezvous`):
+
+1. arrival: every rank has called save (else the missing ranks are named);
+2. agree on the tag and the client state; rank 0 removes leftovers of interrupted saves and
+   prepares the folder (an existing checkpoint under the same tag loses its manifest first, so
+   it is never half old, half new);
+3. each rank writes its shard file (temporary name, fsync, rename) and reports its size,
+   sha256, ranges, RNG and data loader states;
+4. rank 0 writes the manifest (atomically), then `latest` (atomically).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.checkpoint.atomic import fsync_dir, is_temp_name, remove_quietly, write_atomic
+from partita.checkpoint.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    MODULE_PREFIX,
+    CheckpointError,
+    shard_file_name,
+    state_key,
+)
+from partita.checkpoint.rendezvous import arrive, gather_agreed, remove_stale_markers
+from partita.checkpoint.state import (
+    Entry,
+    check_client_state,
+    dtype_name,
+    inventory,
+    optimizer_groups,
+    rng_state,
+    to_plain,
+)
+from partita.checkpoint.stfile import CHECKSUM, write_safetensors
+
+logger = logging.getLogger("partita")
+SHARD_PATTERN = re.compile(r"^rank\d{5}-of-\d{5}\.safetensors$")
+_TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str,
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Saves `engine`'s state under ``save_dir/tag`` (default tag ``global_step{N}``) and,
+    with `save_latest`, points ``save_dir/latest`` at it. Every rank must call it. Returns True
+    on every rank once the checkpoint is committed; raises `CheckpointError` on every rank
+    otherwise (the previous checkpoints stay intact)."""
+    wanted = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    os.makedirs(save_dir, exist_ok=True)
+    arrival = arrive(save_dir, "save")
+    start = time.perf_counter()
+    tags = gather_agreed(lambda: _check_call(wanted, client_state or {}))
+    arrival.depart()
+    agreed = _agreed_tag(engine, tags)
+    folder = os.path.join(save_dir, agreed)
+    rank = comm.get_rank()
+    gather_agreed(lambda: _prepare_folder(save_dir, folder) if rank == 0 else None)
+    reports = gather_agreed(lambda: _write_shard(engine, folder, exclude_frozen_parameters))
+
+    def commit() -> None:
+        if rank == 0:
+            manifest = _manifest(
+                engine, agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters
+            )
+            write_atomic(os.path.join(folder, MANIFEST_NAME), _json_bytes(manifest))
+            if save_latest:
+                write_atomic(os.path.join(save_dir, LATEST_NAME), agreed.encode())
+
+    gather_agreed(commit)
+    if rank == 0:
+        total = sum(r["bytes"] for r in reports if r["file"])
+        logger.info(
+            "saved checkpoint %s (%.1f MB in %d files) in %.2f s",
+            folder,
+            total / 1e6,
+            sum(1 for r in reports if r["file"]),
+            time.perf_counter() - start,
+        )
+    return True
+
+
+def _check_call(tag: str, client_state: Any) -> str:
+    if not _TAG_PATTERN.match(tag):
+        raise CheckpointError(
+            f"tag {tag!r}: use letters, digits and _ . = + - (no path separators, no leading "
+            "dot: the tag is a folder name)"
+        )
+    check_client_state(client_state)
+    return tag
+
+
+def _agreed_tag(engine: Any, tags: list[str]) -> str:
+    if len(set(tags)) == 1:
+        return tags[0]
+    mode = engine._config.checkpoint.tag_validation
+    text = f"ranks passed different checkpoint tags {dict(enumerate(tags))}"
+    if mode == "FAIL":
+        raise CheckpointError(text + " (checkpoint.tag_validation=FAIL)")
+    if mode == "WARN":
+        logger.warning("%s; saving under rank 0's tag %r", text, tags[0])
+    return tags[0]
+
+
+def _prepare_folder(save_dir: str, folder: str) -> None:
+    """Rank 0, before any rank writes: clean leftovers, make `folder` ready for new files."""
+    remove_stale_markers(save_dir)
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if is_temp_name(name):
+            remove_quietly(path)
+        elif os.path.isdir(path) and not name.startswith("."):
+            _clean_checkpoint_folder(path, current=path == folder)
+    os.makedirs(folder, exist_ok=True)
+    fsync_dir(save_dir)
+
+
+def _clean_checkpoint_folder(path: str, current: bool) -> None:
+    """Removes temporary files anywhere, and the shard files of folders without a manifest
+    (an interrupted save). The folder being saved into loses its manifest first, then its old
+    shards: it is never a checkpoint mixing old and new files. Other files are left alone."""
+    names = os.listdir(path)
+    complete = MANIFEST_NAME in names
+    if current and complete:
+        remove_quietly(os.path.join(path, MANIFEST_NAME))
+        fsync_dir(path)
+        complete = False
+    removed = 0
+    for name in names:
+        if is_temp_name(name) or (not complete and SHARD_PATTERN.match(name)):
+            removed += remove_quietly(os.path.join(path, name))
+    if removed and not complete:
+        logger.info("removed %d files of an interrupted save in %s", removed, path)
+    if not current and not complete and not os.listdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _shard_tensors(
+    engine: Any, entries: list[Entry], exclude_frozen: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]], set[str]]:
+    """This rank's tensors: owned slices of every trainable parameter's master and optimizer
+    state; frozen parameters and buffers on rank 0 only."""
+    strategy, rank = engine.strategy, comm.get_rank()
+    writes_trainable = rank == 0 or not strategy.replicated
+    keys = ["param", *strategy.optimizer_state_keys()]
+    tensors: dict[str, torch.Tensor] = {}
+    ranges: dict[str, list[list[int]]] = {}
+    scalars: set[str] = set()
+    for e in entries:
+        if e.kind == "trainable" and writes_trainable:
+            owned = [[int(o), int(n)] for o, n in strategy.owned_ranges(e.tensor) if n > 0]
+            if not owned:
+                continue
+            ranges[e.name] = owned
+            for what in keys:
+                value = strategy.local_state(e.tensor, what)
+                if value is not None:
+                    tensors[state_key(what, e.name)] = value
+                    if value.dim() == 0:
+                        scalars.add(what)
+        elif rank == 0 and (e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen)):
+            tensors[MODULE_PREFIX + e.name] = e.tensor.detach()
+    return tensors, ranges, scalars
+
+
+def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, Any]:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tensors, ranges, scalars = _shard_tensors(engine, inventory(engine), exclude_frozen)
+    report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "sha256": None}
+    if tensors:
+        name = shard_file_name(rank, world)
+        written = write_safetensors(
+            os.path.join(folder, name), tensors, metadata={"format": "pt", "rank": str(rank)}
+        )
+        report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
+    report["ranges"] = ranges
+    report["scalar_keys"] = sorted(scalars)
+    report["rng"] = rng_state()
+    loader = engine.training_dataloader
+    report["data_loader"] = (
+        loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None
+    )
+    return report
+
+
+def _tensor_table(engine: Any, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
+    table = {}
+    for e in inventory(engine):
+        info: dict[str, Any] = {
+            "kind": e.kind,
+            "shape": list(e.tensor.shape),
+            "dtype": dtype_name(e.tensor.dtype),
+        }
+        if e.alias_of is not None:
+            info["alias_of"] = e.alias_of
+        if e.kind == "frozen" and exclude_frozen:
+            info["stored"] = False
+        table[e.name] = info
+    return table
+
+
+def _manifest(
+    engine: Any,
+    tag: str,
+    reports: list[dict[str, Any]],
+    client_state: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen: bool,
+) -> dict[str, Any]:
+    from partita import __version__
+
+    scheduler = engine.lr_scheduler
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "partita_version": __version__,
+        "torch_version": torch.__version__,
+        "tag": tag,
+        "saved_at": time.time(),
+        "save_latest": save_latest,
+        "world_size": comm.get_world_size(),
+        "zero_stage": engine.zero_optimization_stage(),
+        "replicated": bool(engine.strategy.replicated),
+        "param_dtype": dtype_name(engine.policy.param_dtype),
+        "state_dtype": "float32",
+        "sharding": "per file and trainable parameter: the (offset, length) ranges of the "
+        "flattened parameter it holds, concatenated in order; padding is never stored",
+        "checksum": CHECKSUM,
+        "tensors": _tensor_table(engine, exclude_frozen),
+        "optimizer": type(engine.optimizer).__name__,
+        "optimizer_state_keys": engine.strategy.optimizer_state_keys(),
+        "scalar_state_keys": sorted({k for r in reports for k in r["scalar_keys"]}),
+        "optimizer_param_groups": optimizer_groups(engine.optimizer),
+        "files": {
+            r["file"]: {
+                "rank": r["rank"],
+                "bytes": r["bytes"],
+                "sha256": r["sha256"],
+                "ranges": r["ranges"],
+            }
+            for r in reports
+            if r["file"]
+        },
+        "counters": {
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "micro_steps": engine.micro_steps,
+        },
+        "loss_scaler": to_plain(engine.loss_scaler.state_dict(), "loss_scaler"),
+        "lr_scheduler": None
+        if scheduler is None
+        else to_plain(scheduler.state_dict(), "lr_scheduler.state_dict()"),
+        "rng": [r["rng"] for r in reports],
+        "data_loader": [r["data_loader"] for r in reports],
+        "config": engine._config.to_dict(),
+        "client_state": client_state,
+        "exclude_frozen_parameters": exclude_frozen,
+    }
+
+
+def _json_bytes(data: Any) -> bytes:
+    import json
+
+    return json.dumps(data, indent=1).encode()
+
+
+__all__ = ["SHARD_PATTERN", "save_checkpoint"]

@@ -1,0 +1,158 @@
+"""Streaming safetensors files with a checksum computed on the way (no pickle, no second copy).
+
+`safetensors.torch.save` builds the whole file in memory; a rank's share of a large model's
+optimizer state would then exist twice. The format is simple (an 8-byte little-endian header
+length, a JSON header with dtype, shape and byte offsets per tensor, then the raw bytes), so
+this module writes it tensor by tensor and hashes each buffer as it goes. Files are read back
+with the `safetensors` library (`safe_open`), which memory-maps them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.checkpoint.atomic import atomic_writer
+
+CHECKSUM = "sha256"
+"""Checksum algorithm recorded in manifests."""
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_READ_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """What a reader needs to check a file: its name, size and checksum."""
+
+    path: str
+    nbytes: int
+    sha256: str
+
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
+"""(name, dtype, shape) of a tensor to be written."""
+
+
+def _header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        entries[name] = {
+            "dtype": _DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    # Pad with spaces (allowed by the format) so tensor data starts 8-byte aligned.
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def write_safetensors(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> WrittenFile:
+    """Writes `tensors` (in the mapping's order) to `path` atomically; returns size and sha256."""
+    specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    return write_safetensors_stream(path, specs, tensors.__getitem__, metadata)
+
+
+def write_safetensors_stream(
+    path: str,
+    specs: Sequence[TensorSpec],
+    produce: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> WrittenFile:
+    """Writes the tensors `specs` describes, asking `produce(name)` for each in turn (so only
+    one needs to exist at a time), to `path` atomically; returns size and sha256.
+
+    Hashing runs on a helper thread (hashlib releases the GIL), overlapping the disk writes.
+    """
+    hasher = hashlib.sha256()
+    nbytes = 0
+
+    def buffers() -> Iterator[memoryview]:
+        yield memoryview(_header(specs, metadata or {}))
+        for name, dtype, shape in specs:
+            t = produce(name)
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(
+                    f"tensor {name!r}: produced {t.dtype} {tuple(t.shape)}, announced "
+                    f"{dtype} {tuple(shape)}"
+                )
+            if t.numel():
+                yield _as_bytes(t)
+
+    with atomic_writer(path) as f, ThreadPoolExecutor(1) as pool:
+        pending: list[Future[None]] = []
+        for buf in buffers():
+            pending.append(pool.submit(hasher.update, buf))
+            f.write(buf)
+            nbytes += len(buf)
+            # Keep at most a few buffers alive: wait for hashes older than the last two.
+            while len(pending) > 2:
+                pending.pop(0).result()
+        for p in pending:
+            p.result()
+    return WrittenFile(path=path, nbytes=nbytes, sha256=hasher.hexdigest())
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 of a file, read in chunks (reading overlaps hashing on a helper thread)."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
+        pending = None
+        while True:
+            chunk = f.read(_READ_CHUNK)
+            if not chunk:
+                break
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(hasher.update, chunk)
+        if pending is not None:
+            pending.result()
+    return hasher.hexdigest()
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw little-endian bytes of `t` (for writers outside this module, e.g. export)."""
+    return _as_bytes(t)
+
+
+__all__ = [
+    "CHECKSUM",
+    "TensorSpec",
+    "WrittenFile",
+    "file_sha256",
+    "tensor_bytes",
+    "write_safetensors",
+    "write_safetensors_stream",
+]

@@ -1,0 +1,72 @@
+"""`GatheredParameters`: read or modify full ZeRO-3 parameters outside forward and backward.
+
+Inside the block the listed parameters hold their full values on every rank (their units are
+gathered and pinned so hooks do not release them). With ``modifier_rank=r``, rank r's values
+at exit are broadcast and become every rank's new shards, fp32 masters included; without it,
+changes are discarded. Parameters not sharded by stage 3 are left as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.zero import accessors
+
+
+def _stage3_owners() -> list[Any]:
+    return [o for o in list(accessors._OWNERS) if getattr(o, "shards_params", False)]
+
+
+class GatheredParameters:
+    """Context manager gathering `params` (one tensor or an iterable) on every rank."""
+
+    def __init__(
+        self,
+        params: torch.Tensor | Iterable[torch.Tensor],
+        modifier_rank: int | None = None,
+        fwd_module: torch.nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        del fwd_module  # DeepSpeed registers external parameters with it; not needed here
+        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._units: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        seen: set[int] = set()
+        for owner in _stage3_owners():
+            for p in self.params:
+                unit = owner.unit_of(p)
+                if unit is not None and id(unit) not in seen:
+                    seen.add(id(unit))
+                    self._units.append((owner, unit))
+        for owner, unit in self._units:
+            owner.pin(unit)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self.modifier_rank is not None and exc_type is None:
+                with torch.no_grad():
+                    for _, unit in self._units:
+                        comm.broadcast(unit.flat_full, src=self.modifier_rank, tag="gathered")
+                        unit.load_from_full()
+        finally:
+            for owner, unit in self._units:
+                owner.unpin(unit)
+            self._units = []

@@ -1,0 +1,91 @@
+"""Gradient reduce-scatter for ZeRO-3 units.
+
+As soon as a parameter's gradient is accumulated it is copied into its unit's transient flat
+gradient buffer and ``.grad`` is freed. When the unit's backward is over (`reduce`), each
+trainable segment is reduce-scattered asynchronously; finished reductions (`retire`) add this
+rank's chunk into the fp32 master gradient. At most `max_in_flight` reductions are alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from partita import comm
+from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.stage3.unit import ShardedUnit
+
+
+@dataclass
+class _Pending:
+    unit: ShardedUnit
+    seg: int
+    output: torch.Tensor
+    handle: comm.Work | None
+
+
+@dataclass
+class UnitGradReducer:
+    """Owns the transient gradient buffers and the reduce-scatters of all units."""
+
+    scaling: ReduceScaling
+    reduce_dtype: torch.dtype
+    max_in_flight: int = 4
+    group: comm.ProcessGroup | None = None
+    peak_buffer_bytes: int = field(default=0, init=False)
+    _in_flight: list[_Pending] = field(default_factory=list, init=False)
+    _buffer_bytes: int = field(default=0, init=False)
+
+    def accumulate(self, unit: ShardedUnit, index: int, grad: torch.Tensor) -> None:
+        """Adds parameter `index`'s gradient into the unit's flat gradient buffer."""
+        if unit.grad_buffer is None:
+            unit.grad_buffer = torch.zeros(
+                unit.layout.padded_numel, dtype=grad.dtype, device=grad.device
+            )
+            self._buffer_bytes += unit.grad_buffer.numel() * unit.grad_buffer.element_size()
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
+        off = unit.layout.offsets[index]
+        unit.grad_buffer[off : off + grad.numel()].add_(grad.reshape(-1))
+
+    def reduce(self, unit: ShardedUnit) -> None:
+        """Starts the reduce-scatter of every trainable segment of `unit`."""
+        if not unit.masters:
+            return
+        if (
+            unit.grad_buffer is None
+        ):  # no gradient reached this unit: reduce zeros (collectives must pair)
+            unit.grad_buffer = torch.zeros(
+                unit.layout.padded_numel, dtype=unit.flat_shard.dtype, device=unit.flat_shard.device
+            )
+            self._buffer_bytes += unit.grad_buffer.numel() * unit.grad_buffer.element_size()
+        buffer = unit.grad_buffer
+        unit.grad_buffer = None
+        for idx in unit.masters:
+            seg = unit.layout.segments[idx]
+            if seg.padded_numel == 0:
+                continue
+            while len(self._in_flight) >= self.max_in_flight:
+                self._retire(self._in_flight.pop(0))
+            data = buffer[seg.flat_start : seg.flat_end]
+            if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
+                data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
+            out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
+            handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
+            self._in_flight.append(_Pending(unit, idx, out, handle))
+        self._buffer_bytes -= buffer.numel() * buffer.element_size()
+
+    def _retire(self, pending: _Pending) -> None:
+        if pending.handle is not None:
+            pending.handle.wait()
+        out = pending.output
+        if self.scaling.after != 1.0:
+            out.mul_(self.scaling.after)
+        grad = pending.unit.masters[pending.seg].grad
+        assert grad is not None
+        grad.add_(out)
+
+    def finish(self) -> None:
+        """Waits for every reduction and adds the results into the master gradients."""
+        while self._in_flight:
+            self._retire(self._in_flight.pop(0))

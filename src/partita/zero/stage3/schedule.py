@@ -1,0 +1,256 @@
+"""When ZeRO-3 units are gathered and released: module hooks, recorded order, prefetch, and
+the live-parameter and reuse-distance bounds.
+
+[Note: hook flow]
+Forward: a unit's module pre-hook gathers it (waiting for a prefetch if one is in flight) and
+prefetches the next unit in the order recorded on the first step; the post-hook releases it
+unless it will be reused soon (`max_reuse_distance`), registers a pre-backward hook on its
+outputs and wraps its inputs in `_PostBackward`, whose backward runs once the unit's whole
+backward is done. Backward mirrors this: pre-backward gathers and prefetches the previous unit;
+post-backward (after the last of several calls of the same unit) starts the gradient
+reduce-scatter and releases. Forward pre-hooks that run inside backward are activation-checkpoint
+recomputation: they gather but change no bookkeeping. Anything a hook did not finish (units
+whose inputs need no gradient, such as the root) is finished in `end_backward`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from partita.zero.stage3.unit import ShardedUnit, UnitState
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward signals that the unit's backward is over."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitScheduler:
+    """Drives gather/release of `units` (each bound to a module) during forward and backward."""
+
+    def __init__(
+        self,
+        units: list[ShardedUnit],
+        bindings: list[tuple[int, torch.nn.Module]],
+        on_post_backward: Callable[[ShardedUnit], None],
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
+    ) -> None:
+        self.units = units
+        self.index = {id(u): i for i, u in enumerate(units)}
+        self.on_post_backward = on_post_backward
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.order: list[int] = []
+        self.recording = True
+        self.in_use = [0] * len(units)
+        self.forward_calls = [0] * len(units)
+        self.backward_calls = [0] * len(units)
+        self.reduced = [False] * len(units)
+        self.peak_live_numel = 0
+        self._cursor = 0
+        self._bcursor = 0
+        self._pos: dict[int, int] = {}
+        self.gathers: list[tuple[str, int]] = []
+        """(unit name, live numel after the gather): instrumentation for tests."""
+        self._handles = []
+        for unit_index, module in bindings:
+            unit = units[unit_index]
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._post_forward_hook(unit), with_kwargs=True)
+            )
+
+    # --- live set -------------------------------------------------------------------------------
+    def live_numel(self) -> int:
+        """Elements of non-persistent units currently gathered or being gathered."""
+        return sum(u.gathered_numel for u in self.units if not u.persistent)
+
+    def _make_room(self, unit: ShardedUnit) -> None:
+        for i, other in enumerate(self.units):
+            if self.live_numel() + unit.numel <= self.max_live_numel:
+                return
+            if other is not unit and self.in_use[i] == 0 and other.state is UnitState.UNSHARDED:
+                other.reshard()
+
+    def _gather(self, unit: ShardedUnit, wait: bool) -> None:
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit)
+            unit.unshard()
+            live = self.live_numel()
+            self.peak_live_numel = max(self.peak_live_numel, live)
+            self.gathers.append((unit.name, live))
+        if wait:
+            unit.wait_for_unshard()
+
+    def _prefetch(self, position: int, step: int) -> None:
+        target = position + step
+        if not (0 <= target < len(self.order)):
+            return
+        unit = self.units[self.order[target]]
+        if unit.state is not UnitState.SHARDED or unit.numel > self.prefetch_numel:
+            return
+        if self.live_numel() + unit.numel <= self.max_live_numel:
+            self._gather(unit, wait=False)
+
+    def _locate(self, i: int, backward: bool) -> int:
+        """Position of this use of unit `i` in the recorded order, advancing the cursor."""
+        if backward:
+            candidates = [
+                k
+                for k in range(min(self._bcursor, len(self.order) - 1), -1, -1)
+                if self.order[k] == i
+            ]
+            pos = candidates[0] if candidates else -1
+            self._bcursor = pos - 1 if pos >= 0 else self._bcursor
+        else:
+            candidates = [k for k in range(self._cursor, len(self.order)) if self.order[k] == i]
+            pos = candidates[0] if candidates else -1
+            self._cursor = pos + 1 if pos >= 0 else self._cursor
+        self._pos[i] = pos
+        return pos
+
+    def _distinct_numel(self, positions: range, i: int) -> int:
+        return sum(self.units[j].numel for j in {self.order[k] for k in positions} if j != i)
+
+    def _reuse_distance(self, i: int, backward: bool) -> int:
+        """Elements other units gather before unit `i` is needed again (from the recorded
+        order: later in this pass, else on the way back in the other direction)."""
+        pos = self._pos.get(i, -1)
+        if pos < 0:
+            return 0
+        n = len(self.order)
+        if not backward:
+            later = [k for k in range(pos + 1, n) if self.order[k] == i]
+            if later:
+                return self._distinct_numel(range(pos + 1, later[0]), i)
+            return 2 * self._distinct_numel(range(pos + 1, n), i)
+        earlier = [k for k in range(pos - 1, -1, -1) if self.order[k] == i]
+        if earlier:
+            return self._distinct_numel(range(earlier[0] + 1, pos), i)
+        return 2 * self._distinct_numel(range(0, pos), i)
+
+    def _release(self, unit: ShardedUnit, i: int, backward: bool) -> None:
+        if self.in_use[i] == 0 and self._reuse_distance(i, backward) >= self.max_reuse_distance:
+            unit.reshard()
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def _pre_forward_hook(self, unit: ShardedUnit) -> Callable[..., Any]:
+        i = self.index[id(unit)]
+
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            del module
+            self._gather(unit, wait=True)
+            if _in_backward() or not torch.is_grad_enabled():
+                return None
+            if self.recording:
+                self.order.append(i)
+            self.in_use[i] += 1
+            self.forward_calls[i] += 1
+            self._prefetch(self._locate(i, backward=False), +1)
+            return self._wrap_inputs(unit, args, kwargs)
+
+        return hook
+
+    def _wrap_inputs(self, unit: ShardedUnit, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        flat, spec = tree_flatten((args, kwargs))
+        slots = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not slots:
+            return None
+        wrapped = _PostBackward.apply(lambda: self._post_backward(unit), *[flat[k] for k in slots])
+        wrapped = wrapped if isinstance(wrapped, tuple) else (wrapped,)
+        for k, t in zip(slots, wrapped, strict=True):
+            flat[k] = t
+        return tree_unflatten(flat, spec)
+
+    def _post_forward_hook(self, unit: ShardedUnit) -> Callable[..., Any]:
+        i = self.index[id(unit)]
+
+        def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+            del module, args, kwargs
+            if _in_backward():
+                return None
+            if not torch.is_grad_enabled():
+                if self.in_use[i] == 0:
+                    unit.reshard()
+                return None
+            self.in_use[i] -= 1
+            self._release(unit, i, backward=False)
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _: self._pre_backward(unit), mode="any"
+                )
+            return None
+
+        return hook
+
+    def _pre_backward(self, unit: ShardedUnit) -> None:
+        i = self.index[id(unit)]
+        if self.recording or self._bcursor < 0:
+            self._bcursor = len(self.order) - 1
+        self.recording = False
+        self._gather(unit, wait=True)
+        self.in_use[i] += 1
+        self._prefetch(self._locate(i, backward=True), -1)
+
+    def _post_backward(self, unit: ShardedUnit) -> None:
+        i = self.index[id(unit)]
+        self.backward_calls[i] += 1
+        self.in_use[i] = max(0, self.in_use[i] - 1)
+        if self.backward_calls[i] < self.forward_calls[i]:
+            return
+        self.reduced[i] = True
+        self.on_post_backward(unit)
+        self._release(unit, i, backward=True)
+
+    def end_backward(self) -> None:
+        """Finishes units whose post-backward never ran and releases everything."""
+        for i, unit in enumerate(self.units):
+            if not self.reduced[i] and (self.forward_calls[i] > 0 or unit.persistent):
+                self.on_post_backward(unit)
+        self.reset()
+        for unit in self.units:
+            unit.reshard()
+
+    def reset(self) -> None:
+        """Clears per-step counters (a forward without backward, e.g. evaluation)."""
+        self.recording = self.recording and not self.order
+        self._cursor = 0
+        self._bcursor = len(self.order) - 1
+        self._pos = {}
+        self.in_use = [0] * len(self.units)
+        self.forward_calls = [0] * len(self.units)
+        self.backward_calls = [0] * len(self.units)
+        self.reduced = [False] * len(self.units)
+
+    def remove_hooks(self) -> None:
+        """Detaches the module hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []

@@ -1,0 +1,380 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded over ranks.
+
+Parameters are grouped into units (by default each child of the model's `nn.ModuleList`s, e.g.
+each transformer block, plus a root unit for the rest); parameters smaller than
+``stage3_param_persistence_threshold`` stay gathered in one persistent unit that behaves like
+ZeRO-2 (sharded gradients and optimizer state, all-gathered after the step). The optimizer
+steps one fp32 master chunk per (unit, optimizer group) segment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.partition import Piece
+from partita.precision import PrecisionPolicy
+from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.stage3.grads import UnitGradReducer
+from partita.zero.stage3.schedule import UnitScheduler
+from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
+from partita.zero.strategy import (
+    OptimizerFactory,
+    ParamGroups,
+    StepOutcome,
+    ensure_state,
+    optimizer_state_bytes,
+)
+
+
+def default_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each child of every outermost `nn.ModuleList` (transformer blocks, typically)."""
+    found: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList):
+                found.extend(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def _binding_modules(
+    unit_module: torch.nn.Module,
+    root: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    blocks: list[torch.nn.Module],
+) -> list[torch.nn.Module]:
+    """Modules whose forward must gather a unit: a block unit's block; for any other unit,
+    every module that directly owns one of its parameters (a tied weight is gathered by each
+    module using it, and entry points such as Hugging Face's ``generate`` on an inner model
+    still gather what they touch)."""
+    if any(unit_module is b for b in blocks):
+        return [unit_module]
+    owned = {id(p) for p in params}
+    return [m for m in root.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
+
+
+class FullySharded:
+    """Stage 3 strategy (see `partita.zero.strategy.Strategy`)."""
+
+    shards_params = True
+    """True when parameters themselves are sharded (stage 3)."""
+    replicated = False
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        groups: ParamGroups,
+        policy: PrecisionPolicy,
+        make_optimizer: OptimizerFactory,
+        zero: Any,
+        scaling: ReduceScaling,
+        unit_modules: Sequence[torch.nn.Module] | None = None,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
+        self.process_group = group
+        world, rank = comm.get_world_size(group), comm.get_rank(group)
+        group_of = {p: gi for gi, g in enumerate(groups) for p in g}
+        threshold = int(zero.stage3_param_persistence_threshold)
+        modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
+        assigned: set[torch.nn.Parameter] = set()
+        plan: list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]] = []
+        module_names = {id(m): n for n, m in module.named_modules()}
+        for m in modules:
+            params = [p for p in m.parameters() if p not in assigned and p.numel() >= threshold]
+            assigned.update(params)
+            if params:
+                plan.append((module_names[id(m)], m, params))
+        for m in module.modules():  # the rest: one unit per module owning parameters directly
+            params = [
+                p
+                for p in m.parameters(recurse=False)
+                if p not in assigned and p.numel() >= threshold
+            ]
+            assigned.update(params)
+            if params:
+                plan.append((module_names[id(m)] or "root", m, params))
+        persistent = [p for p in module.parameters() if p not in assigned]
+        self.units: list[ShardedUnit] = []
+        bindings: list[tuple[int, torch.nn.Module]] = []
+        for name, m, params in plan:
+            self.units.append(
+                self._unit(name, params, group_of, len(groups), world, rank, policy, False)
+            )
+            bindings.extend(
+                (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
+            )
+        self.persistent = (
+            self._unit("persistent", persistent, group_of, len(groups), world, rank, policy, True)
+            if persistent
+            else None
+        )
+        self.all_units = self.units + ([self.persistent] if self.persistent else [])
+        self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
+        self.scheduler = UnitScheduler(
+            self.units,
+            bindings,
+            self.reducer.reduce,
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            max_live_numel=int(zero.stage3_max_live_parameters),
+            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+        )
+        self._where: dict[torch.nn.Parameter, tuple[ShardedUnit, int]] = {}
+        for unit in self.all_units:
+            for i, p in enumerate(unit.params):
+                self._where[p] = (unit, i)
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for unit in self.all_units
+            for seg in unit.segments
+            if seg.group is not None
+            for p in seg.params
+        ]
+        per_group: list[list[torch.Tensor]] = [[] for _ in groups]
+        for unit in self.all_units:
+            for seg in unit.segments:
+                if seg.group is not None:
+                    per_group[seg.group].append(unit.masters[seg.index])
+        self.optimizer = make_optimizer(per_group)
+
+    @staticmethod
+    def _unit(
+        name: str,
+        params: list[torch.nn.Parameter],
+        group_of: dict[torch.nn.Parameter, int],
+        n_groups: int,
+        world: int,
+        rank: int,
+        policy: PrecisionPolicy,
+        persistent: bool,
+    ) -> ShardedUnit:
+        by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
+        frozen = []
+        for p in params:
+            if p in group_of:
+                by_group[group_of[p]].append(p)
+            else:
+                frozen.append(p)
+        segments = [(g, ps) for g, ps in enumerate(by_group) if ps]
+        if frozen:
+            segments.append((None, frozen))  # type: ignore[arg-type]
+        infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
+        return ShardedUnit(name, infos, world, rank, policy.master_dtype, persistent=persistent)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        unit, i = self._where[p]  # type: ignore[index]
+        if p.grad is not None:
+            self.reducer.accumulate(unit, i, p.grad)
+            p.grad = None
+
+    # --- Strategy -------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        """Stage 3 reduces every backward (gradients are only kept sharded)."""
+        del sync
+
+    def end_backward(self) -> None:
+        """Reduces what the hooks did not, finishes reductions, releases every unit."""
+        self.scheduler.end_backward()
+        if self.persistent is not None:
+            self.reducer.reduce(self.persistent)
+        self.reducer.finish()
+
+    def _masters(self) -> list[torch.nn.Parameter]:
+        return [m for u in self.all_units for m in u.masters.values()]
+
+    def step(self, clip: float, loss_scale: float) -> StepOutcome:
+        """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
+        masters = self._masters()
+        grads = [m.grad for m in masters]
+        if loss_scale != 1.0 and grads:
+            torch._foreach_mul_(grads, 1.0 / loss_scale)  # type: ignore[arg-type]
+        norms = list(torch._foreach_norm(grads, 2.0)) if grads else []  # type: ignore[arg-type]
+        sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
+        comm.all_reduce(sq, group=self.process_group, tag="norm")
+        norm = sq.sqrt()
+        norm_value = float(norm)
+        if not math.isfinite(norm_value):
+            return StepOutcome(applied=False, grad_norm=norm_value)
+        if clip > 0.0:
+            torch.nn.utils.clip_grads_with_norm_(masters, clip, norm)
+        self.optimizer.step()
+        self.refresh_params()
+        return StepOutcome(applied=True, grad_norm=norm_value)
+
+    def refresh_params(self) -> None:
+        """Copies the masters into the parameter shards (and re-gathers persistent ones)."""
+        for unit in self.all_units:
+            unit.refresh_from_masters()
+
+    def zero_grad(self) -> None:
+        """Zeroes the master gradients."""
+        for m in self._masters():
+            assert m.grad is not None
+            m.grad.zero_()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held per category on this rank (gathered units counted while gathered)."""
+        shard = sum(u.flat_shard.numel() * u.flat_shard.element_size() for u in self.all_units)
+        gathered = sum(
+            u.flat_full.numel() * u.flat_full.element_size()
+            for u in self.all_units
+            if u.state is not UnitState.SHARDED
+        )
+        masters = self._masters()
+        return {
+            "params": shard + gathered,
+            "grads": sum(m.numel() * m.element_size() for m in masters),
+            "master_params": sum(m.numel() * m.element_size() for m in masters),
+            "optimizer_state": optimizer_state_bytes(self.optimizer),
+            "comm_buffers": self.reducer.peak_buffer_bytes,
+            "persistent_params": 0
+            if self.persistent is None
+            else self.persistent.numel * self.persistent.flat_full.element_size(),
+        }
+
+    def close(self) -> None:
+        """Removes all hooks."""
+        self.scheduler.remove_hooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # --- GatheredParameters -------------------------------------------------------------------
+    def unit_of(self, param: torch.Tensor) -> ShardedUnit | None:
+        """The unit holding `param` (trainable or frozen), or None."""
+        found = self._where.get(param)  # type: ignore[call-overload]
+        return None if found is None else found[0]
+
+    def pin(self, unit: ShardedUnit) -> None:
+        """Gathers `unit` and keeps it gathered until `unpin`."""
+        i = self.scheduler.index.get(id(unit))
+        if i is not None:
+            self.scheduler.in_use[i] += 1
+        unit.wait_for_unshard(tag="gathered")
+
+    def unpin(self, unit: ShardedUnit) -> None:
+        """Releases a `pin` (the unit is resharded when nothing else uses it)."""
+        i = self.scheduler.index.get(id(unit))
+        if i is None:
+            return
+        self.scheduler.in_use[i] -= 1
+        if self.scheduler.in_use[i] == 0:
+            unit.reshard()
+
+    # --- DeepSpeed's safe_get/set accessors and checkpoint state --------------------------------
+    def owns(self, param: torch.Tensor) -> bool:
+        """True for the trainable parameters this strategy steps."""
+        found = self._where.get(param)  # type: ignore[call-overload]
+        return found is not None and found[0].segment_of_param(found[1]).group is not None
+
+    def _pieces(self, param: torch.Tensor) -> tuple[ShardedUnit, list[Piece]]:
+        found = self._where.get(param)  # type: ignore[call-overload]
+        if found is None:
+            raise ValueError("parameter is not managed by this engine")
+        unit, i = found
+        return unit, [pc for pc in unit.layout.shard_pieces(unit.rank) if pc.index == i]
+
+    def _source(
+        self, unit: ShardedUnit, param_index: int, what: str
+    ) -> tuple[torch.Tensor | None, int]:
+        """The tensor holding `what` for the parameter's segment, and the segment's shard start."""
+        seg = unit.segment_of_param(param_index)
+        start = unit.layout.segments[seg.index].shard_offset
+        master = unit.masters.get(seg.index)
+        if master is None:
+            return (unit.flat_shard if what == "param" else None), 0
+        if what == "param":
+            return master.detach(), start
+        if what == "grad":
+            return master.grad, start
+        return self.optimizer.state.get(master, {}).get(what), start
+
+    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
+        """(offset, length) ranges of the flattened parameter this rank holds."""
+        return [(pc.param_offset, pc.length) for pc in self._pieces(param)[1]]
+
+    def optimizer_state_keys(self) -> list[str]:
+        """Names of the optimizer's per-parameter state entries."""
+        return sorted({k for st in self.optimizer.state.values() for k in st})
+
+    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """This rank's elements of `what` for the parameter (1-D; scalars 0-dim)."""
+        unit, pieces = self._pieces(param)
+        src, start = self._source(unit, self._where[param][1], what)  # type: ignore[index]
+        if src is None or src.dim() == 0:
+            return None if src is None else src.clone()
+        parts = [
+            src[pc.shard_offset - start : pc.shard_offset - start + pc.length] for pc in pieces
+        ]
+        return torch.cat(parts).float() if parts else src.new_zeros(0, dtype=torch.float32)
+
+    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """Parameter-shaped fp32 value assembled from every rank (collective)."""
+        unit, pieces = self._pieces(param)
+        local = self.local_state(param, what)
+        if local is None or local.dim() == 0:
+            return local
+        out = torch.zeros(
+            param.numel()
+            if unit.state is UnitState.UNSHARDED
+            else unit.layout.numels[self._where[param][1]],  # type: ignore[index]
+            dtype=torch.float32,
+            device=local.device,
+        )
+        offset = 0
+        for pc in pieces:
+            out[pc.param_offset : pc.param_offset + pc.length] = local[offset : offset + pc.length]
+            offset += pc.length
+        comm.all_reduce(out, group=self.process_group, tag="accessor")
+        return out.view(unit.views[self._where[param][1]].shape)  # type: ignore[index]
+
+    def _target(
+        self, param: torch.Tensor, what: str, value: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
+        unit, i = self._where[param]  # type: ignore[index]
+        dst, start = self._source(unit, i, what)
+        if dst is None:
+            seg = unit.segment_of_param(i)
+            master = unit.masters.get(seg.index)
+            if master is None or what == "grad":
+                raise ValueError(f"parameter has no {what!r} state")
+            dst = ensure_state(self.optimizer, master, what, value)
+        return dst, start
+
+    @torch.no_grad()
+    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes this rank's elements (1-D, `owned_ranges` order); "param" also updates the
+        module-dtype shard so the next gather sees it."""
+        unit, pieces = self._pieces(param)
+        dst, start = self._target(param, what, value)
+        if dst.dim() == 0:
+            dst.copy_(value)
+            return
+        offset = 0
+        for pc in pieces:
+            dst[pc.shard_offset - start : pc.shard_offset - start + pc.length].copy_(
+                value[offset : offset + pc.length]
+            )
+            if what == "param":
+                unit.flat_shard[pc.shard_offset : pc.shard_offset + pc.length].copy_(
+                    value[offset : offset + pc.length]
+                )
+            offset += pc.length
+
+    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
+        """Writes this rank's part of a full value."""
+        _, pieces = self._pieces(param)
+        flat = value.reshape(-1)
+        if value.dim() == 0:
+            self.set_local_state(param, what, value)
+            return
+        parts = [flat[pc.param_offset : pc.param_offset + pc.length] for pc in pieces]
+        self.set_local_state(param, what, torch.cat(parts) if parts else flat[:0])

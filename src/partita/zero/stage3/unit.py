@@ -1,0 +1,176 @@
+"""One ZeRO-3 unit: parameters that are gathered together, with one all-gather per segment.
+
+[Note: unit storage]
+A unit lays its parameters out in one flat buffer (`FlatLayout`, one segment per optimizer
+group plus one for frozen parameters, each sharded evenly over ranks). Each rank keeps its
+chunk of every segment in ``flat_shard`` (the module dtype) and, for trainable segments, an fp32
+master chunk with an fp32 gradient chunk. ``flat_full`` is the gathered buffer; its storage is
+resized to zero while the unit is sharded, so memory is freed even though autograd still holds
+views of it, and re-grown before the next gather (the FSDP technique). While sharded, each
+parameter's ``.data`` is a zero-memory NaN tensor of the right shape: code that reads a
+sharded parameter outside `GatheredParameters` sees NaNs instead of plausible numbers, and
+writes to it fail. Gathers run under `_unsafe_preserve_version_counter` because refilling the
+buffer is not a change autograd's saved tensors need to know about.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from partita import comm
+from partita.partition import FlatLayout
+
+
+class UnitState(enum.Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+
+
+@dataclass
+class SegmentInfo:
+    """One segment of a unit: the parameters of one optimizer group, or the frozen ones."""
+
+    index: int
+    group: int | None
+    """Optimizer group index; None for frozen parameters."""
+    params: list[torch.nn.Parameter]
+
+
+def nan_placeholder(param: torch.Tensor) -> torch.Tensor:
+    """A zero-memory tensor of `param`'s shape and dtype whose every element is NaN."""
+    return torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+class ShardedUnit:
+    """A unit's layout, storage and transitions (`unshard`, `wait_for_unshard`, `reshard`)."""
+
+    def __init__(
+        self,
+        name: str,
+        segments: list[SegmentInfo],
+        world: int,
+        rank: int,
+        master_dtype: torch.dtype,
+        persistent: bool = False,
+        group: comm.ProcessGroup | None = None,
+    ) -> None:
+        self.name = name
+        self.segments = segments
+        self.params = [p for s in segments for p in s.params]
+        self.persistent = persistent
+        self.rank = rank
+        self.process_group = group
+        buckets, i = [], 0
+        for s in segments:
+            buckets.append(list(range(i, i + len(s.params))))
+            i += len(s.params)
+        self.layout = FlatLayout.build([p.numel() for p in self.params], world, buckets=buckets)
+        like = self.params[0]
+        self.flat_full = torch.zeros(self.layout.padded_numel, dtype=like.dtype, device=like.device)
+        self.views: list[torch.Tensor] = []
+        with torch.no_grad():
+            for p, off in zip(self.params, self.layout.offsets, strict=True):
+                view = self.flat_full[off : off + p.numel()].view_as(p)
+                view.copy_(p.detach())
+                self.views.append(view)
+                p.data = view
+        self.flat_shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        self.masters: dict[int, torch.nn.Parameter] = {}
+        for seg_info, seg in zip(self.segments, self.layout.segments, strict=True):
+            own = self._own(seg_info.index, self.flat_full)
+            self.flat_shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel].copy_(own)
+            if seg_info.group is not None:
+                master = torch.nn.Parameter(own.detach().to(master_dtype).clone())
+                master.grad = torch.zeros_like(master)
+                self.masters[seg_info.index] = master
+        self.state = UnitState.UNSHARDED
+        self._handles: list[comm.Work] = []
+        self.grad_buffer: torch.Tensor | None = None
+        self.numel = self.layout.padded_numel
+        self.reshard()
+
+    def _own(self, seg_index: int, full: torch.Tensor) -> torch.Tensor:
+        seg = self.layout.segments[seg_index]
+        start, end = seg.shard_range(self.rank)
+        return full[start:end]
+
+    def segment_of_param(self, index: int) -> SegmentInfo:
+        """The segment holding parameter `index` of this unit."""
+        return self.segments[self.layout.segment_of[index]]
+
+    def shard_chunk(self, seg_index: int) -> torch.Tensor:
+        """This rank's chunk of a segment in ``flat_shard``."""
+        seg = self.layout.segments[seg_index]
+        return self.flat_shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel]
+
+    # --- transitions ---------------------------------------------------------------------------
+    def unshard(self, tag: str = "param") -> None:
+        """Starts the all-gather of every segment (no-op unless sharded); `tag` labels the
+        traffic in the comm counters (training gathers are "param")."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self.flat_full.untyped_storage().resize_(
+            self.flat_full.numel() * self.flat_full.element_size()
+        )
+        with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+            for i, seg in enumerate(self.layout.segments):
+                if seg.padded_numel == 0:
+                    continue
+                out = self.flat_full[seg.flat_start : seg.flat_end]
+                handle = comm.all_gather(
+                    out, self.shard_chunk(i), group=self.process_group, async_op=True, tag=tag
+                )
+                if handle is not None:
+                    self._handles.append(handle)
+        self.state = UnitState.UNSHARDING
+
+    def wait_for_unshard(self, tag: str = "param") -> None:
+        """Completes a started gather and points the parameters at the gathered values."""
+        if self.state is UnitState.SHARDED:
+            self.unshard(tag)
+        if self.state is UnitState.UNSHARDING:
+            for h in self._handles:
+                h.wait()
+            self._handles = []
+            for p, view in zip(self.params, self.views, strict=True):
+                p.data = view
+            self.state = UnitState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Frees the gathered storage (persistent units stay gathered)."""
+        if self.persistent or self.state is not UnitState.UNSHARDED:
+            return
+        for p in self.params:
+            p.data = nan_placeholder(p)
+        self.flat_full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    @torch.no_grad()
+    def refresh_from_masters(self) -> None:
+        """Casts updated master chunks into ``flat_shard``; persistent units re-gather."""
+        for idx, master in self.masters.items():
+            self.shard_chunk(idx).copy_(master)
+        if self.persistent:
+            self.state = UnitState.SHARDED
+            self.unshard()
+            self.wait_for_unshard()
+
+    @torch.no_grad()
+    def load_from_full(self) -> None:
+        """Takes this rank's chunks of the gathered values as the new shards and masters."""
+        for i, seg in enumerate(self.layout.segments):
+            start, end = seg.shard_range(self.rank)
+            self.shard_chunk(i).copy_(self.flat_full[start:end])
+            if i in self.masters:
+                self.masters[i].copy_(self.flat_full[start:end])
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements currently gathered (0 when sharded)."""
+        return 0 if self.state is UnitState.SHARDED else self.numel
