@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from engine_workers import base_config, generate_after_training, train_grid
 from models import reference_run
-
 from partita.testing import run_distributed
 
 STEPS = 20

@@ -14,8 +14,8 @@ from partita.optim import build_optimizer, build_scheduler
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.sharded import Sharded
-from partita.zero.stage3 import FullySharded
 from partita.zero.stage0 import DataParallel
+from partita.zero.stage3 import FullySharded
 from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
 
 ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
