@@ -184,3 +184,77 @@ def _full_params(engine: Any) -> list[torch.Tensor]:
     params = list(engine.module.parameters())
     with partita.zero.GatheredParameters(params):
         return [p.detach().float().clone() for p in params]
+
+
+def init_probe(config: dict, kind: str, steps: int) -> dict[str, Any]:
+    """Builds the model under zero.Init, checks it equals an eager build, trains `steps` steps,
+    then lets rank 0 overwrite one weight through GatheredParameters."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    micro = config["train_micro_batch_size_per_gpu"]
+    init = partita.zero.Init()
+    with init:
+        model = make_model(kind=kind, **({"dim": 64, "layers": 4} if kind == "tiny" else {}))
+    eager = make_model(kind=kind, **({"dim": 64, "layers": 4} if kind == "tiny" else {}))
+    params = list(model.parameters())
+    from partita.zero.init import PRE_SHARDED
+
+    held = sum(PRE_SHARDED[p].chunk.numel() * p.element_size() for p in params if p in PRE_SHARDED)
+    with partita.zero.GatheredParameters(params):
+        same_as_eager = all(
+            torch.equal(a, b) for a, b in zip(params, eager.parameters(), strict=True)
+        )
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    losses = []
+    for batch in global_batches(steps, micro * world):
+        loss = engine(*rank_micro_batch(batch, rank, world, micro, 0))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().float().clone()
+        comm.all_reduce(total, tag="test")
+        losses.append(total.item() / world)
+    target = next(engine.module.parameters())
+    with partita.zero.GatheredParameters([target], modifier_rank=0):
+        if rank == 0:
+            target.data.fill_(0.25)
+    with partita.zero.GatheredParameters([target]):
+        seen = target.detach().clone()
+    from partita.utils import safe_get_full_fp32_param
+
+    return {
+        "same_as_eager": same_as_eager,
+        "stats": (init.stats.peak_materialized_bytes, held),
+        "numel": sum(p.numel() for p in eager.parameters()),
+        "largest_module_bytes": max(
+            sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in eager.modules()
+        ),
+        # A module with its direct children's own weights (what HF initialisation gathers).
+        "largest_family_bytes": max(
+            sum(p.numel() * 4 for c in [m, *m.children()] for p in c.parameters(recurse=False))
+            for m in eager.modules()
+        ),
+        "losses": losses,
+        "seen": bool(torch.all(seen == 0.25)),
+        "master": bool(torch.all(safe_get_full_fp32_param(target) == 0.25)),
+        "memory": engine.memory_breakdown(),
+    }
+
+
+def save16_probe(config: dict, out_dir: str, max_shard_bytes: int) -> list[torch.Tensor]:
+    """Trains 2 steps, saves 16-bit weights (sharded files when the limit is small) and
+    returns the full parameters for comparison."""
+    from partita.zero.save16 import save_16bit_model
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    micro = config["train_micro_batch_size_per_gpu"]
+    model = make_model()
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    for batch in global_batches(2, micro * world):
+        loss = engine(*rank_micro_batch(batch, rank, world, micro, 0))
+        engine.backward(loss)
+        engine.step()
+    save_16bit_model(engine, out_dir, max_shard_bytes=max_shard_bytes)
+    return _full_params(engine)

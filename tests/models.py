@@ -56,7 +56,7 @@ class HFCausalLM(nn.Module):
         super().__init__()
         import transformers
 
-        if kind == "gpt2":
+        if kind in ("gpt2", "gpt2-lora"):
             cfg = transformers.GPT2Config(
                 vocab_size=VOCAB,
                 n_positions=SEQ,
@@ -82,6 +82,17 @@ class HFCausalLM(nn.Module):
         else:
             raise ValueError(kind)
         self.model.config.use_cache = False
+        if kind == "gpt2-lora":
+            import peft
+
+            lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0)
+            self.model = peft.get_peft_model(self.model, lora)
+            # LoRA's B starts at zero; give it values so every trainable weight gets gradients
+            # from the first step.
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0.0, 0.02)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, labels=targets).loss

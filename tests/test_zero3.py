@@ -135,3 +135,71 @@ def test_memory_communication_and_gather_bounds(world: int) -> None:
         assert bounded["peak_live"] <= bound < fp32["peak_live"] or fp32["peak_live"] <= bound
         assert bounded["peak_live"] <= bound
         assert bounded["losses"] == fp32["losses"]
+
+
+@pytest.mark.parametrize("kind", ["tiny", "gpt2"])
+def test_zero_init_builds_sharded_and_gathered_parameters_modify(kind: str) -> None:
+    from engine_workers import init_probe
+
+    world = 2
+    config = base_config(2, 1, **_z3())
+    model_kwargs = {"kind": kind, **({"dim": 64, "layers": 4} if kind == "tiny" else {})}
+    results = run_distributed(init_probe, world, config, kind, 5, timeout=300)
+    case = {"config": config, "steps": 5, "model_kwargs": model_kwargs}
+    reference = run_distributed(train_grid, world, [case], timeout=300)[0][0]
+    for res in results:
+        assert res["same_as_eager"]  # Init changes where weights live, not their values
+        peak, sharded = res["stats"]
+        # Never more than this rank's shards plus one module's full parameters.
+        assert sharded <= 4 * res["numel"] / world + 4 * 64
+        assert peak <= res["largest_module_bytes" if kind == "tiny" else "largest_family_bytes"]
+        assert res["losses"] == reference["losses"]
+        assert res["seen"] and res["master"]
+
+
+def test_peft_lora_trains_and_matches_single_process() -> None:
+    world = 2
+    kwargs = {"kind": "gpt2-lora"}
+    cases = [
+        {"config": base_config(2, 1, lr=HF_LR, **z), "steps": STEPS, "model_kwargs": kwargs}
+        for z in (_z3(), {})
+    ]
+    stage3, stage0 = run_distributed(train_grid, world, cases, timeout=300)[0]
+    ref_losses, ref_params = reference_run(STEPS, batch=2 * world, lr=HF_LR, model_kwargs=kwargs)
+    torch.testing.assert_close(
+        torch.tensor(stage3["losses"], dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=RTOL,
+        atol=0.0,
+    )
+    assert stage3["losses"] == stage0["losses"]
+    assert stage3["numel"] < 0.2 * sum(p.numel() for p in ref_params)  # only LoRA weights train
+    for got, want, dp in zip(stage3["params"], ref_params, stage0["params"], strict=True):
+        assert torch.equal(got, dp)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_save_16bit_model_writes_gathered_weights(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from safetensors.torch import load_file
+
+    from engine_workers import save16_probe
+    from models import make_model
+
+    world = 2
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    config = base_config(2, 1, bf16={"enabled": True}, **_z3())
+    params = run_distributed(save16_probe, world, config, str(single), 1 << 40, timeout=300)[0]
+    run_distributed(save16_probe, world, config, str(sharded), 20000, timeout=300)
+    names = [n for n, _ in make_model().named_parameters()]
+    loaded = load_file(single / "model.safetensors")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shards = {f: load_file(sharded / f) for f in set(index["weight_map"].values())}
+    assert len(shards) > 1
+    for name, want in zip(names, params, strict=True):
+        assert loaded[name].dtype == torch.bfloat16
+        assert torch.equal(loaded[name].float(), want)
+        assert torch.equal(shards[index["weight_map"][name]][name].float(), want)
+    model = make_model().to(torch.bfloat16)
+    model.load_state_dict(loaded)  # loads into the unsharded model

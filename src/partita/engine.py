@@ -22,6 +22,7 @@ from partita.config import DeepSpeedConfig
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
 from partita.zero import accessors
+from partita.zero import init as zero_init
 from partita.zero.strategy import Strategy
 
 logger = logging.getLogger("partita")
@@ -48,6 +49,9 @@ class Engine(torch.nn.Module):
         self.local_rank = comm.get_local_rank()
         self.device = self.accelerator.current_device()
         self.policy: PrecisionPolicy = engine_setup.precision_policy(config)
+        pre_sharded = zero_init.prepare_pre_sharded(module, self.device, self.policy.param_dtype)
+        if pre_sharded and config.zero_optimization.stage < 3:
+            zero_init.materialize_all(module)  # only stage 3 keeps parameters sharded
         self.module = module.to(device=self.device, dtype=self.policy.param_dtype)
         self._broadcast_module()
         groups = engine_setup.param_groups(self.module, model_parameters, optimizer)
@@ -274,6 +278,18 @@ class Engine(torch.nn.Module):
         report["peak_rss"] = host_peak_rss()
         return report
 
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Writes the full weights in the module's dtype as safetensors, gathering stage-3
+        units one at a time; every rank must call it."""
+        from partita.zero.save16 import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     # --- checkpoints (partita.checkpoint) -------------------------------------------------------
     def save_checkpoint(
         self,
@@ -330,7 +346,8 @@ class Engine(torch.nn.Module):
             return
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
-                comm.broadcast(t.data, src=0, tag="init")
+                if t not in zero_init.PRE_SHARDED:  # zero.Init broadcast those already
+                    comm.broadcast(t.data, src=0, tag="init")
 
 
 class _WallClock:

@@ -8,6 +8,7 @@ changes are discarded. Parameters not sharded by stage 3 are left as they are.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from partita import comm
 from partita.zero import accessors
+from partita.zero.init import PRE_SHARDED, materialized
 
 
 def _stage3_owners() -> list[Any]:
@@ -37,6 +39,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._units: list[tuple[Any, Any]] = []
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
@@ -50,6 +53,9 @@ class GatheredParameters:
                     self._units.append((owner, unit))
         for owner, unit in self._units:
             owner.pin(unit)
+        pre = [p for p in self.params if p in PRE_SHARDED]
+        if pre:
+            self._stack.enter_context(materialized(pre, self.modifier_rank))
         return self
 
     def __exit__(
@@ -70,3 +76,4 @@ class GatheredParameters:
             for owner, unit in self._units:
                 owner.unpin(unit)
             self._units = []
+            self._stack.close()

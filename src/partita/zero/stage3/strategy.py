@@ -19,6 +19,7 @@ from partita import comm
 from partita.partition import Piece
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.init import full_value
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.schedule import UnitScheduler
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
@@ -167,7 +168,9 @@ class FullySharded:
         if frozen:
             segments.append((None, frozen))  # type: ignore[arg-type]
         infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
-        return ShardedUnit(name, infos, world, rank, policy.master_dtype, persistent=persistent)
+        return ShardedUnit(
+            name, infos, world, rank, policy.master_dtype, persistent=persistent, source=full_value
+        )
 
     def _on_grad(self, p: torch.Tensor) -> None:
         unit, i = self._where[p]  # type: ignore[index]

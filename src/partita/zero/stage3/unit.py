@@ -16,12 +16,14 @@ buffer is not a change autograd's saved tensors need to know about.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from partita import comm
 from partita.partition import FlatLayout
+from partita.zero.placeholder import nan_placeholder
 
 
 class UnitState(enum.Enum):
@@ -42,11 +44,6 @@ class SegmentInfo:
     params: list[torch.nn.Parameter]
 
 
-def nan_placeholder(param: torch.Tensor) -> torch.Tensor:
-    """A zero-memory tensor of `param`'s shape and dtype whose every element is NaN."""
-    return torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
-
-
 class ShardedUnit:
     """A unit's layout, storage and transitions (`unshard`, `wait_for_unshard`, `reshard`)."""
 
@@ -59,6 +56,7 @@ class ShardedUnit:
         master_dtype: torch.dtype,
         persistent: bool = False,
         group: comm.ProcessGroup | None = None,
+        source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.segments = segments
@@ -77,7 +75,7 @@ class ShardedUnit:
         with torch.no_grad():
             for p, off in zip(self.params, self.layout.offsets, strict=True):
                 view = self.flat_full[off : off + p.numel()].view_as(p)
-                view.copy_(p.detach())
+                view.copy_(source(p) if source is not None else p.detach())
                 self.views.append(view)
                 p.data = view
         self.flat_shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)

@@ -1,0 +1,298 @@
+"""`zero.Init`: build a model already sharded, so no rank ever holds all of it.
+
+Inside the context every `nn.Module` subclass's ``__init__`` is wrapped: when a module's own
+constructor returns, its direct parameters (the ones its children do not own) are broadcast from
+rank 0 and cut down to this rank's chunk (``ceil(numel / world)`` elements); the parameter keeps
+its shape but holds a zero-memory NaN placeholder. At any moment the full values of at most one
+module's direct parameters exist. Initialisation code that writes into parameters after
+construction (Hugging Face's ``_init_weights``) runs under `GatheredParameters` with
+``modifier_rank=0``, as DeepSpeed's integration does. Stage 3 later turns the chunks into its
+unit shards one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from partita import comm
+from partita.zero.placeholder import nan_placeholder
+
+
+@dataclass
+class PreShard:
+    """This rank's chunk of a parameter built under `Init`."""
+
+    chunk: torch.Tensor
+    numel: int
+    world: int
+
+
+# Keyed by identity: tensors compare element-wise, so an ordinary WeakKeyDictionary cannot.
+PRE_SHARDED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameters built under `Init` and not yet taken over by a stage-3 engine."""
+
+_state = threading.local()
+
+
+@dataclass
+class InitStats:
+    """Parameter memory seen while building under `Init` (bytes)."""
+
+    sharded_bytes: int = 0
+    peak_materialized_bytes: int = 0
+    """Largest sum of full parameter bytes of one module alive at once."""
+
+
+def _chunk_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    flat = full.detach().reshape(-1)
+    size = -(-flat.numel() // world)
+    out = torch.zeros(size, dtype=full.dtype, device=full.device)
+    part = flat[rank * size : (rank + 1) * size]
+    out[: part.numel()].copy_(part)
+    return out
+
+
+@torch.no_grad()
+def shard_param(param: torch.Tensor) -> None:
+    """Broadcasts `param` from rank 0, keeps this rank's chunk, leaves a NaN placeholder."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    comm.broadcast(param.data, src=0, tag="init")
+    PRE_SHARDED[param] = PreShard(_chunk_of(param.data, world, rank), param.numel(), world)
+    param.data = nan_placeholder(param)
+
+
+@torch.no_grad()
+def gather_pre_sharded(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a parameter built under `Init` (collective)."""
+    shard = PRE_SHARDED[param]
+    full = torch.empty(
+        shard.chunk.numel() * shard.world, dtype=shard.chunk.dtype, device=shard.chunk.device
+    )
+    comm.all_gather(full, shard.chunk, tag="init")
+    return full[: shard.numel].view(param.shape)
+
+
+def _subclasses(cls: type) -> list[type]:
+    out: list[type] = []
+    sub: type
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_subclasses(sub))
+    return out
+
+
+class Init:
+    """Context manager: modules constructed inside are sharded as they are built (DeepSpeed's
+    ``deepspeed.zero.Init``; most of its arguments are accepted for compatibility)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        del (
+            data_parallel_group,
+            mem_efficient_linear,
+            pin_memory,
+            config_dict_or_path,
+            config,
+            mpu,
+            kwargs,
+        )
+        if remote_device not in (None, "none"):
+            raise NotImplementedError(
+                f"zero.Init(remote_device={remote_device!r}): offload is not available yet"
+            )
+        self.enabled = enabled
+        self.dtype = dtype
+        self.stats = InitStats()
+        self._patched: list[tuple[type, Callable[..., None]]] = []
+        self._restore_hf: Callable[[], None] | None = None
+        self._restore_subclass_hook: Any = None
+        if module is not None and enabled:  # DeepSpeed: shard an already built module
+            for m in module.modules():
+                self._shard_module(m)
+
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        comm.init_distributed()
+        for cls in [torch.nn.Module, *_subclasses(torch.nn.Module)]:
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                try:
+                    setattr(cls, "__init__", self._wrap(original))  # noqa: B010
+                except (TypeError, AttributeError):  # a class that refuses new attributes
+                    continue
+                self._patched.append((cls, original))
+        self._restore_hf = _patch_hf_initialize_weights()
+        self._hook_new_subclasses()
+        _state.current = self
+        return self
+
+    def _hook_new_subclasses(self) -> None:
+        """Wraps module classes defined while the context is open (lazily imported models)."""
+        init = self
+        previous = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls: type, **kwargs: Any) -> None:
+            object.__init_subclass__()
+            if "__init__" in cls.__dict__:
+                original = cls.__dict__["__init__"]
+                setattr(cls, "__init__", init._wrap(original))  # noqa: B010
+                init._patched.append((cls, original))
+            if init._restore_hf is None:
+                init._restore_hf = _patch_hf_initialize_weights()
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment,method-assign]
+        self._restore_subclass_hook = previous
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _state.current = None
+        for cls, original in reversed(self._patched):
+            setattr(cls, "__init__", original)  # noqa: B010
+        self._patched = []
+        if self._restore_subclass_hook is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._restore_subclass_hook  # type: ignore[method-assign]
+        if self._restore_hf is not None:
+            self._restore_hf()
+            self._restore_hf = None
+
+    def _wrap(self, original: Callable[..., None]) -> Callable[..., None]:
+        init = self
+
+        def wrapped(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+            depth = getattr(_state, "depth", {})
+            _state.depth = depth
+            key = id(module)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                if depth[key] == 0:
+                    del depth[key]
+            if key not in depth:
+                init._shard_module(module)
+
+        return wrapped
+
+    def _shard_module(self, module: torch.nn.Module) -> None:
+        params = [p for p in module.parameters(recurse=False) if p not in PRE_SHARDED]
+        if not params:
+            return
+        if self.dtype is not None:
+            for p in params:
+                if p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+        full = sum(p.numel() * p.element_size() for p in params)
+        self.stats.peak_materialized_bytes = max(self.stats.peak_materialized_bytes, full)
+        for p in params:
+            shard_param(p)
+            self.stats.sharded_bytes += PRE_SHARDED[p].chunk.numel() * p.element_size()
+
+
+@contextlib.contextmanager
+def materialized(params: Sequence[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
+    """Full values of pre-sharded `params` inside the block; with `modifier_rank`, that rank's
+    values at exit become every rank's new chunks."""
+    for p in params:
+        p.data = gather_pre_sharded(p)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p in params:
+                if modifier_rank is not None:
+                    comm.broadcast(p.data, src=modifier_rank, tag="gathered")
+                    shard = PRE_SHARDED[p]
+                    shard.chunk.copy_(_chunk_of(p.data, shard.world, comm.get_rank()))
+                p.data = nan_placeholder(p)
+
+
+def _patch_hf_initialize_weights() -> Callable[[], None] | None:
+    """Runs Hugging Face's per-module weight initialisation on gathered parameters."""
+    import sys
+
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not hasattr(modeling, "PreTrainedModel"):  # absent or mid-import
+        return None
+    cls = modeling.PreTrainedModel
+    original = cls._initialize_weights
+
+    def initialize(self: Any, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # A module's _init_weights may write its direct children's weights too (GPT-2 scales
+        # c_proj from the attention module), so those are gathered with it.
+        owners = [module, *module.children()]
+        params = [p for m in owners for p in m.parameters(recurse=False) if p in PRE_SHARDED]
+        params = list({id(p): p for p in params}.values())
+        current = getattr(_state, "current", None)
+        if current is not None:
+            full = sum(p.numel() * p.element_size() for p in params)
+            current.stats.peak_materialized_bytes = max(current.stats.peak_materialized_bytes, full)
+        with materialized(params, modifier_rank=0):
+            return original(self, module, *args, **kwargs)
+
+    cls._initialize_weights = initialize
+
+    def restore() -> None:
+        cls._initialize_weights = original
+
+    return restore
+
+
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """`param`'s full value: gathered (and released from `PRE_SHARDED`) if built under `Init`."""
+    if param in PRE_SHARDED:
+        value = gather_pre_sharded(param)
+        del PRE_SHARDED[param]
+        return value
+    return param.detach()
+
+
+@torch.no_grad()
+def prepare_pre_sharded(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Moves the chunks of `module`'s `Init`-built parameters to `device`/`dtype` and gives
+    their placeholders the same, so a later ``module.to(device, dtype)`` does not expand them.
+    Returns True when the module has such parameters."""
+    found = False
+    for p in module.parameters():
+        shard = PRE_SHARDED.get(p)
+        if shard is None:
+            continue
+        found = True
+        target = dtype if p.is_floating_point() else p.dtype
+        shard.chunk = shard.chunk.to(device=device, dtype=target)
+        p.data = nan_placeholder(p, dtype=target, device=device)
+    return found
+
+
+def materialize_all(module: torch.nn.Module) -> None:
+    """Gives every `Init`-built parameter of `module` its full value (stages 0-2 need them)."""
+    for p in module.parameters():
+        if p in PRE_SHARDED:
+            p.data = full_value(p)

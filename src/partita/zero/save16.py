@@ -1,0 +1,98 @@
+"""`engine.save_16bit_model`: the full model weights, in the module's dtype, as safetensors.
+
+Stage 3 gathers one unit at a time, so no rank holds more than one unit plus the tensors of the
+file shard being written; rank 0 writes. Files follow Hugging Face's layout: one
+``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards with
+``model.safetensors.index.json`` once `max_shard_bytes` is exceeded. Each file is written to a
+temporary name and renamed, so a crash never leaves a truncated file under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from partita import comm
+from partita.zero.gather import GatheredParameters
+
+
+def _param_batches(engine: Any, exclude_frozen: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, parameter) lists whose full values can be read together: one stage-3 unit at a
+    time, or everything at once for stages 0-2 (parameters are whole there)."""
+    named = [
+        (n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not exclude_frozen
+    ]
+    units = getattr(engine.strategy, "all_units", None)
+    if units is None:
+        yield named
+        return
+    by_unit: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for n, p in named:
+        unit = engine.strategy.unit_of(p)
+        by_unit.setdefault(id(unit), []).append((n, p))
+    yield from by_unit.values()
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str,
+    save_filename: str = "model.safetensors",
+    exclude_frozen_parameters: bool = False,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> bool:
+    """Writes the model's full weights (collective: every rank must call). Returns True."""
+    rank = comm.get_rank()
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    for batch in _param_batches(engine, exclude_frozen_parameters):
+        with GatheredParameters([p for _, p in batch]):
+            if rank == 0:
+                for name, p in batch:
+                    tensor = p.detach().to("cpu").contiguous().clone()
+                    nbytes = tensor.numel() * tensor.element_size()
+                    if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
+                        shards.append({})
+                        sizes.append(0)
+                    shards[-1][name] = tensor
+                    sizes[-1] += nbytes
+    if rank == 0:
+        for name, buf in engine.module.named_buffers():
+            shards[-1][name] = buf.detach().to("cpu").contiguous().clone()
+        _write(save_dir, save_filename, shards)
+    comm.barrier()
+    return True
+
+
+def _write(save_dir: str, filename: str, shards: list[dict[str, torch.Tensor]]) -> None:
+    if len(shards) == 1:
+        _atomic_save(shards[0], os.path.join(save_dir, filename))
+        return
+    stem = filename.removesuffix(".safetensors")
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, start=1):
+        name = f"{stem}-{k:05d}-of-{len(shards):05d}.safetensors"
+        _atomic_save(shard, os.path.join(save_dir, name))
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    tmp = os.path.join(save_dir, f".{stem}.safetensors.index.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(index, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(save_dir, f"{stem}.safetensors.index.json"))
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: str) -> None:
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
