@@ -135,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
     result = common.collect_result(times, losses, baseline, extra)
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
-    common.shutdown()
+    common.exit_worker()
 
 
 # --- orchestrator --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -107,12 +107,17 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown() -> None:
-    """Tear the process group down once every rank is done, rather than leaving it to the
-    interpreter's exit, where the order in which library threads stop is not defined."""
+def exit_worker() -> NoReturn:
+    """End a worker process at once, after every rank is done and output is flushed.
+
+    Interpreter teardown is skipped on purpose: there, process-group destructors race with
+    library threads (torch 2.13 can deadlock joining gloo's run loop while it waits for the GIL;
+    DeepSpeed's CPU comm op can abort), and a benchmark has nothing left to clean up."""
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def time_steps(

@@ -95,9 +95,8 @@ def peak_rss_per_rank() -> list[float]:
 
 
 def print_memory(engine: Any) -> None:
-    """Print each rank's memory breakdown (partita's ``engine.memory_breakdown()``) on rank 0."""
-    # DeepSpeed's engine.memory_breakdown() is a config flag (a bool), not a breakdown.
-    mine = engine.memory_breakdown() if hasattr(engine, "memory_breakdown") else None
+    """Print each rank's memory breakdown (partita's ``engine.memory_report()``) on rank 0."""
+    mine = engine.memory_report() if hasattr(engine, "memory_report") else None
     if not isinstance(mine, dict):
         return
     rows: list[Any] = [mine]
@@ -185,8 +184,6 @@ def main() -> None:
         text = sample(engine, b"It is a truth ", args.sample_tokens, args.seq_len, args.seed)
         if rank == 0:
             print("sample:", text)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def train(
         "warnings": capture.messages,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "memory": engine.memory_breakdown(),
+        "memory": engine.memory_report(),
         **_stage3_stats(engine),
         "numel": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
     }
@@ -237,7 +237,7 @@ def init_probe(config: dict, kind: str, steps: int) -> dict[str, Any]:
         "losses": losses,
         "seen": bool(torch.all(seen == 0.25)),
         "master": bool(torch.all(safe_get_full_fp32_param(target) == 0.25)),
-        "memory": engine.memory_breakdown(),
+        "memory": engine.memory_report(),
     }
 
 

@@ -263,7 +263,12 @@ class Engine(torch.nn.Module):
         self.strategy.zero_grad()
 
     # --- memory and teardown -----------------------------------------------------------------
-    def memory_breakdown(self) -> dict[str, int]:
+    def memory_breakdown(self) -> bool:
+        """DeepSpeed's accessor of the ``memory_breakdown`` config flag (see `memory_report`
+        for the figures)."""
+        return bool(self._config.memory_breakdown)
+
+    def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category (params, grads, master_params, optimizer_state,
         comm_buffers), the device's peak allocation, and the process's RSS and peak RSS."""
         report = self.strategy.memory_breakdown()
