@@ -222,34 +222,46 @@ class Row:
     is_peer: bool = True  # peers are what partita is compared against
 
 
-def render_markdown(rows: list[Row], rss_reference: str, title: str) -> str:
-    """The side-by-side table: median step time, its ratio to the fastest peer, peak RSS per
-    rank and its ratio (largest rank) to the ``rss_reference`` row, the last step's loss (equal
+# An extra table column: its header and how a finished row's result dict is shown in it.
+Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def render_markdown(
+    rows: list[Row],
+    rss_reference: str,
+    title: str,
+    time_reference: str | None = None,
+    extra_columns: Sequence[Column] = (),
+) -> str:
+    """The side-by-side table: median step time, its ratio to the ``time_reference`` row (a
+    column only when given) and to the fastest peer, peak RSS per rank and its ratio (largest
+    rank) to the ``rss_reference`` row, any ``extra_columns``, the last step's loss (equal
     losses show that the configurations computed the same thing) and the optimizer class."""
     done = {r.name: r.result for r in rows if r.result is not None}
     peer_times = {r.name: r.result["median_step_s"] for r in rows if r.result and r.is_peer}
     best = min(peer_times, key=peer_times.__getitem__) if peer_times else None
     ref_rss = max(done[rss_reference]["peak_rss_mb"]) if rss_reference in done else None
-    lines = [
-        f"### {title}",
-        "",
-        "| configuration | median step (ms) | vs best peer | peak RSS per rank (MB) "
-        f"| RSS vs {rss_reference} | final loss | optimizer |",
-        "|---|---:|---:|---:|---:|---:|---|",
-    ]
+    ref_time = done[time_reference]["median_step_s"] if time_reference in done else None
+    time_cols = ([f"vs {time_reference}"] if time_reference else []) + ["vs best peer"]
+    headers = ["configuration", "median step (ms)", *time_cols, "peak RSS per rank (MB)",
+               f"RSS vs {rss_reference}", *(c[0] for c in extra_columns), "final loss",
+               "optimizer"]  # fmt: skip
+    lines = [f"### {title}", "", "| " + " | ".join(headers) + " |"]
+    lines.append("|---|" + "---:|" * (len(headers) - 2) + "---|")
     for row in rows:
         res = row.result
         if res is None:
-            lines.append(f"| {row.name} | {row.note or 'skipped'} | | | | | |")
+            lines.append(f"| {row.name} | {row.note or 'skipped'} |" + " |" * (len(headers) - 2))
             continue
-        step_ms = res["median_step_s"] * 1e3
-        vs_best = f"{res['median_step_s'] / peer_times[best]:.2f}x" if best else "-"
-        rss = " / ".join(f"{m:.0f}" for m in res["peak_rss_mb"])
-        vs_ref = f"{max(res['peak_rss_mb']) / ref_rss:.2f}x" if ref_rss else "-"
-        lines.append(
-            f"| {row.name} | {step_ms:.1f} | {vs_best} | {rss} | {vs_ref} | {res['losses'][-1]:.4f} "
-            f"| {res.get('optimizer', '')} |"
-        )
+        cells = [row.name, f"{res['median_step_s'] * 1e3:.1f}"]
+        if time_reference:
+            cells.append(f"{res['median_step_s'] / ref_time:.2f}x" if ref_time else "-")
+        cells.append(f"{res['median_step_s'] / peer_times[best]:.2f}x" if best else "-")
+        cells.append(" / ".join(f"{m:.0f}" for m in res["peak_rss_mb"]))
+        cells.append(f"{max(res['peak_rss_mb']) / ref_rss:.2f}x" if ref_rss else "-")
+        cells += [show(res) for _, show in extra_columns]
+        cells += [f"{res['losses'][-1]:.4f}", str(res.get("optimizer", ""))]
+        lines.append("| " + " | ".join(cells) + " |")
     if best is not None:
         lines += ["", f"Best peer: {best}."]
     return "\n".join(lines) + "\n"

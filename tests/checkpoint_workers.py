@@ -84,16 +84,17 @@ def _resume_engine(stage: int, seed: int) -> tuple[Any, Any]:
     return engine, loader
 
 
-def _train_steps(engine: Any, loader: Any, steps: int) -> list[float]:
-    """`steps` optimizer steps over the loader (new epochs as needed); per-micro-step losses."""
+def _batches(loader: Any) -> Any:
+    """Endless batches: a new pass (epoch) whenever one ends."""
+    while True:
+        yield from loader
+
+
+def _train_steps(engine: Any, batches: Any, steps: int) -> list[float]:
+    """`steps` optimizer steps; per-micro-step losses."""
     losses = []
-    it = iter(loader)
     for _ in range(steps * engine.gradient_accumulation_steps()):
-        try:
-            tokens, targets = next(it)
-        except StopIteration:
-            it = iter(loader)
-            tokens, targets = next(it)
+        tokens, targets = next(batches)
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
@@ -104,9 +105,10 @@ def _train_steps(engine: Any, loader: Any, steps: int) -> list[float]:
 def resume_full(stage: int, folder: str, total: int, save_at: int) -> dict[str, Any]:
     """The uninterrupted run: saves after `save_at` steps and trains on to `total`."""
     engine, loader = _resume_engine(stage, seed=0)
-    before = _train_steps(engine, loader, save_at)
+    batches = _batches(loader)
+    before = _train_steps(engine, batches, save_at)
     engine.save_checkpoint(folder, client_state={"save_at": save_at, "note": "resume"})
-    after = _train_steps(engine, loader, total - save_at)
+    after = _train_steps(engine, batches, total - save_at)
     out = {"before": before, "after": after, "skipped": engine.skipped_steps}
     out["scale"] = engine.cur_scale
     engine.destroy()
@@ -117,7 +119,7 @@ def resume_load(stage: int, folder: str, total: int, save_at: int) -> dict[str, 
     """A fresh engine (other initial weights) loads and trains to `total`."""
     engine, loader = _resume_engine(stage, seed=123)
     path, client = engine.load_checkpoint(folder)
-    after = _train_steps(engine, loader, total - save_at)
+    after = _train_steps(engine, _batches(loader), total - save_at)
     out = {"after": after, "skipped": engine.skipped_steps, "client": client, "path": path}
     out["scale"] = engine.cur_scale
     engine.destroy()
@@ -155,7 +157,8 @@ def full_states(engine: Any) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
-            out[f"frozen::{name}"] = p.detach().float().clone()
+            with partita.zero.GatheredParameters([p]):  # stage 3 shards frozen ones too
+                out[f"frozen::{name}"] = p.detach().float().clone()
             continue
         out[f"param::{name}"] = accessors.safe_get_full_fp32_param(p)
         for key in STATE_KEYS:
@@ -244,3 +247,218 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     except Exception as e:
         result = e
     return result, time.perf_counter() - start
+
+
+# --- corruption, partial calls, client state, export ------------------------------------------
+def _small_engine(stage: int, seed: int = 0) -> Any:
+    return _reshard_engine(stage, seed)
+
+
+def _on_rank0(fn: Any) -> None:
+    if comm.get_rank() == 0:
+        fn()
+    comm.barrier()
+
+
+def _corruptions(base: str, tag: str) -> dict[str, Any]:
+    """Each corruption applied to a fresh copy of `base`; what a load of the copy raises."""
+    import shutil
+
+    def truncate(d: str) -> None:
+        path = os.path.join(d, tag, "rank00001-of-00002.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    def flip(d: str) -> None:
+        path = os.path.join(d, tag, "rank00000-of-00002.safetensors")
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+    def write_latest(text: str) -> Any:
+        def apply(d: str) -> None:
+            with open(os.path.join(d, "latest"), "w") as f:
+                f.write(text)
+
+        return apply
+
+    variants = {
+        "truncated": truncate,
+        "flipped": flip,
+        "missing": lambda d: os.unlink(os.path.join(d, tag, "rank00001-of-00002.safetensors")),
+        "empty_latest": write_latest(""),
+        "latest_missing_tag": write_latest("global_step99"),
+        "no_manifest": lambda d: os.unlink(os.path.join(d, tag, "manifest.json")),
+    }
+    out = {}
+    for name, corrupt in variants.items():
+        copy = f"{base}-{name}"
+        _on_rank0(lambda c=copy, f=corrupt: (shutil.copytree(base, c), f(c)))
+        engine = _small_engine(2, seed=5)
+        result, seconds = timed(engine.load_checkpoint, copy)
+        out[name] = (type(result).__name__, str(result), seconds)
+        engine.destroy()
+    return out
+
+
+def error_cases(root: str) -> dict[str, Any]:
+    """World 2: corruption, bad client state, export, partial save/load calls (last: they leave
+    the ranks' call counters out of step)."""
+    from partita.checkpoint import export_checkpoint
+
+    engine = _small_engine(2)
+    batches = global_batches(2, GLOBAL_BATCH)
+    _global_losses(engine, batches)
+    base = os.path.join(root, "base")
+    engine.save_checkpoint(base)
+    tag = f"global_step{engine.global_steps}"
+    out: dict[str, Any] = {"states": full_states(engine)}
+    out["module"] = {n: p.detach().clone() for n, p in engine.module.state_dict().items()}
+    bad = {"epoch": 1, "extra": {"tensor": torch.zeros(2)}}
+    out["client_error"] = timed(engine.save_checkpoint, os.path.join(root, "bad"), None, bad)
+    out["client_error"] = (type(out["client_error"][0]).__name__, str(out["client_error"][0]))
+    if comm.get_rank() == 0:
+        export_checkpoint(base, os.path.join(root, "export1"))
+        export_checkpoint(base, os.path.join(root, "export3"), max_shard_size="20KB")
+        export_checkpoint(base, os.path.join(root, "export_bf16"), dtype="bf16")
+    comm.barrier()
+    out["corrupt"] = _corruptions(base, tag)
+    os.environ["PARTITA_CHECKPOINT_TIMEOUT_S"] = "2"
+    if comm.get_rank() == 0:
+        out["partial_save"] = timed(engine.save_checkpoint, os.path.join(root, "partial"))
+        out["partial_load"] = timed(engine.load_checkpoint, base)
+        out["partial_save"] = (str(out["partial_save"][0]), out["partial_save"][1])
+        out["partial_load"] = (str(out["partial_load"][0]), out["partial_load"][1])
+    return out
+
+
+def hf_export(root: str) -> dict[str, Any]:
+    """World 2, stage 2: a tiny GPT-2 (tied embeddings) trains 2 steps and saves; rank 0
+    exports it and compares `from_pretrained` logits with the engine's module."""
+    import transformers
+
+    from partita.checkpoint import export_checkpoint
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(cfg)
+    engine, *_ = partita.initialize(model=model, config=reshard_config(2, comm.get_world_size()))
+    rank, world = comm.get_rank(), comm.get_world_size()
+    for batch in global_batches(2, GLOBAL_BATCH):
+        tokens, targets = rank_micro_batch(batch, rank, world, GLOBAL_BATCH // world, 0)
+        loss = engine(input_ids=tokens, labels=targets).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(os.path.join(root, "gpt2"))
+    out: dict[str, Any] = {}
+    if rank == 0:
+        export_dir = os.path.join(root, "gpt2-hf")
+        export_checkpoint(os.path.join(root, "gpt2"), export_dir, max_shard_size="10KB")
+        cfg.save_pretrained(export_dir)
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(export_dir).eval()
+        engine.module.eval()
+        prompt = torch.tensor([[1, 2, 3, 4, 5]])
+        with torch.no_grad():
+            out["logits"] = (engine.module(prompt).logits, loaded(prompt).logits)
+        out["files"] = sorted(os.listdir(export_dir))
+    engine.destroy()
+    return out
+
+
+def build_deepspeed_checkpoint(root: str, world: int = 2) -> dict[str, torch.Tensor]:
+    """A DeepSpeed ZeRO-2 checkpoint of a TinyLM, made by hand with DeepSpeed's keys (single
+    flat group, padded to 2*world, partitioned over `world` ranks; its loss scaler pickled
+    as an object of a `deepspeed.*` class). Returns the expected fp32 values."""
+    import math
+    import sys
+    import types
+    from collections import OrderedDict
+
+    model = make_model(seed=3)
+    params = OrderedDict((n, p.detach().float()) for n, p in model.named_parameters())
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    padded = 2 * world * math.ceil(flat.numel() / (2 * world))
+    gen = torch.Generator().manual_seed(4)
+    states = {
+        "param": torch.cat([flat, torch.zeros(padded - flat.numel())]),
+        "exp_avg": torch.randn(padded, generator=gen),
+        "exp_avg_sq": torch.rand(padded, generator=gen),
+    }
+    size = padded // world
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
+             "deepspeed.runtime.fp16.loss_scaler"]  # fmt: skip
+    fake = {n: types.ModuleType(n) for n in names}
+    scaler_cls = type("DynamicLossScaler", (), {"__module__": names[-1]})
+    fake[names[-1]].DynamicLossScaler = scaler_cls  # type: ignore[attr-defined]
+    scaler = scaler_cls()
+    scaler.__dict__.update(cur_scale=1024.0, cur_iter=5, last_overflow_iter=2, cur_hysteresis=2)
+    folder = os.path.join(root, "global_step5")
+    os.makedirs(folder)
+    sys.modules.update(fake)
+    try:
+        for r in range(world):
+            part = {k: v[r * size : (r + 1) * size].clone() for k, v in states.items()}
+            osd = {
+                "zero_stage": 2, "partition_count": world, "loss_scaler": scaler,
+                "dynamic_loss_scale": True, "overflow": False,
+                "single_partition_of_fp32_groups": [part["param"]],
+                "base_optimizer_state": {
+                    "state": {0: {"step": torch.tensor(5.0), "exp_avg": part["exp_avg"],
+                                  "exp_avg_sq": part["exp_avg_sq"]}},
+                    "param_groups": [{"lr": 1e-3, "params": [0]}],
+                },
+            }  # fmt: skip
+            path = os.path.join(folder, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+            torch.save({"optimizer_state_dict": osd, "ds_version": "0.14.0"}, path)
+    finally:
+        for n in names:
+            sys.modules.pop(n, None)
+    torch.save(
+        {
+            "module": {n: p.half() for n, p in params.items()}, "buffer_names": [],
+            "param_shapes": [OrderedDict((n, p.shape) for n, p in params.items())],
+            "shared_params": {}, "frozen_param_shapes": None, "frozen_param_fragments": None,
+            "global_steps": 5, "global_samples": 20, "skipped_steps": 1, "lr_scheduler": None,
+            "ds_config": {"gradient_accumulation_steps": 1}, "ds_version": "0.14.0",
+            "dp_world_size": world, "mp_world_size": 1, "optimizer": None, "my_key": 42,
+        },
+        os.path.join(folder, "mp_rank_00_model_states.pt"),
+    )  # fmt: skip
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("global_step5")
+    expected = {f"param::{n}": p for n, p in params.items()}
+    offset = 0
+    for n, p in params.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            expected[f"{k}::{n}"] = states[k][offset : offset + p.numel()].view(p.shape)
+        expected[f"step::{n}"] = torch.tensor(5.0)
+        offset += p.numel()
+    return expected
+
+
+def load_deepspeed(root: str) -> dict[str, Any]:
+    """Loads the hand-made DeepSpeed checkpoint into a stage-1 engine (opt-in by env)."""
+    model = make_model(seed=9)
+    engine, *_ = partita.initialize(model=model, config=reshard_config(1, comm.get_world_size()))
+    refused = timed(engine.load_checkpoint, root)[0]
+    os.environ["PARTITA_TRUST_PICKLE"] = "1"
+    path, client = engine.load_checkpoint(root)
+    out = {"refused": (type(refused).__name__, str(refused)), "client": client}
+    out.update(states=full_states(engine), steps=engine.global_steps, path=path)
+    engine.destroy()
+    return out
+
+
+def misc_cases(root: str, ds_root: str) -> dict[str, Any]:
+    """One world-2 spawn for the Hugging Face export, the DeepSpeed load and `error_cases`
+    (last, since its partial calls leave the ranks' call counters out of step)."""
+    return {
+        "hf": hf_export(root),
+        "ds": load_deepspeed(ds_root),
+        "errors": error_cases(root),
+    }

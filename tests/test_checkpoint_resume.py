@@ -18,8 +18,8 @@ from checkpoint_workers import load_phase, save_phase
 from partita.testing import run_distributed
 
 WORLDS = (1, 2, 4)
-STAGES = [0, 1, 2]
-RESUME_STAGES = {1: [0, 1, 2], 2: [0, 1, 2], 4: [2]}
+STAGES = [0, 1, 2, 3]
+RESUME_STAGES = {1: [0, 1, 2, 3], 2: [0, 1, 2, 3], 4: [2]}
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,15 @@ class Accelerator:
         """Page-locked copy of a CPU tensor on CUDA machines; the tensor itself elsewhere."""
         return tensor.pin_memory() if self.is_cuda else tensor
 
+    def get_rng_states(self) -> list[torch.Tensor]:
+        """Every local device generator's state (empty on CPU: torch's CPU state covers it)."""
+        return list(torch.cuda.get_rng_state_all()) if self.is_cuda else []
+
+    def set_rng_states(self, states: list[torch.Tensor]) -> None:
+        """Restores `get_rng_states` output (no-op on CPU)."""
+        if self.is_cuda and states:
+            torch.cuda.set_rng_state_all(states)
+
     def memory_allocated(self) -> int:
         """Bytes of device memory held by tensors (0 on CPU: see `host_rss`)."""
         return int(torch.cuda.memory_allocated()) if self.is_cuda else 0

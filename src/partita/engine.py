@@ -325,9 +325,11 @@ class Engine(torch.nn.Module):
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        trust_pickle: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Loads a checkpoint saved at any world size and stage; returns ``(load_path,
-        client_state)`` (see `partita.checkpoint.load_checkpoint`)."""
+        client_state)`` (see `partita.checkpoint.load_checkpoint`). ``trust_pickle=True`` is
+        the explicit opt-in needed to read a DeepSpeed checkpoint (pickle files can run code)."""
         from partita.checkpoint import load_checkpoint
 
         return load_checkpoint(
@@ -338,6 +340,7 @@ class Engine(torch.nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            trust_pickle=trust_pickle,
         )
 
     def destroy(self) -> None:

@@ -139,11 +139,11 @@ def check_supported(config: DeepSpeedConfig) -> None:
     problems: list[Problem] = []
     for block in ("offload_optimizer", "offload_param"):
         section = getattr(zero, block)
-        if section is not None and section.device != "none":
+        if section is not None and section.device == "nvme":
             problems.append(
                 Problem(
                     f"zero_optimization.{block}.device",
-                    f"{section.device!r}: offload is not available yet; use 'none'",
+                    "'nvme': NVMe offload is not available yet; use 'cpu' or 'none'",
                 )
             )
     for key, on in (
@@ -174,6 +174,19 @@ def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     )
 
 
+def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, torch.device | None]:
+    """Where master weights with optimizer state, and stage-3 parameter shards, live: the host
+    under CPU offload, else (None) with the compute device."""
+    zero = config.zero_optimization
+    cpu = torch.device("cpu")
+    opt = zero.offload_optimizer
+    param = zero.offload_param
+    return (
+        cpu if opt is not None and opt.device == "cpu" else None,
+        cpu if param is not None and param.device == "cpu" else None,
+    )
+
+
 def strategy(
     config: DeepSpeedConfig,
     module: torch.nn.Module,
@@ -187,12 +200,17 @@ def strategy(
     scaling = ReduceScaling(world, config.prescale_gradients, config.gradient_predivide_factor)
     if zero.stage == 0:
         return DataParallel(groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
+    state_device, shard_device = offload_placement(config)
     if zero.stage == 3:
-        return FullySharded(module, groups, policy, make_optimizer, zero, scaling)
+        return FullySharded(
+            module, groups, policy, make_optimizer, zero, scaling,
+            state_device=state_device, shard_device=shard_device,
+        )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(
-            zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling
-        )
+            zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling,
+            state_device=state_device,
+        )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"
     )

@@ -69,7 +69,9 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-_pickle_module = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load)
+_pickle_module = types.ModuleType("partita_deepspeed_pickle")
+_pickle_module.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_pickle_module.load = pickle.load  # type: ignore[attr-defined]
 
 
 def _load(path: str) -> Any:

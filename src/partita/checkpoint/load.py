@@ -25,6 +25,7 @@ from partita.checkpoint.state import (
     Entry,
     inventory,
     restore_optimizer_groups,
+    set_module_value,
     set_rng_state,
 )
 
@@ -122,6 +123,7 @@ def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -
     if load_opt:
         _check_optimizer(engine, src.meta)
     keys = list(src.meta.get("optimizer_state_keys") or []) if load_opt else []
+    todo = []
     for e in entries:
         info = saved.get(e.name)
         if info is None or e.kind == "alias" or info.get("stored") is False:
@@ -131,10 +133,16 @@ def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -
                 f"{src.folder}: {e.name!r} has shape {info['shape']} in the checkpoint, "
                 f"{list(e.tensor.shape)} in the module"
             )
+        todo.append((e, info))
+    # Frozen parameters and buffers first: under stage 3 writing a frozen parameter re-shards
+    # its whole unit from the module's values, masters of trainable neighbours included, so
+    # the masters must be loaded after it.
+    for e, info in todo:
+        if e.kind != "trainable":
+            _load_module_tensor(src, e, info)
+    for e, info in todo:
         if e.kind == "trainable":
             _load_trainable(engine.strategy, src, e, info, keys)
-        else:
-            _load_module_tensor(src, e, info)
 
 
 def _check_optimizer(engine: Any, meta: dict[str, Any]) -> None:
@@ -169,7 +177,6 @@ def _load_trainable(strategy: Any, src: StateSource, e: Entry, info: dict, keys:
             strategy.set_local_state(e.tensor, what, state.to(e.tensor.device))
 
 
-@torch.no_grad()
 def _load_module_tensor(src: StateSource, e: Entry, info: dict) -> None:
     if info["kind"] == "trainable":  # trained when saved, frozen now: its master weight
         numel = e.tensor.numel()
@@ -177,7 +184,7 @@ def _load_module_tensor(src: StateSource, e: Entry, info: dict) -> None:
         assert value is not None
     else:
         value = src.read_module(e.name)
-    e.tensor.copy_(value.reshape(e.tensor.shape))
+    set_module_value(e, value.to(e.tensor.device))
 
 
 def _restore_training_state(

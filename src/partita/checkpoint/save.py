@@ -39,6 +39,7 @@ from partita.checkpoint.state import (
     Entry,
     check_client_state,
     dtype_name,
+    full_module_value,
     inventory,
     optimizer_groups,
     rng_state,
@@ -148,7 +149,7 @@ def _clean_checkpoint_folder(path: str, current: bool) -> None:
             removed += remove_quietly(os.path.join(path, name))
     if removed and not complete:
         logger.info("removed %d files of an interrupted save in %s", removed, path)
-    if not current and not complete and not os.listdir(path):
+    if removed and not current and not complete and not os.listdir(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -175,8 +176,10 @@ def _shard_tensors(
                     tensors[state_key(what, e.name)] = value
                     if value.dim() == 0:
                         scalars.add(what)
-        elif rank == 0 and (e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen)):
-            tensors[MODULE_PREFIX + e.name] = e.tensor.detach()
+        elif e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen):
+            value = full_module_value(e)  # collective for stage-3 frozen parameters
+            if rank == 0:
+                tensors[MODULE_PREFIX + e.name] = value
     return tensors, ranges, scalars
 
 

@@ -48,6 +48,31 @@ def inventory(engine: Any) -> list[Entry]:
     return entries
 
 
+def full_module_value(entry: Entry) -> torch.Tensor:
+    """A copy of a frozen parameter's or buffer's full value. Stage 3 shards frozen parameters
+    too, so they are gathered first (a collective: every rank calls this, in the same order;
+    a no-op gather for other stages)."""
+    from partita.zero.gather import GatheredParameters
+
+    if entry.kind != "frozen":
+        return entry.tensor.detach().clone()
+    with GatheredParameters([entry.tensor]):
+        return entry.tensor.detach().clone()
+
+
+@torch.no_grad()
+def set_module_value(entry: Entry, value: torch.Tensor) -> None:
+    """Writes a frozen parameter's or buffer's full value (the same on every rank). Under
+    stage 3 the new value becomes every rank's shard (collective, like `full_module_value`)."""
+    from partita.zero.gather import GatheredParameters
+
+    if entry.kind != "frozen":
+        entry.tensor.copy_(value.reshape(entry.tensor.shape))
+        return
+    with GatheredParameters([entry.tensor], modifier_rank=0):
+        entry.tensor.copy_(value.reshape(entry.tensor.shape))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float32`` -> ``"float32"``."""
     return str(dtype).removeprefix("torch.")
@@ -136,7 +161,7 @@ def rng_state() -> dict[str, Any]:
     except ImportError:
         pass
     if get_accelerator().is_cuda:
-        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        out["cuda"] = [_b64(s) for s in get_accelerator().get_rng_states()]
     return out
 
 
@@ -151,7 +176,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         kind, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and get_accelerator().is_cuda:
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+        get_accelerator().set_rng_states([_unb64(s) for s in state["cuda"]])
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -186,11 +211,13 @@ __all__ = [
     "Entry",
     "check_client_state",
     "dtype_name",
+    "full_module_value",
     "inventory",
     "optimizer_groups",
     "parse_dtype",
     "restore_optimizer_groups",
     "rng_state",
+    "set_module_value",
     "set_rng_state",
     "to_plain",
 ]

@@ -9,6 +9,7 @@ with the `safetensors` library (`safe_open`), which memory-maps them.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -72,9 +73,14 @@ def _header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+def _as_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
+    """A byte view of `t`'s data and the tensor that owns it (keep it alive while the view is
+    used). ctypes, not ``Tensor.numpy()``: the latter marks the storage non-resizable, which
+    breaks stage 3's resizable gathered storage."""
+    flat = t.detach().to("cpu").contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    raw = (ctypes.c_char * nbytes).from_address(flat.data_ptr())
+    return memoryview(raw).cast("B"), flat
 
 
 def write_safetensors(
@@ -99,8 +105,9 @@ def write_safetensors_stream(
     hasher = hashlib.sha256()
     nbytes = 0
 
-    def buffers() -> Iterator[memoryview]:
-        yield memoryview(_header(specs, metadata or {}))
+    def buffers() -> Iterator[tuple[memoryview, Any]]:
+        header = _header(specs, metadata or {})
+        yield memoryview(header), header
         for name, dtype, shape in specs:
             t = produce(name)
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
@@ -112,15 +119,15 @@ def write_safetensors_stream(
                 yield _as_bytes(t)
 
     with atomic_writer(path) as f, ThreadPoolExecutor(1) as pool:
-        pending: list[Future[None]] = []
-        for buf in buffers():
-            pending.append(pool.submit(hasher.update, buf))
+        pending: list[tuple[Future[None], Any]] = []
+        for buf, owner in buffers():
+            pending.append((pool.submit(hasher.update, buf), owner))
             f.write(buf)
             nbytes += len(buf)
             # Keep at most a few buffers alive: wait for hashes older than the last two.
             while len(pending) > 2:
-                pending.pop(0).result()
-        for p in pending:
+                pending.pop(0)[0].result()
+        for p, _ in pending:
             p.result()
     return WrittenFile(path=path, nbytes=nbytes, sha256=hasher.hexdigest())
 
@@ -142,17 +149,11 @@ def file_sha256(path: str) -> str:
     return hasher.hexdigest()
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Raw little-endian bytes of `t` (for writers outside this module, e.g. export)."""
-    return _as_bytes(t)
-
-
 __all__ = [
     "CHECKSUM",
     "TensorSpec",
     "WrittenFile",
     "file_sha256",
-    "tensor_bytes",
     "write_safetensors",
     "write_safetensors_stream",
 ]

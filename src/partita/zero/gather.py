@@ -71,7 +71,7 @@ class GatheredParameters:
                 with torch.no_grad():
                     for _, unit in self._units:
                         comm.broadcast(unit.flat_full, src=self.modifier_rank, tag="gathered")
-                        unit.load_from_full()
+                        unit.load_from_full(self.params)
         finally:
             for owner, unit in self._units:
                 owner.unpin(unit)

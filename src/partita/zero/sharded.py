@@ -9,14 +9,14 @@ shard tensor per group (per-group hyperparameters carry over unchanged).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from partita import comm
+from partita.accelerator import get_accelerator
 from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.shard_step import sharded_step
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.strategy import (
     OptimizerFactory,
@@ -37,6 +37,7 @@ class ShardedGroup:
         world: int,
         rank: int,
         master_dtype: torch.dtype,
+        state_device: torch.device | None = None,
     ) -> None:
         self.params = params
         numels = [p.numel() for p in params]
@@ -51,10 +52,18 @@ class ShardedGroup:
                 view = self.flat_param[off : off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
+        # Under optimizer offload the master and its gradient live on the host (pinned on GPU
+        # machines); the algorithm is the same, only copies cross devices.
+        where = state_device or device
+        master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=where)
         self.master = torch.nn.Parameter(
-            torch.empty(self.layout.shard_numel, dtype=master_dtype, device=device)
+            get_accelerator().pin_memory(master) if where.type == "cpu" else master
         )
-        self.master.grad = torch.zeros_like(self.master)
+        self.master.grad = (
+            get_accelerator().pin_memory(torch.zeros_like(self.master))
+            if where.type == "cpu"
+            else torch.zeros_like(self.master)
+        )
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
@@ -97,12 +106,15 @@ class Sharded:
         bucket_numel: int,
         scaling: ReduceScaling,
         group: comm.ProcessGroup | None = None,
+        state_device: torch.device | None = None,
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         self.groups = [
-            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype) for g in groups
+            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype, state_device)
+            for g in groups
         ]
+        self.comm_device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
         self.grads = ShardedGradients(
             layouts=[g.layout for g in self.groups],
             params=[g.params for g in self.groups],
@@ -127,25 +139,13 @@ class Sharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
         masters = [g.master for g in self.groups]
-        grads = [g.shard_grad for g in self.groups]
-        if loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)
-        norms = torch._foreach_norm(grads, 2.0)
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
-        comm.all_reduce(sq, group=self.process_group, tag="norm")
-        norm = sq.sqrt()
-        norm_value = float(norm)
-        if not math.isfinite(norm_value):
-            return StepOutcome(applied=False, grad_norm=norm_value)
-        if clip > 0.0:
-            torch.nn.utils.clip_grads_with_norm_(masters, clip, norm)
-        self.optimizer.step()
-        handles: list[comm.Work] = []
-        for g in self.groups:
-            g.all_gather_params(handles)
-        for h in handles:
-            h.wait()
-        return StepOutcome(applied=True, grad_norm=norm_value)
+        outcome = sharded_step(
+            masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device
+        )
+        if not outcome.applied:
+            return outcome
+        self.refresh_params()
+        return outcome
 
     def zero_grad(self) -> None:
         """Zeroes full (stage 1) and sharded gradients."""

@@ -173,9 +173,8 @@ class ShardedGradients:
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         seg = unit.segment
-        self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel].add_(
-            out
-        )
+        dst = self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
+        dst.add_(out.to(dst.device, non_blocking=True))  # a host copy under optimizer offload
         if unit.buffer is not None:
             self._transient_bytes -= unit.buffer.numel() * unit.buffer.element_size()
         unit.buffer = unit.output = unit.handle = None

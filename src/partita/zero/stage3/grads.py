@@ -56,7 +56,7 @@ class UnitGradReducer:
             unit.grad_buffer is None
         ):  # no gradient reached this unit: reduce zeros (collectives must pair)
             unit.grad_buffer = torch.zeros(
-                unit.layout.padded_numel, dtype=unit.flat_shard.dtype, device=unit.flat_shard.device
+                unit.layout.padded_numel, dtype=unit.flat_shard.dtype, device=unit.flat_full.device
             )
             self._buffer_bytes += unit.grad_buffer.numel() * unit.grad_buffer.element_size()
         buffer = unit.grad_buffer
@@ -83,7 +83,7 @@ class UnitGradReducer:
             out.mul_(self.scaling.after)
         grad = pending.unit.masters[pending.seg].grad
         assert grad is not None
-        grad.add_(out)
+        grad.add_(out.to(grad.device, non_blocking=True))  # a host copy under offload
 
     def finish(self) -> None:
         """Waits for every reduction and adds the results into the master gradients."""

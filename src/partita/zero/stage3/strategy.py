@@ -9,7 +9,6 @@ steps one fp32 master chunk per (unit, optimizer group) segment.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +19,7 @@ from partita.partition import Piece
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
+from partita.zero.shard_step import sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.schedule import UnitScheduler
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
@@ -80,8 +80,12 @@ class FullySharded:
         scaling: ReduceScaling,
         unit_modules: Sequence[torch.nn.Module] | None = None,
         group: comm.ProcessGroup | None = None,
+        state_device: torch.device | None = None,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.process_group = group
+        self.comm_device = next(module.parameters()).device
+        self._placement = (state_device, shard_device)
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         threshold = int(zero.stage3_param_persistence_threshold)
@@ -108,13 +112,25 @@ class FullySharded:
         bindings: list[tuple[int, torch.nn.Module]] = []
         for name, m, params in plan:
             self.units.append(
-                self._unit(name, params, group_of, len(groups), world, rank, policy, False)
+                self._unit(
+                    name, params, group_of, len(groups), world, rank, policy, False, self._placement
+                )
             )
             bindings.extend(
                 (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
             )
         self.persistent = (
-            self._unit("persistent", persistent, group_of, len(groups), world, rank, policy, True)
+            self._unit(
+                "persistent",
+                persistent,
+                group_of,
+                len(groups),
+                world,
+                rank,
+                policy,
+                True,
+                self._placement,
+            )
             if persistent
             else None
         )
@@ -156,6 +172,7 @@ class FullySharded:
         rank: int,
         policy: PrecisionPolicy,
         persistent: bool,
+        placement: tuple[torch.device | None, torch.device | None] = (None, None),
     ) -> ShardedUnit:
         by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
         frozen = []
@@ -169,7 +186,15 @@ class FullySharded:
             segments.append((None, frozen))  # type: ignore[arg-type]
         infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
         return ShardedUnit(
-            name, infos, world, rank, policy.master_dtype, persistent=persistent, source=full_value
+            name,
+            infos,
+            world,
+            rank,
+            policy.master_dtype,
+            persistent=persistent,
+            source=full_value,
+            state_device=placement[0],
+            shard_device=placement[1],
         )
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -195,22 +220,12 @@ class FullySharded:
 
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
-        masters = self._masters()
-        grads = [m.grad for m in masters]
-        if loss_scale != 1.0 and grads:
-            torch._foreach_mul_(grads, 1.0 / loss_scale)  # type: ignore[arg-type]
-        norms = list(torch._foreach_norm(grads, 2.0)) if grads else []  # type: ignore[arg-type]
-        sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
-        comm.all_reduce(sq, group=self.process_group, tag="norm")
-        norm = sq.sqrt()
-        norm_value = float(norm)
-        if not math.isfinite(norm_value):
-            return StepOutcome(applied=False, grad_norm=norm_value)
-        if clip > 0.0:
-            torch.nn.utils.clip_grads_with_norm_(masters, clip, norm)
-        self.optimizer.step()
-        self.refresh_params()
-        return StepOutcome(applied=True, grad_norm=norm_value)
+        outcome = sharded_step(
+            self._masters(), self.optimizer, clip, loss_scale, self.process_group, self.comm_device
+        )
+        if outcome.applied:
+            self.refresh_params()
+        return outcome
 
     def refresh_params(self) -> None:
         """Copies the masters into the parameter shards (and re-gathers persistent ones)."""

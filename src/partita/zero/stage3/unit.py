@@ -57,6 +57,8 @@ class ShardedUnit:
         persistent: bool = False,
         group: comm.ProcessGroup | None = None,
         source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
+        state_device: torch.device | None = None,
+        shard_device: torch.device | None = None,
     ) -> None:
         self.name = name
         self.segments = segments
@@ -78,13 +80,21 @@ class ShardedUnit:
                 view.copy_(source(p) if source is not None else p.detach())
                 self.views.append(view)
                 p.data = view
-        self.flat_shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=like.device)
+        # Offload changes only placement: the shard (param offload) and the master with its
+        # optimizer state (optimizer offload) may live on the host.
+        self.flat_shard = torch.empty(
+            self.layout.shard_numel, dtype=like.dtype, device=shard_device or like.device
+        )
         self.masters: dict[int, torch.nn.Parameter] = {}
         for seg_info, seg in zip(self.segments, self.layout.segments, strict=True):
             own = self._own(seg_info.index, self.flat_full)
             self.flat_shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel].copy_(own)
             if seg_info.group is not None:
-                master = torch.nn.Parameter(own.detach().to(master_dtype).clone())
+                master = torch.nn.Parameter(
+                    own.detach().to(
+                        device=state_device or like.device, dtype=master_dtype, copy=True
+                    )
+                )
                 master.grad = torch.zeros_like(master)
                 self.masters[seg_info.index] = master
         self.state = UnitState.UNSHARDED
@@ -121,9 +131,8 @@ class ShardedUnit:
                 if seg.padded_numel == 0:
                     continue
                 out = self.flat_full[seg.flat_start : seg.flat_end]
-                handle = comm.all_gather(
-                    out, self.shard_chunk(i), group=self.process_group, async_op=True, tag=tag
-                )
+                src = self.shard_chunk(i).to(out.device, non_blocking=True)
+                handle = comm.all_gather(out, src, group=self.process_group, async_op=True, tag=tag)
                 if handle is not None:
                     self._handles.append(handle)
         self.state = UnitState.UNSHARDING
@@ -160,13 +169,23 @@ class ShardedUnit:
             self.wait_for_unshard()
 
     @torch.no_grad()
-    def load_from_full(self) -> None:
-        """Takes this rank's chunks of the gathered values as the new shards and masters."""
-        for i, seg in enumerate(self.layout.segments):
-            start, end = seg.shard_range(self.rank)
-            self.shard_chunk(i).copy_(self.flat_full[start:end])
-            if i in self.masters:
-                self.masters[i].copy_(self.flat_full[start:end])
+    def load_from_full(self, params: list[torch.Tensor]) -> None:
+        """Takes the gathered values of `params` (members of this unit) as their new shard
+        elements and fp32 masters; other parameters' masters keep their full precision."""
+        wanted = {i for i, p in enumerate(self.params) if any(p is q for q in params)}
+        for piece in self.layout.shard_pieces(self.rank):
+            if piece.index not in wanted:
+                continue
+            span = slice(piece.flat_offset, piece.flat_offset + piece.length)
+            self.flat_shard[piece.shard_offset : piece.shard_offset + piece.length].copy_(
+                self.flat_full[span]
+            )
+            seg = self.layout.segment_of[piece.index]
+            master = self.masters.get(seg)
+            if master is not None:
+                start = self.layout.segments[seg].shard_offset
+                off = piece.shard_offset - start
+                master[off : off + piece.length].copy_(self.flat_full[span])
 
     @property
     def gathered_numel(self) -> int:

@@ -1,0 +1,344 @@
+"""Offload benchmarks: NVMe swap throughput vs the disk, and CPU Adam step throughput.
+
+(a) Swap: the disk's sequential bandwidth is measured first, in the same run and folder, with
+    a plain single-threaded O_DIRECT write (then fsync) and read of ``--disk-mb`` MiB in
+    ``--block-size`` requests from an aligned buffer. Then `SwapSpace` writes and reads the same
+    number of bytes as ``--slots`` tensors through `ThreadPoolIO` for each ``--threads`` value
+    (write time includes the fsync of every swap file). Reported as MB/s and as a fraction of
+    the disk's (goal >= 0.8).
+(b) CPU Adam: parameters updated per second by one AdamW step on a flat fp32 tensor of each
+    ``--adam-sizes`` size: partita's `cpu_adam_step`, ``torch.optim.AdamW`` with
+    ``foreach=True``, ``fused=True`` and the per-tensor loop, and DeepSpeed's
+    ``DeepSpeedCPUAdam`` when ``import deepspeed`` works (its first use compiles C++ for
+    minutes; ``--no-deepspeed`` skips it).
+(c) End-to-end stage 3 step time with and without offload: TODO, see `bench_end_to_end`.
+
+    .venv/bin/python benchmarks/bench_offload.py [--dir /tmp] [--disk-mb 1024] [--block-size 1048576]
+        [--threads 1,4] [--adam-sizes 1e6,1e7,5e7]
+
+Prints markdown tables; writes ``benchmarks/results/offload.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything can import deepspeed
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, write_results
+from partita.offload import (
+    AdamHyper,
+    SwapSpace,
+    ThreadPoolIO,
+    aligned_empty,
+    byte_view,
+    cpu_adam_step,
+    probe_directory,
+)
+
+MB = 1e6
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+
+# ---------------------------------------------------------------- (a) swap vs disk
+
+
+def disk_bandwidth(folder: Path, nbytes: int, block: int) -> dict[str, float]:
+    """Plain sequential O_DIRECT write (+ fsync) and read of ``nbytes`` in ``block`` requests."""
+    buf = aligned_empty(block, torch.uint8)
+    buf.random_(0, 256)
+    view = byte_view(buf, 0, block)
+    path = folder / "partita-disk-probe.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        start = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.pwritev(fd, [view], offset)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.preadv(fd, [view], offset)
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return {"write_MBps": nbytes / write_s / MB, "read_MBps": nbytes / read_s / MB}
+
+
+def swap_bandwidth(
+    folder: Path, nbytes: int, block: int, threads: int, queue_depth: int, slots: int
+) -> dict[str, float]:
+    """`SwapSpace` write (+ fsync) and read of ``nbytes`` split over ``slots`` fp32 tensors."""
+    numel = nbytes // 4 // slots
+    tensors = [aligned_empty(numel, torch.float32) for _ in range(slots)]
+    for t in tensors:
+        t.normal_()
+    io = ThreadPoolIO(block_size=block, queue_depth=queue_depth, threads=threads)
+    with SwapSpace(folder, rank=0, aio=io, run_id=f"bench-{os.getpid()}") as space:
+        for i in range(slots):
+            space.register(f"t{i}", numel, torch.float32)
+        start = time.perf_counter()
+        for i, t in enumerate(tensors):
+            space.swap_out(f"t{i}", t)
+        space.sync()
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i, t in enumerate(tensors):
+            space.swap_in(f"t{i}", t)
+        space.wait()
+        read_s = time.perf_counter() - start
+    io.close()
+    moved = numel * 4 * slots
+    return {"write_MBps": moved / write_s / MB, "read_MBps": moved / read_s / MB}
+
+
+def bench_swap(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (a): disk baseline and swap throughput per thread count, ``--rounds`` times
+    interleaved (the machine's load drifts); medians, and the swap/disk fractions of medians."""
+    folder = Path(args.dir)
+    probe = probe_directory(folder)
+    nbytes = int(args.disk_mb * 2**20) // args.block_size * args.block_size
+    disk_runs: list[dict[str, float]] = []
+    swap_runs: dict[int, list[dict[str, float]]] = {t: [] for t in args.threads}
+    for _ in range(args.rounds):
+        disk_runs.append(disk_bandwidth(folder, nbytes, args.block_size))
+        for threads in args.threads:
+            swap_runs[threads].append(
+                swap_bandwidth(
+                    folder, nbytes, args.block_size, threads, args.queue_depth, args.slots
+                )
+            )
+
+    def med(runs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    disk = {k: med(disk_runs, k) for k in ("write_MBps", "read_MBps")}
+    rows = []
+    for threads, runs in swap_runs.items():
+        swap = {k: med(runs, k) for k in ("write_MBps", "read_MBps")}
+        rows.append(
+            {
+                "threads": threads,
+                **swap,
+                "write_fraction": swap["write_MBps"] / disk["write_MBps"],
+                "read_fraction": swap["read_MBps"] / disk["read_MBps"],
+                "runs": runs,
+            }
+        )
+    return {
+        "dir": str(folder),
+        "direct_io": probe.direct_io,
+        "bytes": nbytes,
+        "block_size": args.block_size,
+        "queue_depth": args.queue_depth,
+        "rounds": args.rounds,
+        "disk": {**disk, "runs": disk_runs},
+        "swap": rows,
+    }
+
+
+def swap_markdown(res: dict[str, Any]) -> str:
+    """Table of part (a)."""
+    disk = res["disk"]
+    lines = [
+        f"### NVMe swap vs the disk ({res['bytes'] / 2**20:.0f} MiB, block {res['block_size']} B, "
+        f"queue depth {res['queue_depth']}, O_DIRECT {res['direct_io']}, {res['dir']}; "
+        f"medians of {res['rounds']} interleaved rounds)",
+        "",
+        "| path | write MB/s | write vs disk | read MB/s | read vs disk |",
+        "|---|---:|---:|---:|---:|",
+        f"| disk: plain sequential O_DIRECT | {disk['write_MBps']:.0f} | 1.00 | {disk['read_MBps']:.0f} | 1.00 |",
+    ]
+    for row in res["swap"]:
+        lines.append(
+            f"| SwapSpace, {row['threads']} thread(s) | {row['write_MBps']:.0f} | {row['write_fraction']:.2f} "
+            f"| {row['read_MBps']:.0f} | {row['read_fraction']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- (b) CPU Adam
+
+
+def _time(step: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(fastest, median) seconds of ``repeats`` steps after one warm-up step. On a busy machine
+    the fastest step is the least disturbed estimate of what the kernel can do."""
+    step()  # warm-up: state allocation, kernel selection
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return min(times), statistics.median(times)
+
+
+def _torch_adamw(n: int, **impl: bool) -> Callable[[], None]:
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = torch.optim.AdamW([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, **impl)
+    return opt.step
+
+
+def _partita(n: int) -> Callable[[], None]:
+    param, grad, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    counter = [0]
+
+    def step() -> None:
+        counter[0] += 1
+        cpu_adam_step([param], [grad], [m], [v], counter[0], HYPER)
+
+    return step
+
+
+def _deepspeed(n: int) -> Callable[[], None]:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    opt = DeepSpeedCPUAdam([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, adamw_mode=True)
+    return opt.step
+
+
+def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (b): parameters/s of each implementation at each size."""
+    impls: dict[str, Callable[[int], Callable[[], None]]] = {
+        "partita cpu_adam_step (torch fused)": _partita,
+        "torch AdamW fused": lambda n: _torch_adamw(n, fused=True),
+        "torch AdamW foreach": lambda n: _torch_adamw(n, foreach=True),
+        "torch AdamW for-loop": lambda n: _torch_adamw(n, foreach=False),
+    }
+    notes: dict[str, str] = {}
+    if args.deepspeed:
+        try:
+            _deepspeed(16)()  # compiles the extension on first use
+            impls["DeepSpeedCPUAdam"] = _deepspeed
+        except Exception as exc:  # not installed or the build failed: row skipped, reason kept
+            notes["DeepSpeedCPUAdam"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
+    rows: dict[str, dict[str, float]] = {name: {} for name in impls}
+    for n in args.adam_sizes:
+        for name, make in impls.items():
+            rows[name][str(n)] = n / _time(make(n), args.repeats)
+    return {
+        "sizes": args.adam_sizes,
+        "params_per_s": rows,
+        "notes": notes,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def adam_markdown(res: dict[str, Any]) -> str:
+    """Table of part (b): M params/s of the fastest step (median in brackets), best in bold."""
+    sizes = [str(n) for n in res["sizes"]]
+    rows, medians = res["params_per_s"], res["params_per_s_median"]
+    best = {s: max(rows[name][s] for name in rows) for s in sizes}
+    head = " | ".join(f"{int(s) / 1e6:g}M" for s in sizes)
+    lines = [
+        f"### CPU AdamW step throughput (M params/s of the fastest of {res['repeats']} steps, "
+        f"median in brackets; {res['threads']} threads, flat fp32)",
+        "",
+        f"| implementation | {head} |",
+        "|---|" + "---:|" * len(sizes),
+    ]
+    for name, by_size in rows.items():
+        cells = []
+        for s in sizes:
+            text = f"{by_size[s] / 1e6:.0f}"
+            text = f"**{text}**" if by_size[s] == best[s] else text
+            cells.append(f"{text} ({medians[name][s] / 1e6:.0f})")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    for name, note in res["notes"].items():
+        lines.append(f"| {name} | {note} |" + " |" * (len(sizes) - 1))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- (c) end to end
+
+
+def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (c): stage 3 step time on the ~100M GPT-2 without offload, with CPU offload of the
+    optimizer, and with NVMe offload of optimizer and parameters.
+
+    TODO(lead): once offload is integrated in zero/, launch one job per configuration with
+    ``common.launch_job`` (as bench_dp.py does) using ``common.ds_config(micro, 3,
+    zero_optimization={... "offload_optimizer": {"device": "cpu"|"nvme", "nvme_path": args.dir},
+    "offload_param": {...}})`` and return ``{"rows": [...]}`` rendered with
+    ``common.render_markdown``.
+    """
+    return {"status": "TODO: needs offload integrated into the ZeRO strategies"}
+
+
+# ---------------------------------------------------------------- main
+
+
+def _ints(text: str) -> list[int]:
+    return [int(float(x)) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="folder on the disk to test")
+    parser.add_argument(
+        "--disk-mb",
+        type=float,
+        default=256,
+        help="MiB moved per measurement (1024+ on an idle machine)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=1 << 20, help="bytes per request (aio.block_size)"
+    )
+    parser.add_argument("--queue-depth", type=int, default=8, help="aio.queue_depth")
+    parser.add_argument(
+        "--threads", type=_ints, default=[1, 4], help="aio.intra_op_parallelism values"
+    )
+    parser.add_argument(
+        "--slots", type=int, default=8, help="swap tensors the bytes are split into"
+    )
+    parser.add_argument(
+        "--adam-sizes", type=_ints, default=[1_000_000, 10_000_000], help="elements"
+    )
+    parser.add_argument("--repeats", type=int, default=7, help="timed optimizer steps per size")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved disk/swap rounds")
+    parser.add_argument("--adam-threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
+    parser.add_argument("--skip-swap", action="store_true")
+    parser.add_argument("--skip-adam", action="store_true")
+    args = parser.parse_args()
+    if args.adam_threads:
+        torch.set_num_threads(args.adam_threads)
+
+    payload: dict[str, Any] = {
+        "environment": environment(),
+        "note": "taken on a shared, busy machine",
+    }
+    sections = []
+    if not args.skip_swap:
+        payload["swap"] = bench_swap(args)
+        sections.append(swap_markdown(payload["swap"]))
+        print(sections[-1], flush=True)
+    if not args.skip_adam:
+        payload["adam"] = bench_adam(args)
+        sections.append(adam_markdown(payload["adam"]))
+        print(sections[-1], flush=True)
+    payload["end_to_end"] = bench_end_to_end(args)
+    sections.append(f"### Stage 3 end to end\n\n{payload['end_to_end']['status']}\n")
+    md_path, json_path = write_results("offload", "\n".join(sections), payload)
+    print(f"wrote {md_path} and {json_path}")
+
+
+if __name__ == "__main__":
+    main()

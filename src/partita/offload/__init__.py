@@ -1,0 +1,54 @@
+"""Where master weights and optimizer state live when they do not fit on the device.
+
+Layer 4 (see docs/design): may import torch, ``partita.accelerator`` and ``partita.config``;
+never ``zero/`` or the engine. The pieces:
+
+- `aio`: asynchronous aligned file I/O (`ThreadPoolIO` behind the `AsyncIO` protocol);
+- `swap`: per-rank preallocated swap files (`SwapSpace`) and a bounded host buffer pool
+  (`BufferPool`);
+- `checks`: start-up checks of the NVMe paths (`check_offload_config`);
+- `cpu_adam`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`).
+"""
+
+from __future__ import annotations
+
+from .aio import (
+    ALIGNMENT,
+    AsyncIO,
+    AsyncIOError,
+    FileHandle,
+    Syscalls,
+    ThreadPoolIO,
+    aligned_empty,
+    byte_view,
+    is_aligned,
+    open_file,
+    padded_nbytes,
+)
+from .checks import DirectoryProbe, check_offload_config, probe_directory
+from .cpu_adam import AdamHyper, cpu_adam_step, make_cpu_adam
+from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs
+
+__all__ = [
+    "ALIGNMENT",
+    "AdamHyper",
+    "AsyncIO",
+    "AsyncIOError",
+    "BufferPool",
+    "DirectoryProbe",
+    "FileHandle",
+    "SwapSlot",
+    "SwapSpace",
+    "Syscalls",
+    "ThreadPoolIO",
+    "aligned_empty",
+    "byte_view",
+    "check_offload_config",
+    "cpu_adam_step",
+    "is_aligned",
+    "make_cpu_adam",
+    "open_file",
+    "padded_nbytes",
+    "probe_directory",
+    "remove_stale_swap_dirs",
+]
