@@ -258,3 +258,21 @@ def save16_probe(config: dict, out_dir: str, max_shard_bytes: int) -> list[torch
         engine.step()
     save_16bit_model(engine, out_dir, max_shard_bytes=max_shard_bytes)
     return _full_params(engine)
+
+
+def monitored_run(out_dir: str) -> list[str]:
+    """Three fp16 steps with the CSV and TensorBoard monitors on; returns files written."""
+    import os
+
+    config = base_config(
+        2,
+        1,
+        fp16={"enabled": True, "initial_scale_power": 8},
+        csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "job"},
+        tensorboard={"enabled": True, "output_path": out_dir, "job_name": "tb"},
+    )
+    train(config, steps=3)
+    found = []
+    for root, _, files in os.walk(out_dir):
+        found += [os.path.relpath(os.path.join(root, f), out_dir) for f in files]
+    return sorted(found)

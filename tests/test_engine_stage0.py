@@ -121,3 +121,19 @@ def test_gradient_all_reduce_bytes_equal_gradient_bytes() -> None:
         for step_bytes in result["comm"]:
             grad = sum(v for (op, tag), v in step_bytes.items() if tag == "grad")
             assert step_bytes.get(("all_reduce", "grad")) == result["grad_bytes"] == grad
+
+
+def test_monitors_receive_deepspeed_events(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from engine_workers import monitored_run
+
+    files = run_distributed(monitored_run, 2, str(tmp_path), timeout=240)[0]
+    for name in ("train_loss", "lr", "loss_scale", "samples_per_sec"):
+        path = tmp_path / "job" / f"Train_Samples_{name}.csv"
+        rows = path.read_text().strip().splitlines()
+        assert rows[0] == f"step,{name}" and len(rows) == 4, rows  # header + 3 steps
+    steps = [
+        int(r.split(",")[0])
+        for r in (tmp_path / "job" / "Train_Samples_lr.csv").read_text().split()[1:]
+    ]
+    assert steps == [4, 8, 12]  # global samples: 2 per rank x 2 ranks per step
+    assert any(f.startswith("tb/events.out.tfevents") for f in files)
