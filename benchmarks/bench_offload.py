@@ -185,10 +185,14 @@ def _time(step: Callable[[], None], repeats: int) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def _torch_adamw(n: int, **impl: bool) -> Callable[[], None]:
+def _torch_adamw(
+    n: int, *, fused: bool | None = None, foreach: bool | None = None
+) -> Callable[[], None]:
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
-    opt = torch.optim.AdamW([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, **impl)
+    opt = torch.optim.AdamW(
+        [param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, fused=fused, foreach=foreach
+    )
     return opt.step
 
 
@@ -227,15 +231,19 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
             impls["DeepSpeedCPUAdam"] = _deepspeed
         except Exception as exc:  # not installed or the build failed: row skipped, reason kept
             notes["DeepSpeedCPUAdam"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
-    rows: dict[str, dict[str, float]] = {name: {} for name in impls}
+    best: dict[str, dict[str, float]] = {name: {} for name in impls}
+    median: dict[str, dict[str, float]] = {name: {} for name in impls}
     for n in args.adam_sizes:
         for name, make in impls.items():
-            rows[name][str(n)] = n / _time(make(n), args.repeats)
+            fastest, typical = _time(make(n), args.repeats)
+            best[name][str(n)], median[name][str(n)] = n / fastest, n / typical
     return {
         "sizes": args.adam_sizes,
-        "params_per_s": rows,
+        "params_per_s": best,
+        "params_per_s_median": median,
         "notes": notes,
         "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
     }
 
 

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -171,7 +171,7 @@ def setup_fsdp2(model: torch.nn.Module) -> tuple[StepFn, dict[str, Any]]:
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.transformer.h:
+    for block in cast(torch.nn.ModuleList, model.get_submodule("transformer.h")):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = fused_adamw(model.parameters())
@@ -510,7 +510,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, str]:
     worlds = [int(n) for n in args.nprocs_sweep.split(",")]
     stages = [int(s) for s in args.sweep_stages.split(",")]
     errors: dict[str, str] = {}
-    runs = []
+    runs: list[dict[str, Any]] = []
     for stage in stages:
         for world in worlds:
             threads = max(1, (os.cpu_count() or 1) // world)

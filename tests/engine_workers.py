@@ -83,11 +83,10 @@ def train(
         losses.append(step_loss.item() / world)
         applied.append(engine.was_step_applied())
         scales.append(engine.cur_scale)
-        unchanged.append(
-            all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
-        )
+        after = _full_params(engine)
+        unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
     logging.getLogger("partita").removeHandler(capture)
-    return {
+    result = {
         "losses": losses,
         "params": _full_params(engine),
         "dtype": str(dtype),
@@ -106,6 +105,8 @@ def train(
         **_stage3_stats(engine),
         "numel": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
     }
+    engine.destroy()
+    return result
 
 
 def train_grid(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -121,10 +121,13 @@ def test_memory_communication_and_gather_bounds(world: int) -> None:
         psi = fp32["numel"]
         padded = fp32["padded_numel"]
         assert padded - psi <= 16 * (world + 1) * 12  # padding: per segment and per tensor
-        # Between steps: fp32 shards of params, grads, masters and Adam's two moments.
+        # Between steps, fp32 model: the parameter shard (which is also the master), its
+        # gradient and Adam's two moments: 16 bytes per parameter over N ranks.
         mem = fp32["memory"]
+        assert mem["master_params"] == 0
         held = mem["params"] + mem["grads"] + mem["master_params"] + mem["optimizer_state"]
-        assert 20 * psi / world <= held <= 20 * padded / world + 64, (held, 20 * psi / world)
+        assert 16 * psi / world <= held <= 16 * padded / world + 64, (held, 16 * psi / world)
+        # bf16 model: 2-byte shard, fp32 master, fp32 gradient shard, Adam: 18 bytes.
         mem = bf16["memory"]
         held = mem["params"] + mem["grads"] + mem["master_params"] + mem["optimizer_state"]
         assert 18 * psi / world <= held <= 18 * padded / world + 64, (held, 18 * psi / world)

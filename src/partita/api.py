@@ -97,6 +97,8 @@ def initialize(
         else load_config(source, world_size=_world_size())
     )
     engine_setup.check_supported(cfg)
+    rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
+    engine_setup.check_offload_paths(cfg, model, rank, _world_size())
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
     engine = Engine(

@@ -3,6 +3,9 @@ scaler and the ZeRO strategy. Composition only; the algorithms live in `partita.
 
 from __future__ import annotations
 
+import os
+import socket
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -10,6 +13,7 @@ import torch
 
 from partita import comm
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
+from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config
 from partita.optim import build_optimizer, build_scheduler
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
@@ -137,15 +141,21 @@ def check_supported(config: DeepSpeedConfig) -> None:
     job fails at start-up, before any collective, instead of silently training differently."""
     zero = config.zero_optimization
     problems: list[Problem] = []
-    for block in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, block)
-        if section is not None and section.device == "nvme":
-            problems.append(
-                Problem(
-                    f"zero_optimization.{block}.device",
-                    "'nvme': NVMe offload is not available yet; use 'cpu' or 'none'",
-                )
+    opt, param = zero.offload_optimizer, zero.offload_param
+    if opt is not None and opt.device == "nvme" and zero.stage != 3:
+        problems.append(
+            Problem(
+                "zero_optimization.offload_optimizer.device",
+                f"'nvme' needs zero_optimization.stage 3 (got {zero.stage}); use 'cpu' for stages 1-2",
             )
+        )
+    if param is not None and param.device == "nvme":
+        problems.append(
+            Problem(
+                "zero_optimization.offload_param.device",
+                "'nvme': parameter offload to NVMe is not available yet; use 'cpu' or 'none'",
+            )
+        )
     for key, on in (
         ("fp16.fp16_master_weights_and_grads", config.fp16.fp16_master_weights_and_grads),
         ("bf16.bf16_master_weights_and_grads", config.bf16.bf16_master_weights_and_grads),
@@ -174,6 +184,49 @@ def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     )
 
 
+DEFAULT_BUCKET_NUMEL = 1 << 23
+"""Gradient bucket size (elements) when the config does not set ``reduce_bucket_size``.
+
+DeepSpeed's default (5e8 elements) exceeds most models, which leaves one bucket that can only be
+reduced after backward ends: nothing overlaps. 8M elements (32 MB in fp32, near DDP's 25 MB)
+keeps several buckets in flight while backward runs."""
+
+
+def bucket_numel(zero: Any) -> int:
+    """``reduce_bucket_size`` when the user set it, else `DEFAULT_BUCKET_NUMEL`."""
+    if "reduce_bucket_size" in zero.model_fields_set:
+        return int(zero.reduce_bucket_size)
+    return DEFAULT_BUCKET_NUMEL
+
+
+def swap_space(config: DeepSpeedConfig) -> SwapSpace | None:
+    """This rank's NVMe swap space when the optimizer state is offloaded to NVMe."""
+    opt = config.zero_optimization.offload_optimizer
+    if opt is None or opt.device != "nvme":
+        return None
+    # A unique run id per engine: several engines may live in one process (and a crashed run's
+    # directory is recognised as stale by its dead owner pid, not by its name).
+    run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    aio = ThreadPoolIO.from_config(config.aio)
+    return SwapSpace(str(opt.nvme_path), comm.get_rank(), aio=aio, run_id=run_id)
+
+
+def check_offload_paths(
+    config: DeepSpeedConfig, module: torch.nn.Module, rank: int, world: int
+) -> None:
+    """NVMe paths exist, are writable and have room for this rank's swap files (before any
+    collective, so a bad path fails every rank at once instead of hanging some)."""
+    zero = config.zero_optimization
+    if not any(
+        b is not None and b.device == "nvme" for b in (zero.offload_optimizer, zero.offload_param)
+    ):
+        return
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    # fp32 master + two Adam moments per element of this rank's shard
+    need = {"offload_optimizer": 12 * -(-trainable // world)}
+    check_offload_config(zero, config.aio, rank, required_bytes=need)
+
+
 def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, torch.device | None]:
     """Where master weights with optimizer state, and stage-3 parameter shards, live: the host
     under CPU offload, else (None) with the compute device."""
@@ -182,7 +235,7 @@ def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, tor
     opt = zero.offload_optimizer
     param = zero.offload_param
     return (
-        cpu if opt is not None and opt.device == "cpu" else None,
+        cpu if opt is not None and opt.device in ("cpu", "nvme") else None,
         cpu if param is not None and param.device == "cpu" else None,
     )
 
@@ -199,16 +252,17 @@ def strategy(
     world = comm.get_world_size()
     scaling = ReduceScaling(world, config.prescale_gradients, config.gradient_predivide_factor)
     if zero.stage == 0:
-        return DataParallel(groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling)
+        return DataParallel(groups, policy, make_optimizer, bucket_numel(zero), scaling)
     state_device, shard_device = offload_placement(config)
+    bucket = bucket_numel(zero)
     if zero.stage == 3:
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling,
-            state_device=state_device, shard_device=shard_device,
+            state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(
-            zero.stage, groups, policy, make_optimizer, int(zero.reduce_bucket_size), scaling,
+            zero.stage, groups, policy, make_optimizer, bucket, scaling,
             state_device=state_device,
         )  # fmt: skip
     raise config_error(

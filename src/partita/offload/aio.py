@@ -205,17 +205,17 @@ class AsyncIO(Protocol):
 
 
 class _Request:
-    """Book-keeping of one submitted request: its chunks left and its first error."""
+    """Book-keeping of one submitted request: its stripes left and its first error."""
 
-    def __init__(self, chunks: int, on_finish: Callable[[_Request], None]) -> None:
+    def __init__(self, parts: int, on_finish: Callable[[_Request], None]) -> None:
         self.future: Future[int] = Future()
         self.on_finish = on_finish
-        self.left = chunks
+        self.left = parts
         self.done_bytes = 0
         self.error: BaseException | None = None
         self.lock = threading.Lock()
 
-    def chunk_done(self, nbytes: int, error: BaseException | None) -> None:
+    def part_done(self, nbytes: int, error: BaseException | None) -> None:
         with self.lock:
             self.left -= 1
             self.done_bytes += nbytes
@@ -234,10 +234,13 @@ class _Request:
 class ThreadPoolIO:
     """`AsyncIO` on a pool of threads issuing blocking ``preadv``/``pwritev`` calls.
 
-    Each thread has one request in the kernel at a time (the calls release the GIL), so the
-    device sees up to ``threads`` concurrent requests of ``block_size`` bytes. ``queue_depth``
-    bounds the chunks queued per thread: ``submit_*`` blocks while ``threads * queue_depth``
-    chunks are outstanding, so a producer cannot run arbitrarily far ahead of the disk.
+    A request is cut into up to ``threads`` stripes of whole ``block_size`` blocks; each stripe
+    is one task that issues one call per block. Each thread has one call in the kernel at a
+    time (the calls release the GIL), so the device sees up to ``threads`` concurrent requests
+    of ``block_size`` bytes. ``queue_depth`` bounds the tasks queued per thread: ``submit_*``
+    blocks while ``threads * queue_depth`` stripes are outstanding, so a producer cannot run
+    arbitrarily far ahead of the disk. (libaio's queue depth, requests in flight per thread,
+    has no equivalent with blocking calls: raise ``threads`` for more device parallelism.)
     """
 
     def __init__(
@@ -313,24 +316,31 @@ class ThreadPoolIO:
     def _submit(self, op: Op, handle: FileHandle, offset: int, tensor: torch.Tensor) -> Future[int]:
         self._check(op, handle, offset, tensor)
         nbytes = tensor.nbytes
-        starts = list(range(0, nbytes, self.block_size))
-        request = _Request(len(starts), self._finish)
-        if not starts:
+        stripes = self._stripes(nbytes)
+        request = _Request(len(stripes), self._finish)
+        if not stripes:
             request.future.set_result(0)
             return request.future
         with self._pending_lock:
             self._pending.add(request.future)
-        for start in starts:
-            length = min(self.block_size, nbytes - start)
+        for start, end in stripes:
             self._slots.acquire()  # the queue-depth bound: blocks while the queue is full
             try:
-                self._pool.submit(
-                    self._run_chunk, op, handle, offset, tensor, start, length, request
-                )
+                self._pool.submit(self._run_stripe, op, handle, offset, tensor, start, end, request)
             except BaseException:
                 self._slots.release()
                 raise
         return request.future
+
+    def _stripes(self, nbytes: int) -> list[tuple[int, int]]:
+        """Byte ranges ``[start, end)`` of a request, one per thread at most, each a whole
+        number of blocks but the last. A task per stripe rather than per block keeps the
+        per-block cost a syscall, not a trip through the executor's queue."""
+        blocks = -(-nbytes // self.block_size)
+        if blocks == 0:
+            return []
+        per = -(-blocks // min(self.threads, blocks)) * self.block_size
+        return [(lo, min(lo + per, nbytes)) for lo in range(0, nbytes, per)]
 
     def _finish(self, request: _Request) -> None:
         with self._pending_lock:
@@ -354,41 +364,40 @@ class ThreadPoolIO:
                 f"non-negative multiples of {ALIGNMENT}"
             )
 
-    def _run_chunk(
+    def _run_stripe(
         self,
         op: Op,
         handle: FileHandle,
         base: int,
         tensor: torch.Tensor,
         start: int,
-        length: int,
+        end: int,
         request: _Request,
     ) -> None:
+        """Move bytes ``[start, end)`` of ``tensor`` block by block; stop at the first error."""
         moved = 0
         error: BaseException | None = None
         try:
-            moved = self._transfer(op, handle, base + start, tensor, start, length)
-        except AsyncIOError as exc:
-            error = exc
-        except OSError as exc:
-            error = AsyncIOError(
-                op,
-                handle.path,
-                base + start,
-                length,
-                exc.errno or errno_mod.EIO,
-                exc.strerror or str(exc),
-            )
+            for lo in range(start, end, self.block_size):
+                length = min(self.block_size, end - lo)
+                try:
+                    moved += self._transfer(op, handle, base + lo, tensor, lo, length)
+                except AsyncIOError:
+                    raise
+                except OSError as exc:
+                    strerror = exc.strerror or str(exc)
+                    code = exc.errno or errno_mod.EIO
+                    raise AsyncIOError(op, handle.path, base + lo, length, code, strerror) from exc
         except BaseException as exc:  # never lose an error in a worker thread
             error = exc
         finally:
             self._slots.release()
-        request.chunk_done(moved, error)
+        request.part_done(moved, error)
 
     def _transfer(
         self, op: Op, handle: FileHandle, offset: int, tensor: torch.Tensor, start: int, length: int
     ) -> int:
-        """Move one chunk; returns its length. Direct handles with unaligned memory or a partial
+        """Move one block; returns its length. Direct handles with unaligned memory or a partial
         block go through the thread's bounce buffer (see the module note)."""
         zero_copy = not handle.direct or (
             (tensor.data_ptr() + start) % ALIGNMENT == 0 and length % ALIGNMENT == 0

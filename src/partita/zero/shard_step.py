@@ -8,7 +8,7 @@ every rank reaches the same overflow and clipping decision).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,8 +23,10 @@ def sharded_step(
     loss_scale: float,
     group: comm.ProcessGroup | None,
     comm_device: torch.device,
+    run_optimizer: Callable[[], None] | None = None,
 ) -> StepOutcome:
-    """Unscale, global norm, overflow check, clip and step (the caller refreshes weights)."""
+    """Unscale, global norm, overflow check, clip and step (the caller refreshes weights).
+    `run_optimizer` replaces ``optimizer.step()`` (NVMe offload steps sub-group by sub-group)."""
     grads: list[torch.Tensor] = [m.grad for m in masters if m.grad is not None]
     if loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -40,5 +42,8 @@ def sharded_step(
         return StepOutcome(applied=False, grad_norm=norm_value)
     if clip > 0.0:
         torch.nn.utils.clip_grads_with_norm_(list(masters), clip, norm.to(grads[0].device))
-    optimizer.step()
+    if run_optimizer is None:
+        optimizer.step()
+    else:
+        run_optimizer()
     return StepOutcome(applied=True, grad_norm=norm_value)

@@ -89,7 +89,8 @@ class ShardedGroup:
                     continue
                 own = self._own_chunk(v.full)
                 own.copy_(v.shard)
-                handle = comm.all_gather(v.full, own.clone(), async_op=True, tag="param")
+                # In place: the input is this rank's chunk of the output (gloo and NCCL allow it).
+                handle = comm.all_gather(v.full, own, async_op=True, tag="param")
                 if handle is not None:
                     handles.append(handle)
 

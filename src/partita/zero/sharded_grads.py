@@ -22,6 +22,7 @@ import torch
 
 from partita import comm
 from partita.partition import FlatLayout, Segment
+from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 
 
@@ -36,6 +37,8 @@ class Unit:
     """Offset of each parameter inside the segment."""
     pending: int = 0
     buffer: torch.Tensor | None = None
+    sent: torch.Tensor | None = None
+    """What the reduce-scatter reads: the buffer itself or a converted copy of it."""
     output: torch.Tensor | None = None
     handle: comm.Work | None = None
 
@@ -64,7 +67,7 @@ class ShardedGradients:
         self._build_units()
         self._next = 0
         self._in_flight: list[Unit] = []
-        self._transient_bytes = 0
+        self._pool = BufferPool()
         hooks = [
             p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g
         ]
@@ -132,9 +135,8 @@ class ShardedGradients:
             p.grad = view
 
     def _new_buffer(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
-        buf = torch.zeros(unit.segment.padded_numel, dtype=dtype, device=unit.params[0].device)
-        self._transient_bytes += buf.numel() * buf.element_size()
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient_bytes)
+        buf = self._pool.acquire(unit.segment.padded_numel, dtype, unit.params[0].device)
+        self.peak_transient_bytes = self._pool.peak_bytes
         return buf
 
     def _launch_ready(self) -> None:
@@ -158,7 +160,7 @@ class ShardedGradients:
             data = unit.buffer
         if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
             data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
-        unit.buffer = data if not self.persistent else None
+        unit.sent = data
         unit.output = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
         unit.handle = comm.reduce_scatter(
             unit.output, data, group=self.group, async_op=True, tag="grad"
@@ -176,8 +178,8 @@ class ShardedGradients:
         dst = self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
         dst.add_(out.to(dst.device, non_blocking=True))  # a host copy under optimizer offload
         if unit.buffer is not None:
-            self._transient_bytes -= unit.buffer.numel() * unit.buffer.element_size()
-        unit.buffer = unit.output = unit.handle = None
+            self._pool.release(unit.buffer)
+        unit.buffer = unit.sent = unit.output = unit.handle = None
 
     def end_backward(self) -> None:
         """Launches units that did not complete (in order) and retires all reductions."""

@@ -92,12 +92,17 @@ class Strategy(Protocol):
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in the optimizer's state (moments, step counters...)."""
+    """Bytes of memory held by the optimizer's state tensors (moments, step counters...);
+    state swapped out to NVMe (storage resized to zero) holds none."""
     total = 0
+    seen: set[int] = set()
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
+                storage = v.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
     return total
 
 

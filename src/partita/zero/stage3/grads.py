@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
+from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.stage3.unit import ShardedUnit
 
@@ -23,6 +24,8 @@ class _Pending:
     seg: int
     output: torch.Tensor
     handle: comm.Work | None
+    release: torch.Tensor | None = None
+    """The unit's gradient buffer, returned to the pool when this (its last) reduction ends."""
 
 
 @dataclass
@@ -33,18 +36,18 @@ class UnitGradReducer:
     reduce_dtype: torch.dtype
     max_in_flight: int = 4
     group: comm.ProcessGroup | None = None
-    peak_buffer_bytes: int = field(default=0, init=False)
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
-    _buffer_bytes: int = field(default=0, init=False)
+    _pool: BufferPool = field(default_factory=BufferPool, init=False)
+
+    @property
+    def peak_buffer_bytes(self) -> int:
+        """Most bytes of gradient buffers alive at once."""
+        return self._pool.peak_bytes
 
     def accumulate(self, unit: ShardedUnit, index: int, grad: torch.Tensor) -> None:
         """Adds parameter `index`'s gradient into the unit's flat gradient buffer."""
         if unit.grad_buffer is None:
-            unit.grad_buffer = torch.zeros(
-                unit.layout.padded_numel, dtype=grad.dtype, device=grad.device
-            )
-            self._buffer_bytes += unit.grad_buffer.numel() * unit.grad_buffer.element_size()
-            self.peak_buffer_bytes = max(self.peak_buffer_bytes, self._buffer_bytes)
+            unit.grad_buffer = self._pool.acquire(unit.layout.padded_numel, grad.dtype, grad.device)
         off = unit.layout.offsets[index]
         unit.grad_buffer[off : off + grad.numel()].add_(grad.reshape(-1))
 
@@ -52,15 +55,13 @@ class UnitGradReducer:
         """Starts the reduce-scatter of every trainable segment of `unit`."""
         if not unit.masters:
             return
-        if (
-            unit.grad_buffer is None
-        ):  # no gradient reached this unit: reduce zeros (collectives must pair)
-            unit.grad_buffer = torch.zeros(
-                unit.layout.padded_numel, dtype=unit.flat_shard.dtype, device=unit.flat_full.device
+        if unit.grad_buffer is None:  # no gradient reached it: reduce zeros (collectives must pair)
+            unit.grad_buffer = self._pool.acquire(
+                unit.layout.padded_numel, unit.flat_shard.dtype, unit.flat_full.device
             )
-            self._buffer_bytes += unit.grad_buffer.numel() * unit.grad_buffer.element_size()
         buffer = unit.grad_buffer
         unit.grad_buffer = None
+        launched: list[_Pending] = []
         for idx in unit.masters:
             seg = unit.layout.segments[idx]
             if seg.padded_numel == 0:
@@ -72,8 +73,12 @@ class UnitGradReducer:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
             handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
-            self._in_flight.append(_Pending(unit, idx, out, handle))
-        self._buffer_bytes -= buffer.numel() * buffer.element_size()
+            launched.append(_Pending(unit, idx, out, handle))
+            self._in_flight.append(launched[-1])
+        if launched:
+            launched[-1].release = buffer
+        else:
+            self._pool.release(buffer)
 
     def _retire(self, pending: _Pending) -> None:
         if pending.handle is not None:
@@ -84,6 +89,8 @@ class UnitGradReducer:
         grad = pending.unit.masters[pending.seg].grad
         assert grad is not None
         grad.add_(out.to(grad.device, non_blocking=True))  # a host copy under offload
+        if pending.release is not None:
+            self._pool.release(pending.release)
 
     def finish(self) -> None:
         """Waits for every reduction and adds the results into the master gradients."""

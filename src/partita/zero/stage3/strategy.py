@@ -15,12 +15,14 @@ from typing import Any
 import torch
 
 from partita import comm
+from partita.offload import SwapSpace
 from partita.partition import Piece
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
 from partita.zero.shard_step import sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
+from partita.zero.stage3.nvme import SwappedOptimizerState
 from partita.zero.stage3.schedule import UnitScheduler
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
 from partita.zero.strategy import (
@@ -82,10 +84,13 @@ class FullySharded:
         group: comm.ProcessGroup | None = None,
         state_device: torch.device | None = None,
         shard_device: torch.device | None = None,
+        swap_space: SwapSpace | None = None,
     ) -> None:
         self.process_group = group
+        if swap_space is not None:
+            state_device = torch.device("cpu")
         self.comm_device = next(module.parameters()).device
-        self._placement = (state_device, shard_device)
+        self._placement = (state_device, shard_device, swap_space is None)
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         threshold = int(zero.stage3_param_persistence_threshold)
@@ -161,6 +166,13 @@ class FullySharded:
                 if seg.group is not None:
                     per_group[seg.group].append(unit.masters[seg.index])
         self.optimizer = make_optimizer(per_group)
+        self._master_index = {id(m): i for i, m in enumerate(self._masters())}
+        self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
+        self.swapped = (
+            SwappedOptimizerState(self.optimizer, self._masters(), swap_space)
+            if swap_space is not None
+            else None
+        )
 
     @staticmethod
     def _unit(
@@ -172,7 +184,7 @@ class FullySharded:
         rank: int,
         policy: PrecisionPolicy,
         persistent: bool,
-        placement: tuple[torch.device | None, torch.device | None] = (None, None),
+        placement: tuple[torch.device | None, torch.device | None, bool] = (None, None, True),
     ) -> ShardedUnit:
         by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
         frozen = []
@@ -195,6 +207,7 @@ class FullySharded:
             source=full_value,
             state_device=placement[0],
             shard_device=placement[1],
+            alias_masters=placement[2],
         )
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -220,12 +233,40 @@ class FullySharded:
 
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
+        swapped = self.swapped
+        run = None if swapped is None else (lambda: swapped.step(self._step_one))
         outcome = sharded_step(
-            self._masters(), self.optimizer, clip, loss_scale, self.process_group, self.comm_device
+            self._masters(),
+            self.optimizer,
+            clip,
+            loss_scale,
+            self.process_group,
+            self.comm_device,
+            run,
         )
         if outcome.applied:
-            self.refresh_params()
+            if swapped is None:
+                self.refresh_params()
+            else:  # the masters were copied into the shards sub-group by sub-group
+                for unit in self.all_units:
+                    unit.regather_if_persistent()
         return outcome
+
+    def _step_one(self, i: int) -> None:
+        """Steps master i alone (the optimizer skips parameters without a gradient), then
+        casts it into its unit's shard while it is resident."""
+        masters = self._masters()
+        grads = [m.grad for m in masters]
+        for j, m in enumerate(masters):
+            if j != i:
+                m.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for m, g in zip(masters, grads, strict=True):
+                m.grad = g
+        unit, idx = self._master_home[i]
+        unit.copy_master(idx)
 
     def refresh_params(self) -> None:
         """Copies the masters into the parameter shards (and re-gathers persistent ones)."""
@@ -250,7 +291,7 @@ class FullySharded:
         return {
             "params": shard + gathered,
             "grads": sum(m.numel() * m.element_size() for m in masters),
-            "master_params": sum(m.numel() * m.element_size() for m in masters),
+            "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes,
             "persistent_params": 0
@@ -259,8 +300,10 @@ class FullySharded:
         }
 
     def close(self) -> None:
-        """Removes all hooks."""
+        """Removes all hooks and deletes NVMe swap files."""
         self.scheduler.remove_hooks()
+        if self.swapped is not None:
+            self.swapped.space.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -309,6 +352,8 @@ class FullySharded:
         master = unit.masters.get(seg.index)
         if master is None:
             return (unit.flat_shard if what == "param" else None), 0
+        if self.swapped is not None and what != "grad":
+            self.swapped.ensure_resident(self._master_index[id(master)])
         if what == "param":
             return master.detach(), start
         if what == "grad":

@@ -59,6 +59,7 @@ class ShardedUnit:
         source: Callable[[torch.nn.Parameter], torch.Tensor] | None = None,
         state_device: torch.device | None = None,
         shard_device: torch.device | None = None,
+        alias_masters: bool = True,
     ) -> None:
         self.name = name
         self.segments = segments
@@ -90,11 +91,17 @@ class ShardedUnit:
             own = self._own(seg_info.index, self.flat_full)
             self.flat_shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel].copy_(own)
             if seg_info.group is not None:
-                master = torch.nn.Parameter(
-                    own.detach().to(
-                        device=state_device or like.device, dtype=master_dtype, copy=True
+                chunk = self.shard_chunk(seg_info.index)
+                same_place = state_device is None or state_device == chunk.device
+                if alias_masters and chunk.dtype == master_dtype and same_place:
+                    # An fp32 module on the optimizer's device: the shard is the master (no copy).
+                    master = torch.nn.Parameter(chunk)
+                else:
+                    master = torch.nn.Parameter(
+                        own.detach().to(
+                            device=state_device or like.device, dtype=master_dtype, copy=True
+                        )
                     )
-                )
                 master.grad = torch.zeros_like(master)
                 self.masters[seg_info.index] = master
         self.state = UnitState.UNSHARDED
@@ -159,14 +166,24 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
 
     @torch.no_grad()
-    def refresh_from_masters(self) -> None:
-        """Casts updated master chunks into ``flat_shard``; persistent units re-gather."""
-        for idx, master in self.masters.items():
-            self.shard_chunk(idx).copy_(master)
+    def copy_master(self, idx: int) -> None:
+        """Casts master `idx` into its chunk of ``flat_shard`` (a no-op when they alias)."""
+        master, chunk = self.masters[idx], self.shard_chunk(idx)
+        if chunk.data_ptr() != master.data_ptr():
+            chunk.copy_(master)
+
+    def regather_if_persistent(self) -> None:
+        """Persistent units stay gathered: refresh them from the updated shards."""
         if self.persistent:
             self.state = UnitState.SHARDED
             self.unshard()
             self.wait_for_unshard()
+
+    def refresh_from_masters(self) -> None:
+        """Casts every updated master into ``flat_shard``; persistent units re-gather."""
+        for idx in self.masters:
+            self.copy_master(idx)
+        self.regather_if_persistent()
 
     @torch.no_grad()
     def load_from_full(self, params: list[torch.Tensor]) -> None:
@@ -186,6 +203,17 @@ class ShardedUnit:
                 start = self.layout.segments[seg].shard_offset
                 off = piece.shard_offset - start
                 master[off : off + piece.length].copy_(self.flat_full[span])
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of masters that are copies (a master that is the shard itself costs nothing)."""
+        shard_start = self.flat_shard.data_ptr()
+        shard_end = shard_start + self.flat_shard.numel() * self.flat_shard.element_size()
+        return sum(
+            m.untyped_storage().nbytes()  # 0 while swapped out to NVMe
+            for m in self.masters.values()
+            if not shard_start <= m.data_ptr() < shard_end
+        )
 
     @property
     def gathered_numel(self) -> int:
