@@ -18,6 +18,7 @@ BUCKET = {"reduce_bucket_size": 3000}
 # matmul while two ranks sum 2 + 2: at lr 1e-3 a few of 10^4 weights drift 3e-6 apart over
 # 20 steps with no engine error involved (the losses still agree to 1e-6).
 HF_LR = 1e-4
+NATIVE = {"PARTITA_COLLECTIVES": "native"}
 
 
 def _zero(stage: int, **extra: object) -> dict:
@@ -155,7 +156,9 @@ def test_mixed_precision_and_overflow() -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_memory_and_communication_match_theory(world: int) -> None:
     cases = [{"config": base_config(2, 1, **_zero(stage)), "steps": 2} for stage in (0, 1, 2)]
-    results = run_distributed(train_grid, world, cases, timeout=240)
+    # gloo's own reduce-scatter and all-gather, so the counters show the algorithm's volume
+    # (by default partita runs them as all-reduces on gloo: see partita.comm.collectives).
+    results = run_distributed(train_grid, world, cases, timeout=240, env=NATIVE)
     bucket = BUCKET["reduce_bucket_size"]
     for rank_results in results:
         stage0, stage1, stage2 = rank_results

@@ -184,12 +184,13 @@ def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     )
 
 
-DEFAULT_BUCKET_NUMEL = 1 << 23
+DEFAULT_BUCKET_NUMEL = 1 << 22
 """Gradient bucket size (elements) when the config does not set ``reduce_bucket_size``.
 
 DeepSpeed's default (5e8 elements) exceeds most models, which leaves one bucket that can only be
-reduced after backward ends: nothing overlaps. 8M elements (32 MB in fp32, near DDP's 25 MB)
-keeps several buckets in flight while backward runs."""
+reduced after backward ends: nothing overlaps, and under ZeRO-2 the one bucket is the whole
+gradient. 4M elements (16 MB in fp32, below DDP's 25 MB) keeps several buckets in flight while
+backward runs and bounds ZeRO-2's transient gradient memory to a few of them."""
 
 
 def bucket_numel(zero: Any) -> int:

@@ -8,6 +8,8 @@ collectives are identities, so the engine runs unchanged without ``torch.distrib
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,6 +32,37 @@ def _record(op: str, tag: str, tensor: torch.Tensor) -> None:
 
 def _single_process(group: ProcessGroup | None) -> bool:
     return not is_initialized()
+
+
+def _via_all_reduce(group: ProcessGroup | None) -> bool:
+    """Whether reduce-scatter and all-gather run as all-reduces.
+
+    [Note: gloo collectives]
+    gloo's all-reduce is far better tuned than its reduce-scatter and all-gather: on 2 CPU
+    ranks, 32 MB took 22 ms to all-reduce but 44 ms to reduce-scatter and 44 ms to all-gather
+    (torch 2.13). So on gloo partita reduce-scatters by all-reducing and keeping its chunk, and
+    all-gathers by all-reducing a buffer that is zero outside this rank's chunk. The bytes on
+    the wire are then those of all-reduces, and the counters record them as such.
+    ``PARTITA_COLLECTIVES=native`` uses gloo's own collectives (tests of the algorithms'
+    communication volume do); NCCL always uses its native ones.
+    """
+    if os.environ.get("PARTITA_COLLECTIVES", "auto") == "native":
+        return False
+    return dist.get_backend(group) == "gloo"
+
+
+class _Then:
+    """A `Work` handle that runs `then` once the underlying collective has finished."""
+
+    def __init__(self, work: Work | None, then: Callable[[], None]) -> None:
+        self.work = work
+        self.then = then
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        self.then()
+        return True
 
 
 def all_reduce(
@@ -56,10 +89,25 @@ def reduce_scatter(
 ) -> Work | None:
     """Reduces `input` (world_size x output.numel() elements) and leaves this rank's chunk in
     `output`."""
-    _record("reduce_scatter", tag, input)
     if _single_process(group):
+        _record("reduce_scatter", tag, input)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
+    if _via_all_reduce(group):  # see [Note: gloo collectives]; `input` is overwritten
+        _record("all_reduce", tag, input)
+        chunk = input.view(-1)[dist.get_rank(group) * output.numel() :][: output.numel()]
+        work = dist.all_reduce(input, op=op, group=group, async_op=True)
+
+        def keep_chunk() -> None:
+            if output.data_ptr() != chunk.data_ptr():
+                output.view(-1).copy_(chunk)
+
+        done = _Then(work, keep_chunk)
+        if not async_op:
+            done.wait()
+            return None
+        return done  # type: ignore[return-value]
+    _record("reduce_scatter", tag, input)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -71,11 +119,22 @@ def all_gather(
     tag: str = "",
 ) -> Work | None:
     """Gathers every rank's `input` into `output` (world_size x input.numel()), in rank order."""
-    _record("all_gather", tag, output)
     if _single_process(group):
+        _record("all_gather", tag, output)
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
+    if _via_all_reduce(group):  # see [Note: gloo collectives]
+        _record("all_reduce", tag, output)
+        flat, n = output.view(-1), input.numel()
+        start = dist.get_rank(group) * n
+        if flat[start:].data_ptr() != input.data_ptr():
+            flat[start : start + n].copy_(input.view(-1))
+        flat[:start].zero_()
+        flat[start + n :].zero_()
+        work = dist.all_reduce(output, group=group, async_op=async_op)
+        return work if async_op else None
+    _record("all_gather", tag, output)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 

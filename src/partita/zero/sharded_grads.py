@@ -67,7 +67,7 @@ class ShardedGradients:
         self._build_units()
         self._next = 0
         self._in_flight: list[Unit] = []
-        self._pool = BufferPool()
+        self._pool = BufferPool(keep=self.max_in_flight + 1)
         hooks = [
             p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g
         ]

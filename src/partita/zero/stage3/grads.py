@@ -37,7 +37,7 @@ class UnitGradReducer:
     max_in_flight: int = 4
     group: comm.ProcessGroup | None = None
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
-    _pool: BufferPool = field(default_factory=BufferPool, init=False)
+    _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
 
     @property
     def peak_buffer_bytes(self) -> int:
