@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from partita import comm, engine_setup
-from partita.accelerator import get_accelerator, host_peak_rss, host_rss
+from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.config import DeepSpeedConfig
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
@@ -43,6 +43,7 @@ class Engine(torch.nn.Module):
         self._config = config
         self.config = config.model_dump()
         self.accelerator = get_accelerator()
+        configure_host_allocator()
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
         self.dp_world_size = self.world_size
