@@ -4,7 +4,8 @@
 #   --with-deepspeed (or WITH_DEEPSPEED=1): first install deepspeed==0.19.8, torch kept pinned,
 #       so the DeepSpeed rows run (its first run compiles C++ ops, about 2 minutes).
 #   BENCH=NAME: run benchmarks/bench_NAME.py instead of bench_dp.py.
-# Results: benchmarks/results/<bench>_<model>.md and .json. Timings need a quiet machine.
+# Results: benchmarks/results/*.md and .json (dp_<model>, zero12_<model>, zero3_<model>...).
+# Timings need a quiet machine.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh"

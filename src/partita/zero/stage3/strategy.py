@@ -49,6 +49,34 @@ def default_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
+UnitPlan = list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]
+
+
+def plan_units(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], threshold: int
+) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
+    """(name, module, parameters) of each unit — each block, then one unit per other module
+    owning parameters directly — and the parameters below `threshold` elements, which stay
+    gathered (persistent)."""
+    assigned: set[torch.nn.Parameter] = set()
+    plan: UnitPlan = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def take(m: torch.nn.Module, recurse: bool) -> None:
+        params = [
+            p for p in m.parameters(recurse=recurse) if p not in assigned and p.numel() >= threshold
+        ]
+        assigned.update(params)
+        if params:
+            plan.append((names[id(m)] or "root", m, params))
+
+    for m in blocks:
+        take(m, recurse=True)
+    for m in model.modules():
+        take(m, recurse=False)
+    return plan, [p for p in model.parameters() if p not in assigned]
+
+
 def _binding_modules(
     unit_module: torch.nn.Module,
     root: torch.nn.Module,
@@ -93,26 +121,8 @@ class FullySharded:
         self._placement = (state_device, shard_device, swap_space is None)
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
-        threshold = int(zero.stage3_param_persistence_threshold)
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
-        assigned: set[torch.nn.Parameter] = set()
-        plan: list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]] = []
-        module_names = {id(m): n for n, m in module.named_modules()}
-        for m in modules:
-            params = [p for p in m.parameters() if p not in assigned and p.numel() >= threshold]
-            assigned.update(params)
-            if params:
-                plan.append((module_names[id(m)], m, params))
-        for m in module.modules():  # the rest: one unit per module owning parameters directly
-            params = [
-                p
-                for p in m.parameters(recurse=False)
-                if p not in assigned and p.numel() >= threshold
-            ]
-            assigned.update(params)
-            if params:
-                plan.append((module_names[id(m)] or "root", m, params))
-        persistent = [p for p in module.parameters() if p not in assigned]
+        plan, persistent = plan_units(module, modules, int(zero.stage3_param_persistence_threshold))
         self.units: list[ShardedUnit] = []
         bindings: list[tuple[int, torch.nn.Module]] = []
         for name, m, params in plan:
@@ -124,18 +134,9 @@ class FullySharded:
             bindings.extend(
                 (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
             )
+        unit_args = (group_of, len(groups), world, rank, policy)
         self.persistent = (
-            self._unit(
-                "persistent",
-                persistent,
-                group_of,
-                len(groups),
-                world,
-                rank,
-                policy,
-                True,
-                self._placement,
-            )
+            self._unit("persistent", persistent, *unit_args, True, self._placement)
             if persistent
             else None
         )
@@ -149,10 +150,7 @@ class FullySharded:
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
         )
-        self._where: dict[torch.nn.Parameter, tuple[ShardedUnit, int]] = {}
-        for unit in self.all_units:
-            for i, p in enumerate(unit.params):
-                self._where[p] = (unit, i)
+        self._where = {p: (unit, i) for unit in self.all_units for i, p in enumerate(unit.params)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)
             for unit in self.all_units
@@ -160,12 +158,7 @@ class FullySharded:
             if seg.group is not None
             for p in seg.params
         ]
-        per_group: list[list[torch.Tensor]] = [[] for _ in groups]
-        for unit in self.all_units:
-            for seg in unit.segments:
-                if seg.group is not None:
-                    per_group[seg.group].append(unit.masters[seg.index])
-        self.optimizer = make_optimizer(per_group)
+        self.optimizer = make_optimizer(self._masters_by_group(len(groups)))
         self._master_index = {id(m): i for i, m in enumerate(self._masters())}
         self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
         self.swapped = (
@@ -173,6 +166,15 @@ class FullySharded:
             if swap_space is not None
             else None
         )
+
+    def _masters_by_group(self, n_groups: int) -> list[list[torch.Tensor]]:
+        """Each optimizer group's master tensors (one per unit segment of that group)."""
+        per_group: list[list[torch.Tensor]] = [[] for _ in range(n_groups)]
+        for unit in self.all_units:
+            for seg in unit.segments:
+                if seg.group is not None:
+                    per_group[seg.group].append(unit.masters[seg.index])
+        return per_group
 
     @staticmethod
     def _unit(
