@@ -181,3 +181,17 @@ def reference_run(
         opt.zero_grad()
         losses.append(loss.item())
     return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def assert_parity(
+    result: dict, ref_losses: list[float], ref_params: list[torch.Tensor], rtol: float = 1e-6
+) -> None:
+    """Per-step losses within `rtol` of the reference and final parameters allclose (1e-6)."""
+    torch.testing.assert_close(
+        torch.tensor(result["losses"], dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+    )
+    for got, want in zip(result["params"], ref_params, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -7,22 +7,11 @@ import pytest
 import torch
 
 from engine_workers import base_config, train_grid
-from models import reference_run
+from models import assert_parity, reference_run
 from partita.testing import run_distributed
 
 STEPS = 20
 RTOL = 1e-6
-
-
-def _assert_parity(result: dict, ref_losses: list[float], ref_params: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(
-        torch.tensor(result["losses"], dtype=torch.float64),
-        torch.tensor(ref_losses, dtype=torch.float64),
-        rtol=RTOL,
-        atol=0.0,
-    )
-    for got, want in zip(result["params"], ref_params, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -39,12 +28,12 @@ def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
     plain, accum, big_micro, clipped, again = results[0]
 
     ref_losses, ref_params = reference_run(STEPS, batch=micro * world)
-    _assert_parity(plain, ref_losses, ref_params)
+    assert_parity(plain, ref_losses, ref_params)
     ref8_losses, ref8_params = reference_run(STEPS, batch=8 * world)
-    _assert_parity(accum, ref8_losses, ref8_params)
-    _assert_parity(big_micro, ref8_losses, ref8_params)
+    assert_parity(accum, ref8_losses, ref8_params)
+    assert_parity(big_micro, ref8_losses, ref8_params)
     ref_clip_losses, ref_clip_params = reference_run(STEPS, batch=micro * world, clip=0.05)
-    _assert_parity(clipped, ref_clip_losses, ref_clip_params)
+    assert_parity(clipped, ref_clip_losses, ref_clip_params)
     # Clipping must have changed the trajectory far beyond the tolerance, or the clipped case
     # proves nothing.
     assert abs(ref_clip_losses[-1] - ref_losses[-1]) > 100 * RTOL * abs(ref_losses[-1])

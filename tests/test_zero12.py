@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine_workers import base_config, train_grid
-from models import make_model, reference_run
+from models import assert_parity, make_model, reference_run
 from partita.testing import run_distributed
 
 STEPS = 20
@@ -23,17 +23,6 @@ NATIVE = {"PARTITA_COLLECTIVES": "native"}
 
 def _zero(stage: int, **extra: object) -> dict:
     return {"zero_optimization": {"stage": stage, **BUCKET}, **extra}
-
-
-def _assert_parity(result: dict, ref_losses: list[float], ref_params: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(
-        torch.tensor(result["losses"], dtype=torch.float64),
-        torch.tensor(ref_losses, dtype=torch.float64),
-        rtol=RTOL,
-        atol=0.0,
-    )
-    for got, want in zip(result["params"], ref_params, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _cases(stage: int) -> list[dict]:
@@ -59,13 +48,13 @@ def test_fp32_parity_with_reference_and_stage0(stage: int, world: int) -> None:
     results = run_distributed(train_grid, world, _cases(stage), timeout=240)
     plain, accum, clipped, grouped, again, stage0 = results[0]
     batch = 2 * world
-    _assert_parity(plain, *reference_run(STEPS, batch=batch))
-    _assert_parity(accum, *reference_run(STEPS, batch=8 * world))
-    _assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
-    _assert_parity(
+    assert_parity(plain, *reference_run(STEPS, batch=batch))
+    assert_parity(accum, *reference_run(STEPS, batch=8 * world))
+    assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
+    assert_parity(
         grouped, *reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True})
     )
-    _assert_parity(plain, stage0["losses"], stage0["params"])
+    assert_parity(plain, stage0["losses"], stage0["params"])
     assert again["losses"] == plain["losses"]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], plain["params"], strict=True))
     for rank_results in results[1:]:  # every rank ends with the same full weights

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_workers import base_config, generate_after_training, train_grid
-from models import reference_run
+from models import assert_parity, reference_run
 from partita.testing import run_distributed
 
 STEPS = 20
@@ -25,17 +25,6 @@ def _z3(**extra: object) -> dict:
         **extra,
     }
     return {"zero_optimization": zero}
-
-
-def _assert_parity(result: dict, ref_losses: list[float], ref_params: list[torch.Tensor]) -> None:
-    torch.testing.assert_close(
-        torch.tensor(result["losses"], dtype=torch.float64),
-        torch.tensor(ref_losses, dtype=torch.float64),
-        rtol=RTOL,
-        atol=0.0,
-    )
-    for got, want in zip(result["params"], ref_params, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -62,16 +51,16 @@ def test_fp32_parity_hard_cases_and_determinism(world: int) -> None:
     plain, accum, clipped, grouped, tied, ckpt, again, stage0, defaults = results[0]
     batch = 2 * world
     ref = reference_run(STEPS, batch=batch)
-    _assert_parity(plain, *ref)
-    _assert_parity(defaults, *ref)
-    _assert_parity(plain, stage0["losses"], stage0["params"])
-    _assert_parity(accum, *reference_run(STEPS, batch=8 * world))
-    _assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
-    _assert_parity(
+    assert_parity(plain, *ref)
+    assert_parity(defaults, *ref)
+    assert_parity(plain, stage0["losses"], stage0["params"])
+    assert_parity(accum, *reference_run(STEPS, batch=8 * world))
+    assert_parity(clipped, *reference_run(STEPS, batch=batch, clip=0.05))
+    assert_parity(
         grouped, *reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True})
     )
-    _assert_parity(tied, *reference_run(STEPS, batch=batch, model_kwargs={"tie": True}))
-    _assert_parity(ckpt, *reference_run(STEPS, batch=batch, model_kwargs={"checkpoint": True}))
+    assert_parity(tied, *reference_run(STEPS, batch=batch, model_kwargs={"tie": True}))
+    assert_parity(ckpt, *reference_run(STEPS, batch=batch, model_kwargs={"checkpoint": True}))
     assert again["losses"] == plain["losses"]
     assert all(torch.equal(a, b) for a, b in zip(again["params"], plain["params"], strict=True))
     assert plain["persistent_numel"] == 0 and defaults["unit_numels"] == []
