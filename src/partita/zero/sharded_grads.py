@@ -34,6 +34,8 @@ class Unit:
     segment: Segment
     params: list[torch.nn.Parameter]
     offsets: list[int]
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Stage 1: each parameter's gradient view into the persistent flat buffer (set-up once)."""
     """Offset of each parameter inside the segment."""
     pending: int = 0
     buffer: torch.Tensor | None = None
@@ -92,7 +94,8 @@ class ShardedGradients:
                     self._unit_of[p] = (unit, j)
                     if flat is not None:
                         start = seg.offsets[j]
-                        p.grad = flat[start : start + p.numel()].view_as(p)
+                        unit.views.append(flat[start : start + p.numel()].view_as(p))
+                        p.grad = unit.views[-1]
         # Expected completion order: when a unit's last gradient should arrive in backward.
         self.units.sort(key=lambda u: max((order[p] for p in u.params), default=-1))
 
@@ -124,11 +127,10 @@ class ShardedGradients:
         if unit.pending == 0:
             self._launch_ready()
 
-    def _keep_view(self, p: torch.Tensor, unit: Unit, j: int) -> None:
-        flat = self.flat_grads[unit.group]
-        assert flat is not None
-        start = unit.segment.offsets[j]
-        view = flat[start : start + p.numel()].view_as(p)
+    @staticmethod
+    def _keep_view(p: torch.Tensor, unit: Unit, j: int) -> None:
+        """Reinstates the gradient view if something replaced ``.grad`` (e.g. zero_grad)."""
+        view = unit.views[j]
         if p.grad is None or p.grad.data_ptr() != view.data_ptr():
             if p.grad is not None:
                 view.copy_(p.grad)
