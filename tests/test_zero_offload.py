@@ -8,6 +8,8 @@ transfer; the GPU path is the same code with the tensors on different devices.
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 
@@ -52,27 +54,39 @@ def test_cpu_offload_is_bitwise_equal_to_no_offload(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_nvme_optimizer_offload_is_bitwise_equal_and_cleans_up(world: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_nvme_offload_is_bitwise_equal_and_cleans_up(world: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Optimizer, parameters, and both on NVMe; also with accumulation (gradients added into
+    their swap files) and clipping (the swapped step's two gradient passes)."""
     nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    variants = [
+        ({"offload_optimizer": nvme}, (2, 1, 0.0)),
+        ({"offload_param": nvme}, (2, 1, 0.0)),
+        ({"offload_optimizer": nvme, "offload_param": nvme}, (2, 1, 0.0)),
+        ({"offload_optimizer": nvme, "offload_param": nvme}, (1, 3, 0.05)),
+    ]
     cases = []
     for precision in ({}, {"bf16": {"enabled": True}}):
-        cases.append({"config": base_config(2, 1, **precision, **_zero(3)), "steps": STEPS})
-        cases.append(
-            {
-                "config": base_config(2, 1, **precision, **_zero(3, offload_optimizer=nvme)),
-                "steps": STEPS,
-            }
-        )
-    results = run_distributed(train_grid, world, cases, timeout=300)[0]
-    for plain, offloaded in zip(results[::2], results[1::2], strict=True):
+        for offload, (micro, gas, clip) in variants:
+            for z in (_zero(3), _zero(3, **offload)):
+                cases.append(
+                    {"config": base_config(micro, gas, clip=clip, **precision, **z), "steps": STEPS}
+                )
+    results = run_distributed(train_grid, world, cases, timeout=400)[0]
+    for k, (plain, offloaded) in enumerate(zip(results[::2], results[1::2], strict=True)):
+        offload = variants[k % len(variants)][0]
         assert offloaded["losses"] == plain["losses"]
         assert all(
             torch.equal(a, b) for a, b in zip(offloaded["params"], plain["params"], strict=True)
         )
-        # Masters and Adam's moments are out of memory between steps; only the 4-byte step
-        # counters (one per master) stay.
-        assert offloaded["memory"]["master_params"] == 0
-        assert offloaded["memory"]["optimizer_state"] <= 4 * 16
+        memory = offloaded["memory"]
+        if "offload_optimizer" in offload:
+            # Masters, gradients and Adam's moments are out of memory between steps; only the
+            # 4-byte step counters (one per master) stay.
+            assert memory["master_params"] == 0
+            assert memory["grads"] == 0
+            assert memory["optimizer_state"] <= 4 * 16
+        if "offload_param" in offload:
+            assert memory["params"] == 0  # every shard in its swap file, nothing gathered
     assert list(tmp_path.iterdir()) == []  # swap files removed when the ranks exit
 
 
@@ -82,12 +96,18 @@ def test_nvme_offload_bad_paths_fail_before_training(tmp_path) -> None:  # type:
     from partita.config import ConfigError
 
     missing = tmp_path / "missing"
-    for offload, expected in [
-        ({"device": "nvme", "nvme_path": str(missing)}, "offload_optimizer.nvme_path"),
-        ({"device": "nvme"}, "nvme_path"),
+    for block, offload, expected in [
+        (
+            "offload_optimizer",
+            {"device": "nvme", "nvme_path": str(missing)},
+            "offload_optimizer.nvme_path",
+        ),
+        ("offload_optimizer", {"device": "nvme"}, "nvme_path"),
+        ("offload_param", {"device": "nvme", "nvme_path": str(missing)}, "offload_param.nvme_path"),
+        ("offload_param", {"device": "nvme"}, "offload_param.nvme_path"),
     ]:
         model = make_model()
-        config = base_config(2, 1, **_zero(3, offload_optimizer=offload))
+        config = base_config(2, 1, **_zero(3, **{block: offload}))
         with pytest.raises(ConfigError, match=expected):
             partita.initialize(model=model, config=config, dist_init_required=False)
     stage2 = base_config(
@@ -95,3 +115,48 @@ def test_nvme_offload_bad_paths_fail_before_training(tmp_path) -> None:  # type:
     )
     with pytest.raises(ConfigError, match=r"needs zero_optimization\.stage 3"):
         partita.initialize(model=make_model(), config=stage2, dist_init_required=False)
+    params_stage2 = base_config(
+        2, 1, **_zero(2, offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+    )
+    with pytest.raises(ConfigError, match=r"offload_param"):
+        partita.initialize(model=make_model(), config=params_stage2, dist_init_required=False)
+
+
+def test_disk_full_during_a_swap_stops_the_run_naming_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from offload_workers import disk_full_mid_run
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "swap")}
+    (tmp_path / "swap").mkdir()
+    config = base_config(2, 1, **_zero(3, offload_optimizer=nvme, offload_param=nvme))
+    out = run_distributed(disk_full_mid_run, 1, config, str(tmp_path / "ckpt"), timeout=200)[0]
+    assert out["errno"] == errno.ENOSPC
+    assert out["filename"].startswith(out["swap_dir"]) and out["filename"] in out["error"]
+    assert out["intact"]  # a fresh engine loads the step-3 checkpoint bit for bit
+    assert any(f.startswith("step3") for f in out["checkpoint_files"])
+    assert list((tmp_path / "swap").iterdir()) == []
+
+
+def test_nvme_offload_trains_a_model_four_times_the_memory_cap(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Stage 3 with optimizer and parameters on NVMe: the model states (16 bytes per parameter)
+    are over 4x the RSS the training steps may add to the process (the cap), and they stay under
+    it. Bounded by the config: units of one block, at most ~2 blocks gathered, one sub-group
+    (block) of master/moments/gradient resident per pipeline stage."""
+    from offload_workers import train_under_cap
+
+    cap = 80 * 2**20
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    zero = _zero(
+        3,
+        offload_optimizer=nvme,
+        offload_param=nvme,
+        stage3_max_live_parameters=1_100_000,
+        stage3_prefetch_bucket_size=600_000,
+    )
+    config = base_config(2, 1, **zero)
+    out = run_distributed(train_under_cap, 1, config, {"dim": 256, "layers": 48}, 3, timeout=400)[0]
+    assert out["model_state_bytes"] >= 4 * cap
+    assert out["peak_training"] <= cap, out
+    print(
+        f"peak {out['peak_training'] >> 20} MiB, cap {cap >> 20} MiB, states {out['model_state_bytes'] >> 20} MiB"
+    )
+    assert out["memory"]["master_params"] == 0 and out["memory"]["params"] == 0

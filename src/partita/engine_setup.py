@@ -149,13 +149,7 @@ def check_supported(config: DeepSpeedConfig) -> None:
                 f"'nvme' needs zero_optimization.stage 3 (got {zero.stage}); use 'cpu' for stages 1-2",
             )
         )
-    if param is not None and param.device == "nvme":
-        problems.append(
-            Problem(
-                "zero_optimization.offload_param.device",
-                "'nvme': parameter offload to NVMe is not available yet; use 'cpu' or 'none'",
-            )
-        )
+    del param  # parameter offload below stage 3 is a config error (config/)
     for key, on in (
         ("fp16.fp16_master_weights_and_grads", config.fp16.fp16_master_weights_and_grads),
         ("bf16.bf16_master_weights_and_grads", config.bf16.bf16_master_weights_and_grads),
@@ -200,16 +194,18 @@ def bucket_numel(zero: Any) -> int:
     return DEFAULT_BUCKET_NUMEL
 
 
-def swap_space(config: DeepSpeedConfig) -> SwapSpace | None:
-    """This rank's NVMe swap space when the optimizer state is offloaded to NVMe."""
-    opt = config.zero_optimization.offload_optimizer
-    if opt is None or opt.device != "nvme":
+def swap_space(config: DeepSpeedConfig, block: str = "offload_optimizer") -> SwapSpace | None:
+    """This rank's NVMe swap space when `block` (``offload_optimizer`` or ``offload_param``)
+    offloads to NVMe."""
+    offload = getattr(config.zero_optimization, block)
+    if offload is None or offload.device != "nvme":
         return None
-    # A unique run id per engine: several engines may live in one process (and a crashed run's
-    # directory is recognised as stale by its dead owner pid, not by its name).
-    run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # A unique run id per engine and block: several engines may live in one process (and a
+    # crashed run's directory is recognised as stale by its dead owner pid, not by its name).
+    kind = "param" if block == "offload_param" else "optim"
+    run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{kind}"
     aio = ThreadPoolIO.from_config(config.aio)
-    return SwapSpace(str(opt.nvme_path), comm.get_rank(), aio=aio, run_id=run_id)
+    return SwapSpace(str(offload.nvme_path), comm.get_rank(), aio=aio, run_id=run_id)
 
 
 def check_offload_paths(
@@ -223,8 +219,10 @@ def check_offload_paths(
     ):
         return
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    # fp32 master + two Adam moments per element of this rank's shard
-    need = {"offload_optimizer": 12 * -(-trainable // world)}
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    # fp32 master, gradient and two Adam moments per element of this rank's shard; the
+    # module-dtype shard of every parameter
+    need = {"offload_optimizer": 16 * -(-trainable // world), "offload_param": -(-total // world)}
     check_offload_config(zero, config.aio, rank, required_bytes=need)
 
 
@@ -237,7 +235,7 @@ def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, tor
     param = zero.offload_param
     return (
         cpu if opt is not None and opt.device in ("cpu", "nvme") else None,
-        cpu if param is not None and param.device == "cpu" else None,
+        cpu if param is not None and param.device in ("cpu", "nvme") else None,
     )
 
 
@@ -260,6 +258,7 @@ def strategy(
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling,
             state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
+            param_swap_space=swap_space(config, "offload_param"),
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(

@@ -280,6 +280,10 @@ class SwapSpace:
 
     def _track(self, future: Future[int]) -> Future[int]:
         with self._lock:
+            if len(self._issued) >= 256:
+                # Callers that wait on each Future themselves (swapped shards and gradients)
+                # never call `wait`: forget transfers that ended well so the list stays short.
+                self._issued = [f for f in self._issued if not f.done() or f.exception()]
             self._issued.append(future)
         return future
 

@@ -8,6 +8,7 @@ rank's chunk into the fp32 master gradient. At most `max_in_flight` reductions a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class UnitGradReducer:
     reduce_dtype: torch.dtype
     max_in_flight: int = 4
     group: comm.ProcessGroup | None = None
+    sink: Callable[[ShardedUnit, int, torch.Tensor], None] | None = None
+    """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
 
@@ -86,9 +89,12 @@ class UnitGradReducer:
         out = pending.output
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
-        grad = pending.unit.masters[pending.seg].grad
-        assert grad is not None
-        grad.add_(out.to(grad.device, non_blocking=True))  # a host copy under offload
+        if self.sink is not None:
+            self.sink(pending.unit, pending.seg, out)
+        else:
+            grad = pending.unit.masters[pending.seg].grad
+            assert grad is not None
+            grad.add_(out.to(grad.device, non_blocking=True))  # a host copy under offload
         if pending.release is not None:
             self._pool.release(pending.release)
 

@@ -1,23 +1,40 @@
-"""Optimizer offload to NVMe for ZeRO-3: master weights and optimizer state in swap files.
+"""NVMe offload for ZeRO-3: optimizer state, gradients and parameter shards in swap files.
 
 [Note: swapped sub-groups]
 Each master tensor (one per unit and optimizer group) is a sub-group. Between steps its fp32
 values and its element-wise optimizer state (Adam's moments) live only in this rank's swap
 files; their host storage is resized to zero. A step walks the sub-groups in order: the read of
 sub-group k+1 is in flight while k is stepped, and k's write-back is started before moving on, so
-at most three sub-groups are resident. Gradients stay in memory (backward adds into them).
-Reading a master outside a step (accessors, checkpoints) swaps it in first; it stays resident
-until the next step writes it back.
+at most three sub-groups are resident. Reading a master outside a step (accessors, checkpoints)
+swaps it in first; it stays resident until the next step writes it back.
+
+[Note: swapped gradients]
+A sub-group's fp32 gradient is either zero (after ``zero_grad``; nothing stored) or held in its
+swap file. A finished reduce-scatter is added in write-through (`add_grad`: read or zero, add,
+write, free), so backward never keeps more than one sub-group's gradient in memory. The step
+reads the gradients twice: once for the global norm (the overflow and clipping decision needs
+every sub-group before any is stepped), once, pipelined with the masters, for the update. The
+arithmetic is the same as without offload (unscale, norm per tensor, clip coefficient, fused
+update), so the parameters come out bitwise equal.
+
+[Note: swapped shards]
+With ``offload_param`` on NVMe a unit's module-dtype shard lives in a swap file too
+(`SwappedShard`): read before the unit is gathered (started ahead of time by the scheduler's
+prefetch), freed once the gather is done (the file still holds it), and written back after the
+step changed it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
 
+from partita import comm
 from partita.offload import SwapSpace
+from partita.zero.strategy import StepOutcome
 
 
 def _free(t: torch.Tensor) -> None:
@@ -28,8 +45,57 @@ def _grow(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
+def _resident(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() > 0
+
+
+class SwappedShard:
+    """A unit's parameter shard (`tensor`) kept in `space` under `key` between uses."""
+
+    def __init__(self, tensor: torch.Tensor, space: SwapSpace, key: str) -> None:
+        self.tensor = tensor
+        self.space = space
+        self.key = key
+        space.register(key, tensor.numel(), tensor.dtype)
+        self._reading: Future[int] | None = None
+        self.dirty = True
+
+    @property
+    def resident(self) -> bool:
+        """True while the shard's values are in memory (or being read into it)."""
+        return _resident(self.tensor)
+
+    def fetch(self) -> None:
+        """Starts reading the shard in (no-op when resident or already being read)."""
+        if self.resident:
+            return
+        _grow(self.tensor)
+        self._reading = self.space.swap_in(self.key, self.tensor)
+
+    def ensure(self) -> None:
+        """Makes the shard resident (blocking)."""
+        self.fetch()
+        if self._reading is not None:
+            reading, self._reading = self._reading, None
+            reading.result()  # raises the I/O error naming the file
+
+    def modified(self) -> None:
+        """The resident values changed: `evict` must write them back."""
+        self.dirty = True
+
+    def evict(self) -> None:
+        """Writes the shard back if it changed, then frees its memory."""
+        if not self.resident:
+            return
+        self.ensure()
+        if self.dirty:
+            self.space.swap_out(self.key, self.tensor).result()
+            self.dirty = False
+        _free(self.tensor)
+
+
 class SwappedOptimizerState:
-    """Swaps `masters` and their optimizer state in and out of `space` around each step."""
+    """Swaps `masters`, their gradients and optimizer state in and out of `space`."""
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter], space: SwapSpace
@@ -38,8 +104,12 @@ class SwappedOptimizerState:
         self.masters = masters
         self.space = space
         self.resident = [True] * len(masters)
+        self.grad_zero = [True] * len(masters)
         self._writes: dict[int, list[Future[int]]] = {}
-        for i in range(len(masters)):
+        for i, m in enumerate(masters):
+            assert m.grad is not None
+            self.space.register(f"{i}.grad", m.numel(), m.grad.dtype)
+            _free(m.grad)
             self._evict(i)
         self.space.wait()
         for i in range(len(masters)):
@@ -68,32 +138,117 @@ class SwappedOptimizerState:
             f.result()  # raises the I/O error naming the file
         for t in self._tensors(i).values():
             _free(t)
+        self.drop_grad(i)
         self.resident[i] = False
 
-    def _fetch(self, i: int) -> list[Future[int]]:
+    def _fetch(self, i: int, grads: bool = True) -> list[Future[int]]:
         futures = []
-        for name, t in self._tensors(i).items():
-            _grow(t)
-            futures.append(self.space.swap_in(f"{i}.{name}", t))
-        self.resident[i] = True
+        if not self.resident[i]:
+            for name, t in self._tensors(i).items():
+                _grow(t)
+                futures.append(self.space.swap_in(f"{i}.{name}", t))
+            self.resident[i] = True
+        if grads:
+            futures.extend(self._fetch_grad(i))
         return futures
 
-    def ensure_resident(self, i: int) -> None:
-        """Swaps sub-group i in (blocking) if it is out."""
-        if not self.resident[i]:
-            for f in self._fetch(i):
-                f.result()
+    # --- gradients ([Note: swapped gradients]) --------------------------------------------------
+    def _fetch_grad(self, i: int) -> list[Future[int]]:
+        grad = self.masters[i].grad
+        assert grad is not None
+        if _resident(grad):
+            return []
+        _grow(grad)
+        if self.grad_zero[i]:
+            grad.zero_()
+            return []
+        return [self.space.swap_in(f"{i}.grad", grad)]
 
-    def step(self, step_one: Callable[[int], None]) -> None:
-        """Runs `step_one(i)` for every sub-group with it resident, pipelining the I/O."""
+    def ensure_grad(self, i: int) -> torch.Tensor:
+        """Sub-group i's gradient, read in (blocking); freed again by `drop_grad`."""
+        for f in self._fetch_grad(i):
+            f.result()
+        grad = self.masters[i].grad
+        assert grad is not None
+        return grad
+
+    def drop_grad(self, i: int) -> None:
+        """Frees sub-group i's gradient memory (the file, or zero, still holds its value)."""
+        grad = self.masters[i].grad
+        if grad is not None:
+            _free(grad)
+
+    def add_grad(self, i: int, value: torch.Tensor) -> None:
+        """Adds `value` into sub-group i's gradient, written through to its file."""
+        grad = self.ensure_grad(i)
+        grad.add_(value.to(grad.device, non_blocking=True))
+        self.store_grad(i)
+
+    def store_grad(self, i: int) -> None:
+        """Writes sub-group i's resident gradient to its file and frees it."""
+        grad = self.masters[i].grad
+        assert grad is not None
+        self.space.swap_out(f"{i}.grad", grad).result()
+        self.grad_zero[i] = False
+        self.drop_grad(i)
+
+    def zero_grads(self) -> None:
+        """Every gradient becomes zero (no I/O: zero is a state, not file contents)."""
+        for i in range(len(self.masters)):
+            self.drop_grad(i)
+            self.grad_zero[i] = True
+
+    def ensure_resident(self, i: int) -> None:
+        """Swaps sub-group i's master and optimizer state in (blocking) if they are out."""
+        for f in self._fetch(i, grads=False):
+            f.result()
+
+    # --- the step -------------------------------------------------------------------------------
+    def _global_norm_sq(self, loss_scale: float) -> torch.Tensor:
+        """Sum over sub-groups of the squared norm of the unscaled gradient (pipelined reads)."""
         n = len(self.masters)
-        pending = None if n == 0 or self.resident[0] else self._fetch(0)
+        squares = []
+        pending = self._fetch_grad(0) if n else []
         for i in range(n):
-            for f in pending or []:
+            for f in pending:
                 f.result()
-            pending = None
-            if i + 1 < n and not self.resident[i + 1]:
-                pending = self._fetch(i + 1)
+            pending = self._fetch_grad(i + 1) if i + 1 < n else []
+            grad = self.masters[i].grad
+            assert grad is not None
+            unscaled = grad if loss_scale == 1.0 else grad * (1.0 / loss_scale)
+            squares.append(torch._foreach_norm([unscaled], 2.0)[0])
+            self.drop_grad(i)
+        return torch.stack(squares).square().sum() if squares else torch.zeros(())
+
+    def step(
+        self,
+        step_one: Callable[[int], None],
+        clip: float,
+        loss_scale: float,
+        group: comm.ProcessGroup | None,
+        comm_device: torch.device,
+    ) -> StepOutcome:
+        """The sharded step (see `partita.zero.shard_step`) over swapped sub-groups: global
+        norm, overflow check, then `step_one(i)` per sub-group with it resident and its
+        gradient unscaled and clipped, pipelining the I/O."""
+        sq = self._global_norm_sq(loss_scale).to(comm_device)
+        comm.all_reduce(sq, group=group, tag="norm")
+        norm = sq.sqrt()
+        norm_value = float(norm)
+        if not math.isfinite(norm_value):
+            return StepOutcome(applied=False, grad_norm=norm_value)
+        n = len(self.masters)
+        pending = self._fetch(0) if n else []
+        for i in range(n):
+            for f in pending:
+                f.result()
+            pending = self._fetch(i + 1) if i + 1 < n else []
+            master = self.masters[i]
+            assert master.grad is not None
+            if loss_scale != 1.0:
+                torch._foreach_mul_([master.grad], 1.0 / loss_scale)
+            if clip > 0.0:
+                torch.nn.utils.clip_grads_with_norm_([master], clip, norm.to(master.device))
             step_one(i)
             self._evict(i)
             if i >= 1 and (i - 1) in self._writes:
@@ -101,3 +256,4 @@ class SwappedOptimizerState:
         for i in list(self._writes):
             self._release(i)
         self.space.wait()
+        return StepOutcome(applied=True, grad_norm=norm_value)

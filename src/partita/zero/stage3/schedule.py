@@ -109,6 +109,10 @@ class UnitScheduler:
         if not (0 <= target < len(self.order)):
             return
         unit = self.units[self.order[target]]
+        if 0 <= target + step < len(self.order):
+            # NVMe parameter offload: the read of the unit after next starts now, so its shard
+            # is in memory by the time its own gather is issued.
+            self.units[self.order[target + step]].fetch_shard()
         if unit.state is not UnitState.SHARDED or unit.numel > self.prefetch_numel:
             return
         if self.live_numel() + unit.numel <= self.max_live_numel:

@@ -113,12 +113,17 @@ class FullySharded:
         state_device: torch.device | None = None,
         shard_device: torch.device | None = None,
         swap_space: SwapSpace | None = None,
+        param_swap_space: SwapSpace | None = None,
     ) -> None:
         self.process_group = group
         if swap_space is not None:
             state_device = torch.device("cpu")
+        if param_swap_space is not None:
+            shard_device = torch.device("cpu")
         self.comm_device = next(module.parameters()).device
-        self._placement = (state_device, shard_device, swap_space is None)
+        # A master may alias its shard only when both stay in memory for good.
+        alias = swap_space is None and param_swap_space is None
+        self._placement = (state_device, shard_device, alias, param_swap_space)
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
@@ -166,6 +171,9 @@ class FullySharded:
             if swap_space is not None
             else None
         )
+        if self.swapped is not None:
+            self.reducer.sink = self._add_swapped_grad
+        self.param_space = param_swap_space
 
     def _masters_by_group(self, n_groups: int) -> list[list[torch.Tensor]]:
         """Each optimizer group's master tensors (one per unit segment of that group)."""
@@ -186,7 +194,12 @@ class FullySharded:
         rank: int,
         policy: PrecisionPolicy,
         persistent: bool,
-        placement: tuple[torch.device | None, torch.device | None, bool] = (None, None, True),
+        placement: tuple[torch.device | None, torch.device | None, bool, SwapSpace | None] = (
+            None,
+            None,
+            True,
+            None,
+        ),
     ) -> ShardedUnit:
         by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
         frozen = []
@@ -210,7 +223,12 @@ class FullySharded:
             state_device=placement[0],
             shard_device=placement[1],
             alias_masters=placement[2],
+            shard_space=placement[3],
         )
+
+    def _add_swapped_grad(self, unit: ShardedUnit, seg: int, value: torch.Tensor) -> None:
+        assert self.swapped is not None
+        self.swapped.add_grad(self._master_index[id(unit.masters[seg])], value)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         unit, i = self._where[p]  # type: ignore[index]
@@ -236,16 +254,19 @@ class FullySharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
         swapped = self.swapped
-        run = None if swapped is None else (lambda: swapped.step(self._step_one))
-        outcome = sharded_step(
-            self._masters(),
-            self.optimizer,
-            clip,
-            loss_scale,
-            self.process_group,
-            self.comm_device,
-            run,
-        )
+        if swapped is None:
+            outcome = sharded_step(
+                self._masters(),
+                self.optimizer,
+                clip,
+                loss_scale,
+                self.process_group,
+                self.comm_device,
+            )
+        else:
+            outcome = swapped.step(
+                self._step_one, clip, loss_scale, self.process_group, self.comm_device
+            )
         if outcome.applied:
             if swapped is None:
                 self.refresh_params()
@@ -269,6 +290,7 @@ class FullySharded:
                 m.grad = g
         unit, idx = self._master_home[i]
         unit.copy_master(idx)
+        unit.evict_shard()
 
     def refresh_params(self) -> None:
         """Copies the masters into the parameter shards (and re-gathers persistent ones)."""
@@ -277,13 +299,16 @@ class FullySharded:
 
     def zero_grad(self) -> None:
         """Zeroes the master gradients."""
+        if self.swapped is not None:
+            self.swapped.zero_grads()
+            return
         for m in self._masters():
             assert m.grad is not None
             m.grad.zero_()
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held per category on this rank (gathered units counted while gathered)."""
-        shard = sum(u.flat_shard.numel() * u.flat_shard.element_size() for u in self.all_units)
+        shard = sum(u.shard_bytes for u in self.all_units)
         gathered = sum(
             u.flat_full.numel() * u.flat_full.element_size()
             for u in self.all_units
@@ -292,7 +317,7 @@ class FullySharded:
         masters = self._masters()
         return {
             "params": shard + gathered,
-            "grads": sum(m.numel() * m.element_size() for m in masters),
+            "grads": sum(m.grad.untyped_storage().nbytes() for m in masters if m.grad is not None),
             "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes,
@@ -306,6 +331,8 @@ class FullySharded:
         self.scheduler.remove_hooks()
         if self.swapped is not None:
             self.swapped.space.close()
+        if self.param_space is not None:
+            self.param_space.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -353,9 +380,15 @@ class FullySharded:
         start = unit.layout.segments[seg.index].shard_offset
         master = unit.masters.get(seg.index)
         if master is None:
+            if what == "param":
+                unit.ensure_shard()
             return (unit.flat_shard if what == "param" else None), 0
-        if self.swapped is not None and what != "grad":
-            self.swapped.ensure_resident(self._master_index[id(master)])
+        if self.swapped is not None:
+            i = self._master_index[id(master)]
+            if what == "grad":
+                self.swapped.ensure_grad(i)
+            else:
+                self.swapped.ensure_resident(i)
         if what == "param":
             return master.detach(), start
         if what == "grad":
@@ -423,6 +456,9 @@ class FullySharded:
         if dst.dim() == 0:
             dst.copy_(value)
             return
+        if what == "param":
+            unit.ensure_shard()
+            unit.shard_modified()
         offset = 0
         for pc in pieces:
             dst[pc.shard_offset - start : pc.shard_offset - start + pc.length].copy_(
@@ -433,6 +469,11 @@ class FullySharded:
                     value[offset : offset + pc.length]
                 )
             offset += pc.length
+        if what == "param":
+            unit.evict_shard()
+        elif what == "grad" and self.swapped is not None:
+            master = unit.masters[unit.segment_of_param(self._where[param][1]).index]  # type: ignore[index]
+            self.swapped.store_grad(self._master_index[id(master)])
 
     def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
         """Writes this rank's part of a full value."""

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from partita import comm
+from partita.offload import SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import nan_placeholder
+from partita.zero.stage3.nvme import SwappedShard
 
 
 class UnitState(enum.Enum):
@@ -60,6 +62,7 @@ class ShardedUnit:
         state_device: torch.device | None = None,
         shard_device: torch.device | None = None,
         alias_masters: bool = True,
+        shard_space: SwapSpace | None = None,
     ) -> None:
         self.name = name
         self.segments = segments
@@ -109,6 +112,13 @@ class ShardedUnit:
         self.grad_buffer: torch.Tensor | None = None
         self.numel = self.layout.padded_numel
         self.reshard()
+        # Parameter offload to NVMe: the shard lives in a swap file between uses.
+        self.shard_swap = (
+            SwappedShard(self.flat_shard, shard_space, f"param.{name}")
+            if shard_space is not None and not persistent
+            else None
+        )
+        self.evict_shard()
 
     def _own(self, seg_index: int, full: torch.Tensor) -> torch.Tensor:
         seg = self.layout.segments[seg_index]
@@ -124,12 +134,39 @@ class ShardedUnit:
         seg = self.layout.segments[seg_index]
         return self.flat_shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel]
 
+    # --- the shard's residence (NVMe parameter offload) ---------------------------------------
+    def fetch_shard(self) -> None:
+        """Starts reading a swapped shard in (no-op unless offloaded to NVMe)."""
+        if self.shard_swap is not None:
+            self.shard_swap.fetch()
+
+    def ensure_shard(self) -> None:
+        """Makes ``flat_shard`` readable (blocking read under NVMe parameter offload)."""
+        if self.shard_swap is not None:
+            self.shard_swap.ensure()
+
+    def shard_modified(self) -> None:
+        """``flat_shard`` was written: the next `evict_shard` writes it back."""
+        if self.shard_swap is not None:
+            self.shard_swap.modified()
+
+    def evict_shard(self) -> None:
+        """Under NVMe parameter offload, writes a changed shard back and frees its memory."""
+        if self.shard_swap is not None:
+            self.shard_swap.evict()
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of the shard in memory (0 while swapped out)."""
+        return self.flat_shard.untyped_storage().nbytes()
+
     # --- transitions ---------------------------------------------------------------------------
     def unshard(self, tag: str = "param") -> None:
         """Starts the all-gather of every segment (no-op unless sharded); `tag` labels the
         traffic in the comm counters (training gathers are "param")."""
         if self.state is not UnitState.SHARDED:
             return
+        self.ensure_shard()
         self.flat_full.untyped_storage().resize_(
             self.flat_full.numel() * self.flat_full.element_size()
         )
@@ -152,6 +189,7 @@ class ShardedUnit:
             for h in self._handles:
                 h.wait()
             self._handles = []
+            self.evict_shard()  # the gather is done with it; its file still holds it
             for p, view in zip(self.params, self.views, strict=True):
                 p.data = view
             self.state = UnitState.UNSHARDED
@@ -168,9 +206,11 @@ class ShardedUnit:
     @torch.no_grad()
     def copy_master(self, idx: int) -> None:
         """Casts master `idx` into its chunk of ``flat_shard`` (a no-op when they alias)."""
+        self.ensure_shard()
         master, chunk = self.masters[idx], self.shard_chunk(idx)
         if chunk.data_ptr() != master.data_ptr():
             chunk.copy_(master)
+            self.shard_modified()
 
     def regather_if_persistent(self) -> None:
         """Persistent units stay gathered: refresh them from the updated shards."""
@@ -183,6 +223,7 @@ class ShardedUnit:
         """Casts every updated master into ``flat_shard``; persistent units re-gather."""
         for idx in self.masters:
             self.copy_master(idx)
+        self.evict_shard()
         self.regather_if_persistent()
 
     @torch.no_grad()
@@ -190,6 +231,8 @@ class ShardedUnit:
         """Takes the gathered values of `params` (members of this unit) as their new shard
         elements and fp32 masters; other parameters' masters keep their full precision."""
         wanted = {i for i, p in enumerate(self.params) if any(p is q for q in params)}
+        self.ensure_shard()
+        self.shard_modified()
         for piece in self.layout.shard_pieces(self.rank):
             if piece.index not in wanted:
                 continue
@@ -203,6 +246,7 @@ class ShardedUnit:
                 start = self.layout.segments[seg].shard_offset
                 off = piece.shard_offset - start
                 master[off : off + piece.length].copy_(self.flat_full[span])
+        self.evict_shard()
 
     @property
     def master_bytes(self) -> int:

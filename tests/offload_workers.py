@@ -1,0 +1,115 @@
+"""Per-rank bodies for the NVMe offload tests: an injected disk-full error mid-run, and a model
+whose states are several times the memory the run is allowed."""
+
+from __future__ import annotations
+
+import errno
+import gc
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import partita
+from engine_workers import _full_params
+from models import global_batches, make_model, rank_micro_batch
+from partita import comm
+from partita.offload import AsyncIOError
+
+
+def _train(engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], micro: int) -> None:
+    rank, world = comm.get_rank(), comm.get_world_size()
+    for batch in batches:
+        loss = engine(*rank_micro_batch(batch, rank, world, micro, 0))
+        engine.backward(loss)
+        engine.step()
+
+
+def disk_full_mid_run(config: dict, folder: str) -> dict[str, Any]:
+    """Trains 3 steps, saves a checkpoint, then makes every swap write fail with ENOSPC and
+    trains on; returns the error and whether a fresh engine loads the checkpoint intact."""
+    micro = config["train_micro_batch_size_per_gpu"]
+    batches = global_batches(5, micro * comm.get_world_size())
+    engine, _, _, _ = partita.initialize(model=make_model(), config=config)
+    _train(engine, batches[:3], micro)
+    engine.save_checkpoint(folder, tag="step3")
+    saved = _full_params(engine)
+    swap_dir = engine.strategy.swapped.space.directory
+
+    def disk_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    engine.strategy.swapped.space.aio.syscalls.pwritev = disk_full
+    error: AsyncIOError | None = None
+    try:
+        _train(engine, batches[3:], micro)
+    except AsyncIOError as exc:
+        error = exc
+    engine.destroy()
+    fresh, _, _, _ = partita.initialize(model=make_model(seed=7), config=config)
+    fresh.load_checkpoint(folder, tag="step3")
+    loaded = _full_params(fresh)
+    fresh.destroy()
+    return {
+        "error": None if error is None else str(error),
+        "errno": None if error is None else error.errno,
+        "filename": None if error is None else error.filename,
+        "swap_dir": str(swap_dir),
+        "intact": all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True)),
+        "checkpoint_files": sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*")),
+    }
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def _peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    # Writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its current RSS.
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def train_under_cap(config: dict, model_kwargs: dict, steps: int) -> dict[str, Any]:
+    """Trains `steps` steps; returns the model-state bytes (16 per parameter) and the peak RSS
+    of the training steps above the process's RSS before the model was built."""
+    micro = config["train_micro_batch_size_per_gpu"]
+    batches = global_batches(steps, micro * comm.get_world_size())
+    # Fixed costs of the process, the same for any model size, are taken before the baseline
+    # so the cap measures the run: the first optimizer step imports torch's compiler stack
+    # (~75 MB), the first forward/backward starts the intra-op thread pool (25-70 MB).
+    warm = torch.zeros(4, requires_grad=True)
+    warm.grad = torch.ones(4)
+    torch.optim.AdamW([warm], fused=True).step()
+    small = make_model(**{**model_kwargs, "layers": 2})
+    small(*rank_micro_batch(batches[0], 0, 1, micro, 0)).backward()
+    del small, warm
+    gc.collect()
+    baseline = _rss_bytes()
+    model = make_model(**model_kwargs)
+    numel = sum(p.numel() for p in model.parameters())
+    engine, _, _, _ = partita.initialize(model=model, config=config)
+    del model
+    gc.collect()
+    after_setup = _rss_bytes() - baseline
+    _reset_peak_rss()
+    _train(engine, batches, micro)
+    peak = _peak_rss_bytes() - baseline
+    memory = engine.memory_report()
+    engine.destroy()
+    return {
+        "numel": numel,
+        "model_state_bytes": 16 * numel,
+        "after_setup": after_setup,
+        "peak_training": peak,
+        "memory": memory,
+    }
