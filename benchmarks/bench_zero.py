@@ -6,7 +6,12 @@ Trains the same GPT-2 on the same data as ``bench_dp.py``, each configuration it
 * ``zero12``: partita stages 1 and 2 against partita stage 0 (the reference), DDP with
   ``AdamW(fused=True)`` and DeepSpeed stages 1 and 2;
 * ``zero3``: partita stage 3 against partita stage 0 (the reference), FSDP2 (``fully_shard`` on
-  each transformer block, then the root, with ``AdamW(fused=True)``) and DeepSpeed stage 3.
+  each transformer block, then the root, with ``AdamW(fused=True)``) and DeepSpeed stage 3;
+* ``offload``: partita stage 3 without offload (the reference), with the optimizer state on the
+  CPU, with it and the parameters on the CPU, with the optimizer state on NVMe, and with both on
+  NVMe (swap files under ``--nvme_dir``); DeepSpeed stage 3 with CPU optimizer offload as the
+  peer. On a CPU-only machine "CPU offload" moves nothing (host and device are one memory), so
+  its rows measure the offload code path's overhead; NVMe rows measure real disk traffic.
 
 All use fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0.01), gradient clipping
 at 1.0, no scheduler; warm-up steps are excluded from timing. partita and DeepSpeed share one
@@ -28,6 +33,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +78,35 @@ SUITES: dict[str, Suite] = {
         FSDP2,
         "ZeRO stage 3",
     ),
+    "offload": Suite(
+        (
+            "partita-3",
+            "partita-3+cpu",
+            "partita-3+cpu_params",
+            "partita-3+nvme",
+            "partita-3+nvme_params",
+            "deepspeed-3+cpu",
+        ),
+        ("deepspeed-3+cpu",),
+        "partita-3",
+        "ZeRO stage 3 offload",
+    ),
 }
+
+OFFLOADS: dict[str, tuple[str, str]] = {
+    "cpu": ("cpu", "none"),
+    "cpu_params": ("cpu", "cpu"),
+    "nvme": ("nvme", "none"),
+    "nvme_params": ("nvme", "nvme"),
+}
+"""Offload variant -> (offload_optimizer.device, offload_param.device)."""
+
+
+def split_impl(impl: str) -> tuple[str, int, str]:
+    """``partita-3+nvme_params`` -> (backend, stage, offload variant or '')."""
+    backend, rest = impl.rsplit("-", 1)
+    stage, _, offload = rest.partition("+")
+    return backend, int(stage), offload
 
 
 def label(impl: str) -> str:
@@ -81,18 +115,27 @@ def label(impl: str) -> str:
         return "DDP + AdamW(fused=True)"
     if impl == FSDP2:
         return "FSDP2 (fully_shard per block) + AdamW(fused=True)"
-    backend, stage = impl.rsplit("-", 1)
+    backend, stage, offload = split_impl(impl)
+    where = ""
+    if offload:
+        opt, param = OFFLOADS[offload]
+        where = f" + optimizer on {opt.upper()}" + (
+            f", parameters on {param.upper()}" if param != "none" else ""
+        )
     if backend == "deepspeed":
         version = common.environment()["deepspeed"]
-        return f"DeepSpeed {version} stage {stage}" if version else f"DeepSpeed stage {stage}"
-    return f"partita stage {stage}"
+        name = f"DeepSpeed {version} stage {stage}" if version else f"DeepSpeed stage {stage}"
+        return name + where
+    return f"partita stage {stage}{where}"
 
 
 def parse_args() -> argparse.Namespace:
     """Orchestrator and worker arguments (the worker is this script under torchrun)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(common.MODEL_SHAPES), default="23m")
-    p.add_argument("--suites", default=",".join(SUITES), help="comma-separated: zero12, zero3")
+    p.add_argument(
+        "--suites", default="zero12,zero3", help="comma-separated: zero12, zero3, offload"
+    )
     p.add_argument("--impls", help="only these configurations (e.g. partita-3,fsdp2)")
     p.add_argument("--nprocs", type=int, default=2, help="processes per job")
     p.add_argument("--threads", type=int, help="torch threads per process (default: cores / N)")
@@ -111,6 +154,9 @@ def parse_args() -> argparse.Namespace:
         help='JSON merged into zero_optimization of partita and DeepSpeed stages >= 1, e.g. '
         '\'{"reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7}\'',
     )  # fmt: skip
+    p.add_argument(
+        "--nvme_dir", default=tempfile.gettempdir(), help="nvme_path of the NVMe offload rows"
+    )
     p.add_argument("--nprocs_sweep", help="e.g. 1,2,4: memory of partita's stages per N")
     p.add_argument("--sweep_stages", default="1,2,3", help="partita stages in the sweep")
     p.add_argument("--job_timeout", type=float, default=1800.0, help="seconds per job")
@@ -178,14 +224,21 @@ def setup_fsdp2(model: torch.nn.Module) -> tuple[StepFn, dict[str, Any]]:
     return torch_step(model, model, opt), {"optimizer": "AdamW(fused=True)"}
 
 
-def engine_config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
-    """The DeepSpeed-style config of a partita or DeepSpeed run at ``stage``."""
+def engine_config(args: argparse.Namespace, stage: int, offload: str = "") -> dict[str, Any]:
+    """The DeepSpeed-style config of a partita or DeepSpeed run at ``stage``, with the
+    `OFFLOADS` variant ``offload`` ('' for none)."""
     config = common.ds_config(args.micro_batch, stage)
     zero = config["zero_optimization"]
     if stage >= 1:
         zero.update(args.zero_config)
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = args.persistence_threshold
+    if offload:
+        for block, device in zip(
+            ("offload_optimizer", "offload_param"), OFFLOADS[offload], strict=True
+        ):
+            if device != "none":
+                zero[block] = {"device": device, "nvme_path": args.nvme_dir}
     return config
 
 
@@ -242,10 +295,10 @@ def build_worker(
         return (*setup_ddp(model), None)
     if args.worker == FSDP2:
         return (*setup_fsdp2(model), None)
-    backend, stage = args.worker.rsplit("-", 1)
+    backend, stage, offload = split_impl(args.worker)
     names = {id(p): n for n, p in model.named_parameters()}
-    step, extra, engine = setup_engine(backend, model, engine_config(args, int(stage)))
-    if backend == "partita" and stage == "3":
+    step, extra, engine = setup_engine(backend, model, engine_config(args, stage, offload))
+    if backend == "partita" and stage == 3:
         extra["stage3"] = stage3_layout(engine, names)
     return step, extra, engine if backend == "partita" else None
 
@@ -290,7 +343,7 @@ def shared_args(args: argparse.Namespace) -> list[str]:
         "--model", args.model, "--threads", str(args.threads), "--micro_batch", str(args.micro_batch),
         "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--seed", str(args.seed), "--persistence_threshold", str(args.persistence_threshold),
-        "--zero_config", json.dumps(args.zero_config),
+        "--zero_config", json.dumps(args.zero_config), "--nvme_dir", args.nvme_dir,
     ]  # fmt: skip
 
 
@@ -367,6 +420,8 @@ def suite_goals(name: str) -> list[Goal]:
             goals.append(Goal(f"partita-{s}", f"deepspeed-{s}", "time", 1.0, strict=True))
             goals += [Goal(f"partita-{s}", p, "rss", 1.0, True) for p in SUITES[name].peers]
         return goals
+    if name == "offload":
+        return []  # the issue asks for the figures, with no target
     return [
         Goal("partita-3", FSDP2, "time", 1.0, strict=True),
         Goal("partita-3", "deepspeed-3", "time", 1.0, strict=True),
@@ -440,14 +495,16 @@ def report_suite(
     params = next((r["params"] for r in results.values()), None)
     markdown = common.render_markdown(
         rows, rss_reference=label(suite.reference), title=suite_title(args, suite, params),
-        time_reference=label("partita-0"),
+        time_reference=label("partita-0" if "partita-0" in impls else suite.reference),
         extra_columns=[("partita model states per rank (MB)", show_model_states),
                        ("step-1 loss", show_first_loss)],
     )  # fmt: skip
     note = stage3_note(results, args.persistence_threshold)
     markdown += f"\n{note}" if note else ""
-    markdown += "\nGoals (median step time; peak RSS of the largest rank):\n\n"
-    markdown += "\n".join(g.check(results) for g in suite_goals(name)) + "\n"
+    goals = suite_goals(name)
+    if goals:
+        markdown += "\nGoals (median step time; peak RSS of the largest rank):\n\n"
+        markdown += "\n".join(g.check(results) for g in goals) + "\n"
     print("\n" + markdown)
     for line in warnings:
         print(line)
