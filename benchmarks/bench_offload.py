@@ -11,7 +11,8 @@
     ``foreach=True``, ``fused=True`` and the per-tensor loop, and DeepSpeed's
     ``DeepSpeedCPUAdam`` when ``import deepspeed`` works (its first use compiles C++ for
     minutes; ``--no-deepspeed`` skips it).
-(c) End-to-end stage 3 step time with and without offload: TODO, see `bench_end_to_end`.
+(c) End-to-end stage 3 step time with and without each offload is the ``offload`` suite of
+    ``bench_zero.py`` (``--suites offload``): whole training jobs, like the other suites.
 
     .venv/bin/python benchmarks/bench_offload.py [--dir /tmp] [--disk-mb 1024] [--block-size 1048576]
         [--threads 1,4] [--adam-sizes 1e6,1e7,5e7]
@@ -272,22 +273,6 @@ def adam_markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- (c) end to end
-
-
-def bench_end_to_end(args: argparse.Namespace) -> dict[str, Any]:
-    """Part (c): stage 3 step time on the ~100M GPT-2 without offload, with CPU offload of the
-    optimizer, and with NVMe offload of optimizer and parameters.
-
-    TODO(lead): once offload is integrated in zero/, launch one job per configuration with
-    ``common.launch_job`` (as bench_dp.py does) using ``common.ds_config(micro, 3,
-    zero_optimization={... "offload_optimizer": {"device": "cpu"|"nvme", "nvme_path": args.dir},
-    "offload_param": {...}})`` and return ``{"rows": [...]}`` rendered with
-    ``common.render_markdown``.
-    """
-    return {"status": "TODO: needs offload integrated into the ZeRO strategies"}
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -342,8 +327,6 @@ def main() -> None:
         payload["adam"] = bench_adam(args)
         sections.append(adam_markdown(payload["adam"]))
         print(sections[-1], flush=True)
-    payload["end_to_end"] = bench_end_to_end(args)
-    sections.append(f"### Stage 3 end to end\n\n{payload['end_to_end']['status']}\n")
     md_path, json_path = write_results("offload", "\n".join(sections), payload)
     print(f"wrote {md_path} and {json_path}")
 

@@ -156,6 +156,7 @@ def _stage3_stats(engine: Any) -> dict[str, Any]:
         "unit_numels": [u.numel for u in strategy.units],
         "padded_numel": sum(u.layout.padded_numel for u in strategy.all_units),
         "persistent_numel": 0 if strategy.persistent is None else strategy.persistent.numel,
+        "sub_groups": [m.numel() for m in strategy._masters()],
     }
 
 

@@ -63,6 +63,7 @@ def test_nvme_offload_is_bitwise_equal_and_cleans_up(world: int, tmp_path) -> No
         ({"offload_param": nvme}, (2, 1, 0.0)),
         ({"offload_optimizer": nvme, "offload_param": nvme}, (2, 1, 0.0)),
         ({"offload_optimizer": nvme, "offload_param": nvme}, (1, 3, 0.05)),
+        ({"offload_optimizer": nvme, "offload_param": nvme, "sub_group_size": 1500}, (2, 1, 0.0)),
     ]
     cases = []
     for precision in ({}, {"bf16": {"enabled": True}}):
@@ -87,6 +88,10 @@ def test_nvme_offload_is_bitwise_equal_and_cleans_up(world: int, tmp_path) -> No
             assert memory["optimizer_state"] <= 4 * 16
         if "offload_param" in offload:
             assert memory["params"] == 0  # every shard in its swap file, nothing gathered
+        if "sub_group_size" in offload:  # smaller sub-groups, more of them; same arithmetic
+            # (a parameter is never split: one larger than the limit is a sub-group of its own)
+            assert max(offloaded["sub_groups"]) < max(plain["sub_groups"])
+            assert len(offloaded["sub_groups"]) > len(plain["sub_groups"])
     assert list(tmp_path.iterdir()) == []  # swap files removed when the ranks exit
 
 

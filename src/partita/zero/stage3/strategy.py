@@ -52,6 +52,26 @@ def default_unit_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 UnitPlan = list[tuple[str, torch.nn.Module, list[torch.nn.Parameter]]]
 
 
+def split_sub_groups(
+    params: list[torch.nn.Parameter], max_numel: int
+) -> list[list[torch.nn.Parameter]]:
+    """Consecutive runs of `params` of at most `max_numel` elements each (``sub_group_size``
+    times the world size: each rank's share of a run is at most ``sub_group_size``). A
+    parameter is never split; one larger than the limit is a run of its own."""
+    runs: list[list[torch.nn.Parameter]] = []
+    current: list[torch.nn.Parameter] = []
+    size = 0
+    for p in params:
+        if current and size + p.numel() > max_numel:
+            runs.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        runs.append(current)
+    return runs
+
+
 def plan_units(
     model: torch.nn.Module, blocks: Sequence[torch.nn.Module], threshold: int
 ) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
@@ -128,12 +148,24 @@ class FullySharded:
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
         plan, persistent = plan_units(module, modules, int(zero.stage3_param_persistence_threshold))
+        # A sub-group (one master, stepped and swapped as a whole) holds at most
+        # sub_group_size elements per rank.
+        sub_group = int(zero.sub_group_size) * world
         self.units: list[ShardedUnit] = []
         bindings: list[tuple[int, torch.nn.Module]] = []
         for name, m, params in plan:
             self.units.append(
                 self._unit(
-                    name, params, group_of, len(groups), world, rank, policy, False, self._placement
+                    name,
+                    params,
+                    group_of,
+                    len(groups),
+                    world,
+                    rank,
+                    policy,
+                    False,
+                    self._placement,
+                    sub_group,
                 )
             )
             bindings.extend(
@@ -141,7 +173,7 @@ class FullySharded:
             )
         unit_args = (group_of, len(groups), world, rank, policy)
         self.persistent = (
-            self._unit("persistent", persistent, *unit_args, True, self._placement)
+            self._unit("persistent", persistent, *unit_args, True, self._placement, sub_group)
             if persistent
             else None
         )
@@ -200,6 +232,7 @@ class FullySharded:
             True,
             None,
         ),
+        sub_group_numel: int | None = None,
     ) -> ShardedUnit:
         by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
         frozen = []
@@ -208,7 +241,11 @@ class FullySharded:
                 by_group[group_of[p]].append(p)
             else:
                 frozen.append(p)
-        segments = [(g, ps) for g, ps in enumerate(by_group) if ps]
+        segments = [
+            (g, run)
+            for g, ps in enumerate(by_group)
+            for run in split_sub_groups(ps, sub_group_numel or sum(p.numel() for p in ps))
+        ]
         if frozen:
             segments.append((None, frozen))  # type: ignore[arg-type]
         infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
