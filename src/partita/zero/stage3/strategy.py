@@ -10,6 +10,7 @@ steps one fp32 master chunk per (unit, optimizer group) segment.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -113,6 +114,58 @@ def _binding_modules(
     return [m for m in root.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
 
 
+Placement = tuple[torch.device | None, torch.device | None, bool, SwapSpace | None]
+"""(optimizer state device, shard device, may a master alias its shard, shard swap space)."""
+
+
+@dataclass
+class _UnitFactory:
+    """Builds the units of one strategy from the settings they all share."""
+
+    group_of: dict[torch.nn.Parameter, int]
+    n_groups: int
+    world: int
+    rank: int
+    policy: PrecisionPolicy
+    placement: Placement
+    sub_group_numel: int
+    """Most elements of one segment (``sub_group_size`` x world size)."""
+
+    def __call__(
+        self, name: str, params: list[torch.nn.Parameter], persistent: bool
+    ) -> ShardedUnit:
+        """A unit of `params`: one segment per sub-group of each optimizer group, then one for
+        the frozen parameters."""
+        by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(self.n_groups)]
+        frozen = []
+        for p in params:
+            if p in self.group_of:
+                by_group[self.group_of[p]].append(p)
+            else:
+                frozen.append(p)
+        segments: list[tuple[int | None, list[torch.nn.Parameter]]] = [
+            (g, run)
+            for g, ps in enumerate(by_group)
+            for run in split_sub_groups(ps, self.sub_group_numel)
+        ]
+        if frozen:
+            segments.append((None, frozen))
+        infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
+        return ShardedUnit(
+            name,
+            infos,
+            self.world,
+            self.rank,
+            self.policy.master_dtype,
+            persistent=persistent,
+            source=full_value,
+            state_device=self.placement[0],
+            shard_device=self.placement[1],
+            alias_masters=self.placement[2],
+            shard_space=self.placement[3],
+        )
+
+
 class FullySharded:
     """Stage 3 strategy (see `partita.zero.strategy.Strategy`)."""
 
@@ -150,33 +203,18 @@ class FullySharded:
         plan, persistent = plan_units(module, modules, int(zero.stage3_param_persistence_threshold))
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
-        sub_group = int(zero.sub_group_size) * world
+        build = _UnitFactory(
+            group_of, len(groups), world, rank, policy, self._placement,
+            int(zero.sub_group_size) * world,
+        )  # fmt: skip
         self.units: list[ShardedUnit] = []
         bindings: list[tuple[int, torch.nn.Module]] = []
         for name, m, params in plan:
-            self.units.append(
-                self._unit(
-                    name,
-                    params,
-                    group_of,
-                    len(groups),
-                    world,
-                    rank,
-                    policy,
-                    False,
-                    self._placement,
-                    sub_group,
-                )
-            )
+            self.units.append(build(name, params, persistent=False))
             bindings.extend(
                 (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
             )
-        unit_args = (group_of, len(groups), world, rank, policy)
-        self.persistent = (
-            self._unit("persistent", persistent, *unit_args, True, self._placement, sub_group)
-            if persistent
-            else None
-        )
+        self.persistent = build("persistent", persistent, persistent=True) if persistent else None
         self.all_units = self.units + ([self.persistent] if self.persistent else [])
         self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
         self.scheduler = UnitScheduler(
@@ -215,53 +253,6 @@ class FullySharded:
                 if seg.group is not None:
                     per_group[seg.group].append(unit.masters[seg.index])
         return per_group
-
-    @staticmethod
-    def _unit(
-        name: str,
-        params: list[torch.nn.Parameter],
-        group_of: dict[torch.nn.Parameter, int],
-        n_groups: int,
-        world: int,
-        rank: int,
-        policy: PrecisionPolicy,
-        persistent: bool,
-        placement: tuple[torch.device | None, torch.device | None, bool, SwapSpace | None] = (
-            None,
-            None,
-            True,
-            None,
-        ),
-        sub_group_numel: int | None = None,
-    ) -> ShardedUnit:
-        by_group: list[list[torch.nn.Parameter]] = [[] for _ in range(n_groups)]
-        frozen = []
-        for p in params:
-            if p in group_of:
-                by_group[group_of[p]].append(p)
-            else:
-                frozen.append(p)
-        segments = [
-            (g, run)
-            for g, ps in enumerate(by_group)
-            for run in split_sub_groups(ps, sub_group_numel or sum(p.numel() for p in ps))
-        ]
-        if frozen:
-            segments.append((None, frozen))  # type: ignore[arg-type]
-        infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
-        return ShardedUnit(
-            name,
-            infos,
-            world,
-            rank,
-            policy.master_dtype,
-            persistent=persistent,
-            source=full_value,
-            state_device=placement[0],
-            shard_device=placement[1],
-            alias_masters=placement[2],
-            shard_space=placement[3],
-        )
 
     def _add_swapped_grad(self, unit: ShardedUnit, seg: int, value: torch.Tensor) -> None:
         assert self.swapped is not None
