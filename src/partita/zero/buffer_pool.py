@@ -20,17 +20,21 @@ class BufferPool:
         self.live_bytes = 0
         self.peak_bytes = 0
 
-    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed buffer of `numel` elements (a view of a pooled one when possible)."""
+    def acquire(
+        self, numel: int, dtype: torch.dtype, device: torch.device, zero: bool = True
+    ) -> torch.Tensor:
+        """A buffer of `numel` elements (a view of a pooled one when possible), zeroed unless
+        `zero` is False (a caller that overwrites every element it reads)."""
         free = self._free.setdefault((dtype, device), [])
         fits = [b for b in free if b.numel() >= numel]
         if fits:
             base = min(fits, key=lambda b: b.numel())
             _remove(free, base)
             view = base[:numel]
-            view.zero_()
+            if zero:
+                view.zero_()
         else:
-            base = torch.zeros(numel, dtype=dtype, device=device)
+            base = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
             view = base
         self.live_bytes += base.numel() * base.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)

@@ -41,6 +41,8 @@ class UnitGradReducer:
     """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
+    _written: dict[int, set[int]] = field(default_factory=dict, init=False)
+    """Per unit (by id) with a gradient buffer: the parameters whose gradient it holds."""
 
     @property
     def peak_buffer_bytes(self) -> int:
@@ -48,11 +50,37 @@ class UnitGradReducer:
         return self._pool.peak_bytes
 
     def accumulate(self, unit: ShardedUnit, index: int, grad: torch.Tensor) -> None:
-        """Adds parameter `index`'s gradient into the unit's flat gradient buffer."""
+        """Adds parameter `index`'s gradient into the unit's flat gradient buffer (the first
+        gradient of a parameter is copied: the buffer is not zeroed up front, see `_fill_holes`)."""
         if unit.grad_buffer is None:
-            unit.grad_buffer = self._pool.acquire(unit.layout.padded_numel, grad.dtype, grad.device)
+            unit.grad_buffer = self._pool.acquire(
+                unit.layout.padded_numel, grad.dtype, grad.device, zero=False
+            )
+            self._written[id(unit)] = set()
+        written = self._written[id(unit)]
         off = unit.layout.offsets[index]
-        unit.grad_buffer[off : off + grad.numel()].add_(grad.reshape(-1))
+        region = unit.grad_buffer[off : off + grad.numel()]
+        if index in written:
+            region.add_(grad.reshape(-1))
+        else:
+            region.copy_(grad.reshape(-1))
+            written.add(index)
+
+    def _fill_holes(self, unit: ShardedUnit, buffer: torch.Tensor) -> None:
+        """Zeroes what no gradient was written to: parameters without one this backward, and
+        the layout's padding. Cheaper than zeroing the whole buffer before every backward."""
+        written = self._written.pop(id(unit), set())
+        spans = sorted(
+            (unit.layout.offsets[i], unit.layout.offsets[i] + unit.layout.numels[i])
+            for i in written
+        )
+        pos = 0
+        for start, end in spans:
+            if start > pos:
+                buffer[pos:start].zero_()
+            pos = max(pos, end)
+        if pos < buffer.numel():
+            buffer[pos:].zero_()
 
     def reduce(self, unit: ShardedUnit) -> None:
         """Starts the reduce-scatter of every trainable segment of `unit`."""
@@ -62,6 +90,8 @@ class UnitGradReducer:
             unit.grad_buffer = self._pool.acquire(
                 unit.layout.padded_numel, unit.flat_shard.dtype, unit.flat_full.device
             )
+        else:
+            self._fill_holes(unit, unit.grad_buffer)
         buffer = unit.grad_buffer
         unit.grad_buffer = None
         launched: list[_Pending] = []
