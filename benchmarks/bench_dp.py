@@ -123,7 +123,11 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    baseline = common.peak_rss_mb()  # interpreter and torch: before transformers, model, engine
+    backend = args.worker.split("-")[0]
+    if backend in ("partita", "deepspeed"):
+        importlib.import_module(backend)  # first, as training scripts do (partita's import sets
+        # its allocator default, which must precede the model's allocations)
+    baseline = common.peak_rss_mb()  # interpreter, torch, engine library: before model, engine
     model = common.build_gpt2(args.model, args.seed)
     if args.worker in ("ddp", "ddp-fused"):
         step, extra = setup_ddp(model, fused=args.worker == "ddp-fused")
