@@ -188,19 +188,22 @@ def _full_params(engine: Any) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in params]
 
 
-def init_probe(config: dict, kind: str, steps: int) -> dict[str, Any]:
-    """Builds the model under zero.Init, checks it equals an eager build, trains `steps` steps,
-    then lets rank 0 overwrite one weight through GatheredParameters."""
+def init_probe(
+    config: dict, kind: str, steps: int, remote_device: str | None = None
+) -> dict[str, Any]:
+    """Builds the model under zero.Init (chunks on `remote_device`), checks it equals an eager
+    build, trains `steps` steps, then lets rank 0 overwrite one weight through
+    GatheredParameters."""
     rank, world = comm.get_rank(), comm.get_world_size()
     micro = config["train_micro_batch_size_per_gpu"]
-    init = partita.zero.Init()
+    init = partita.zero.Init(remote_device=remote_device, config_dict_or_path=config)
     with init:
         model = make_model(kind=kind, **({"dim": 64, "layers": 4} if kind == "tiny" else {}))
     eager = make_model(kind=kind, **({"dim": 64, "layers": 4} if kind == "tiny" else {}))
     params = list(model.parameters())
     from partita.zero.init import PRE_SHARDED
 
-    held = sum(PRE_SHARDED[p].chunk.numel() * p.element_size() for p in params if p in PRE_SHARDED)
+    held = sum(PRE_SHARDED[p].chunk.untyped_storage().nbytes() for p in params if p in PRE_SHARDED)
     with partita.zero.GatheredParameters(params):
         same_as_eager = all(
             torch.equal(a, b) for a, b in zip(params, eager.parameters(), strict=True)
@@ -224,6 +227,9 @@ def init_probe(config: dict, kind: str, steps: int) -> dict[str, Any]:
         seen = target.detach().clone()
     from partita.utils import safe_get_full_fp32_param
 
+    master = bool(torch.all(safe_get_full_fp32_param(target) == 0.25))
+    memory = engine.memory_report()
+    engine.destroy()
     return {
         "same_as_eager": same_as_eager,
         "stats": (init.stats.peak_materialized_bytes, held),
@@ -238,8 +244,8 @@ def init_probe(config: dict, kind: str, steps: int) -> dict[str, Any]:
         ),
         "losses": losses,
         "seen": bool(torch.all(seen == 0.25)),
-        "master": bool(torch.all(safe_get_full_fp32_param(target) == 0.25)),
-        "memory": engine.memory_report(),
+        "master": master,
+        "memory": memory,
     }
 
 

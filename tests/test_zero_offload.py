@@ -142,10 +142,11 @@ def test_disk_full_during_a_swap_stops_the_run_naming_the_file(tmp_path) -> None
 
 
 def test_nvme_offload_trains_a_model_four_times_the_memory_cap(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Stage 3 with optimizer and parameters on NVMe: the model states (16 bytes per parameter)
-    are over 4x the RSS the training steps may add to the process (the cap), and they stay under
-    it. Bounded by the config: units of one block, at most ~2 blocks gathered, one sub-group
-    (block) of master/moments/gradient resident per pipeline stage."""
+    """Stage 3 with optimizer and parameters on NVMe, the model built under
+    ``zero.Init(remote_device="nvme")``: the model states (16 bytes per parameter) are over 4x
+    the RSS the run may add to the process (the cap), and construction, set-up and training
+    stay under it. Bounded by the config: units of one block, at most ~2 blocks gathered, one
+    sub-group (block) of master/moments/gradient resident per pipeline stage."""
     from offload_workers import train_under_cap
 
     cap = 80 * 2**20
@@ -158,10 +159,34 @@ def test_nvme_offload_trains_a_model_four_times_the_memory_cap(tmp_path) -> None
         stage3_prefetch_bucket_size=600_000,
     )
     config = base_config(2, 1, **zero)
-    out = run_distributed(train_under_cap, 1, config, {"dim": 256, "layers": 48}, 3, timeout=400)[0]
+    model = {"dim": 256, "layers": 48}
+    out = run_distributed(train_under_cap, 1, config, model, 3, timeout=400)[0]
     assert out["model_state_bytes"] >= 4 * cap
-    assert out["peak_training"] <= cap, out
+    assert out["peak"] <= cap, out
     print(
-        f"peak {out['peak_training'] >> 20} MiB, cap {cap >> 20} MiB, states {out['model_state_bytes'] >> 20} MiB"
+        f"peak {out['peak'] >> 20} MiB, cap {cap >> 20} MiB, states {out['model_state_bytes'] >> 20} MiB"
     )
     assert out["memory"]["master_params"] == 0 and out["memory"]["params"] == 0
+    assert list(tmp_path.iterdir()) == []  # Init's and the engine's swap files removed
+
+
+def test_zero_init_with_chunks_on_nvme_matches_an_eager_build(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """zero.Init(remote_device="nvme") keeps each chunk in a swap file; the model equals an eager
+    build, trains like a stage-3 run without offload, and GatheredParameters(modifier_rank=0)
+    writes reach every rank's (swapped) shard and master."""
+    from engine_workers import init_probe
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    config = base_config(2, 1, **_zero(3, offload_optimizer=nvme, offload_param=nvme))
+    results = run_distributed(init_probe, 2, config, "tiny", 4, "nvme", timeout=300)
+    case = {
+        "config": base_config(2, 1, **_zero(3)),
+        "steps": 4,
+        "model_kwargs": {"dim": 64, "layers": 4},
+    }
+    reference = run_distributed(train_grid, 2, [case], timeout=300)[0][0]
+    for res in results:
+        assert res["same_as_eager"] and res["losses"] == reference["losses"]
+        assert res["seen"] and res["master"]
+        assert res["stats"][1] == 0  # no chunk bytes held in memory after construction
+    assert list(tmp_path.iterdir()) == []

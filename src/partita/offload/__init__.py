@@ -6,6 +6,7 @@ never ``zero/`` or the engine. The pieces:
 - `aio`: asynchronous aligned file I/O (`ThreadPoolIO` behind the `AsyncIO` protocol);
 - `swap`: per-rank preallocated swap files (`SwapSpace`) and a bounded host buffer pool
   (`BufferPool`);
+- `swapped`: a tensor kept in a swap file between uses (`SwappedTensor`);
 - `checks`: start-up checks of the NVMe paths (`check_offload_config`);
 - `cpu_adam`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`).
 """
@@ -28,6 +29,7 @@ from .aio import (
 from .checks import DirectoryProbe, check_offload_config, probe_directory
 from .cpu_adam import AdamHyper, cpu_adam_step, make_cpu_adam
 from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs
+from .swapped import SwappedTensor
 
 __all__ = [
     "ALIGNMENT",
@@ -39,6 +41,7 @@ __all__ = [
     "FileHandle",
     "SwapSlot",
     "SwapSpace",
+    "SwappedTensor",
     "Syscalls",
     "ThreadPoolIO",
     "aligned_empty",

@@ -69,9 +69,9 @@ class GatheredParameters:
         try:
             if self.modifier_rank is not None and exc_type is None:
                 with torch.no_grad():
-                    for _, unit in self._units:
+                    for owner, unit in self._units:
                         comm.broadcast(unit.flat_full, src=self.modifier_rank, tag="gathered")
-                        unit.load_from_full(self.params)
+                        owner.load_gathered(unit, self.params)
         finally:
             for owner, unit in self._units:
                 owner.unpin(unit)

@@ -19,7 +19,7 @@ update), so the parameters come out bitwise equal.
 
 [Note: swapped shards]
 With ``offload_param`` on NVMe a unit's module-dtype shard lives in a swap file too
-(`SwappedShard`): read before the unit is gathered (started ahead of time by the scheduler's
+(`partita.offload.SwappedTensor`): read before the unit is gathered (started ahead of time by the scheduler's
 prefetch), freed once the gather is done (the file still holds it), and written back after the
 step changed it.
 """
@@ -49,76 +49,44 @@ def _resident(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() > 0
 
 
-class SwappedShard:
-    """A unit's parameter shard (`tensor`) kept in `space` under `key` between uses."""
-
-    def __init__(self, tensor: torch.Tensor, space: SwapSpace, key: str) -> None:
-        self.tensor = tensor
-        self.space = space
-        self.key = key
-        space.register(key, tensor.numel(), tensor.dtype)
-        self._reading: Future[int] | None = None
-        self.dirty = True
-
-    @property
-    def resident(self) -> bool:
-        """True while the shard's values are in memory (or being read into it)."""
-        return _resident(self.tensor)
-
-    def fetch(self) -> None:
-        """Starts reading the shard in (no-op when resident or already being read)."""
-        if self.resident:
-            return
-        _grow(self.tensor)
-        self._reading = self.space.swap_in(self.key, self.tensor)
-
-    def ensure(self) -> None:
-        """Makes the shard resident (blocking)."""
-        self.fetch()
-        if self._reading is not None:
-            reading, self._reading = self._reading, None
-            reading.result()  # raises the I/O error naming the file
-
-    def modified(self) -> None:
-        """The resident values changed: `evict` must write them back."""
-        self.dirty = True
-
-    def evict(self) -> None:
-        """Writes the shard back if it changed, then frees its memory."""
-        if not self.resident:
-            return
-        self.ensure()
-        if self.dirty:
-            self.space.swap_out(self.key, self.tensor).result()
-            self.dirty = False
-        _free(self.tensor)
-
-
 class SwappedOptimizerState:
-    """Swaps `masters`, their gradients and optimizer state in and out of `space`."""
+    """Swaps masters, their gradients and optimizer state in and out of `space`. Masters are
+    `add`-ed as their units are built (each unit's go out before the next unit is built, so
+    set-up never holds more than one unit's masters); the optimizer is `bind`-ed after."""
 
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, masters: list[torch.nn.Parameter], space: SwapSpace
-    ) -> None:
-        self.optimizer = optimizer
-        self.masters = masters
+    def __init__(self, space: SwapSpace) -> None:
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.masters: list[torch.nn.Parameter] = []
         self.space = space
-        self.resident = [True] * len(masters)
-        self.grad_zero = [True] * len(masters)
+        self.resident: list[bool] = []
+        self.grad_zero: list[bool] = []
         self._writes: dict[int, list[Future[int]]] = {}
-        for i, m in enumerate(masters):
+
+    def add(self, masters: list[torch.nn.Parameter]) -> None:
+        """Takes `masters` (with zero gradients) out to the swap files."""
+        first = len(self.masters)
+        for m in masters:
+            i = len(self.masters)
+            self.masters.append(m)
+            self.resident.append(True)
+            self.grad_zero.append(True)
             assert m.grad is not None
             self.space.register(f"{i}.grad", m.numel(), m.grad.dtype)
             _free(m.grad)
             self._evict(i)
         self.space.wait()
-        for i in range(len(masters)):
+        for i in range(first, len(self.masters)):
             self._release(i)
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer stepping the masters (its state is swapped with them)."""
+        self.optimizer = optimizer
 
     def _tensors(self, i: int) -> dict[str, torch.Tensor]:
         m = self.masters[i]
         out = {"param": m.data}
-        for key, value in self.optimizer.state.get(m, {}).items():
+        state = {} if self.optimizer is None else self.optimizer.state.get(m, {})
+        for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.numel() == m.numel() and value.dim() > 0:
                 out[key] = value
         return out

@@ -207,14 +207,19 @@ class FullySharded:
             group_of, len(groups), world, rank, policy, self._placement,
             int(zero.sub_group_size) * world,
         )  # fmt: skip
+        self.swapped = SwappedOptimizerState(swap_space) if swap_space is not None else None
         self.units: list[ShardedUnit] = []
         bindings: list[tuple[int, torch.nn.Module]] = []
         for name, m, params in plan:
             self.units.append(build(name, params, persistent=False))
+            if self.swapped is not None:
+                self.swapped.add(list(self.units[-1].masters.values()))
             bindings.extend(
                 (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
             )
         self.persistent = build("persistent", persistent, persistent=True) if persistent else None
+        if self.swapped is not None and self.persistent is not None:
+            self.swapped.add(list(self.persistent.masters.values()))
         self.all_units = self.units + ([self.persistent] if self.persistent else [])
         self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
         self.scheduler = UnitScheduler(
@@ -236,12 +241,8 @@ class FullySharded:
         self.optimizer = make_optimizer(self._masters_by_group(len(groups)))
         self._master_index = {id(m): i for i, m in enumerate(self._masters())}
         self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
-        self.swapped = (
-            SwappedOptimizerState(self.optimizer, self._masters(), swap_space)
-            if swap_space is not None
-            else None
-        )
         if self.swapped is not None:
+            self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
         self.param_space = param_swap_space
 
@@ -377,6 +378,14 @@ class FullySharded:
         if i is not None:
             self.scheduler.in_use[i] += 1
         unit.wait_for_unshard(tag="gathered")
+
+    def load_gathered(self, unit: ShardedUnit, params: list[torch.Tensor]) -> None:
+        """`unit`'s gathered values of `params` become their shards and masters (swapped-out
+        masters are read in first; the next step writes them back)."""
+        if self.swapped is not None:
+            for master in unit.masters.values():
+                self.swapped.ensure_resident(self._master_index[id(master)])
+        unit.load_from_full(params)
 
     def unpin(self, unit: ShardedUnit) -> None:
         """Releases a `pin` (the unit is resharded when nothing else uses it)."""

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from partita import comm
-from partita.offload import SwapSpace
+from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import nan_placeholder
-from partita.zero.stage3.nvme import SwappedShard
 
 
 class UnitState(enum.Enum):
@@ -114,7 +113,7 @@ class ShardedUnit:
         self.reshard()
         # Parameter offload to NVMe: the shard lives in a swap file between uses.
         self.shard_swap = (
-            SwappedShard(self.flat_shard, shard_space, f"param.{name}")
+            SwappedTensor(self.flat_shard, shard_space, f"param.{name}")
             if shard_space is not None and not persistent
             else None
         )
