@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from partita.comm.counters import COUNTERS
+from partita.comm.pairwise import pair_all_gather, pair_reduce_scatter
 from partita.comm.process_group import ProcessGroup, is_initialized
 
 ReduceOp = dist.ReduceOp
@@ -34,21 +35,26 @@ def _single_process(group: ProcessGroup | None) -> bool:
     return not is_initialized()
 
 
-def _via_all_reduce(group: ProcessGroup | None) -> bool:
-    """Whether reduce-scatter and all-gather run as all-reduces.
+def _gloo_mode(group: ProcessGroup | None) -> str:
+    """How reduce-scatter and all-gather run: "native", "pair" or "all_reduce".
 
     [Note: gloo collectives]
     gloo's all-reduce is far better tuned than its reduce-scatter and all-gather: on 2 CPU
     ranks, 32 MB took 22 ms to all-reduce but 44 ms to reduce-scatter and 44 ms to all-gather
-    (torch 2.13). So on gloo partita reduce-scatters by all-reducing and keeping its chunk, and
-    all-gathers by all-reducing a buffer that is zero outside this rank's chunk. The bytes on
-    the wire are then those of all-reduces, and the counters record them as such.
-    ``PARTITA_COLLECTIVES=native`` uses gloo's own collectives (tests of the algorithms'
-    communication volume do); NCCL always uses its native ones.
+    (torch 2.13). So on gloo partita runs them, with two ranks, as one exchange of halves
+    (`partita.comm.pairwise`, faster still; counted as what they are), and with more ranks as
+    all-reduces: reduce-scatter by all-reducing and keeping its chunk, all-gather by
+    all-reducing a buffer that is zero outside this rank's chunk (counted as all-reduces, the
+    bytes they move). ``PARTITA_COLLECTIVES=native`` uses gloo's own collectives (tests of the
+    algorithms' communication volume do), ``=all_reduce`` the all-reduce form at any size;
+    NCCL always uses its native ones.
     """
-    if os.environ.get("PARTITA_COLLECTIVES", "auto") == "native":
-        return False
-    return dist.get_backend(group) == "gloo"
+    mode = os.environ.get("PARTITA_COLLECTIVES", "auto")
+    if mode == "native" or dist.get_backend(group) != "gloo":
+        return "native"
+    if mode != "all_reduce" and dist.get_world_size(group) == 2:
+        return "pair"
+    return "all_reduce"
 
 
 class _Then:
@@ -93,7 +99,11 @@ def reduce_scatter(
         _record("reduce_scatter", tag, input)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
-    if _via_all_reduce(group):  # see [Note: gloo collectives]; `input` is overwritten
+    mode = _gloo_mode(group)
+    if mode == "pair" and op == ReduceOp.SUM:  # see [Note: gloo collectives]
+        _record("reduce_scatter", tag, input)
+        return pair_reduce_scatter(output, input, group, async_op)  # type: ignore[return-value]
+    if mode != "native":  # see [Note: gloo collectives]; `input` is overwritten
         _record("all_reduce", tag, input)
         chunk = input.view(-1)[dist.get_rank(group) * output.numel() :][: output.numel()]
         work = dist.all_reduce(input, op=op, group=group, async_op=True)
@@ -124,7 +134,11 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
-    if _via_all_reduce(group):  # see [Note: gloo collectives]
+    mode = _gloo_mode(group)
+    if mode == "pair":  # see [Note: gloo collectives]
+        _record("all_gather", tag, output)
+        return pair_all_gather(output, input, group, async_op)  # type: ignore[return-value]
+    if mode != "native":  # see [Note: gloo collectives]
         _record("all_reduce", tag, output)
         flat, n = output.view(-1), input.numel()
         start = dist.get_rank(group) * n
