@@ -196,3 +196,26 @@ def test_save_16bit_model_writes_gathered_weights(tmp_path) -> None:  # type: ig
         assert torch.equal(shards[index["weight_map"][name]][name].float(), want)
     model = make_model().to(torch.bfloat16)
     model.load_state_dict(loaded)  # loads into the unsharded model
+
+
+def test_touching_a_sharded_parameter_raises_naming_its_unit() -> None:
+    import partita
+    from models import make_model
+    from partita.zero.placeholder import ShardedParameterError
+
+    model = make_model()
+    engine, _, _, _ = partita.initialize(
+        model=model, config=base_config(2, 1, **_z3()), dist_init_required=False
+    )
+    weight = engine.module.blocks[0].fc1.weight
+    # Metadata stays readable: shapes, dtypes and flags are what code inspects.
+    assert weight.shape == (128, 32) and weight.dtype == torch.float32 and weight.requires_grad
+    assert weight.numel() == 128 * 32 and weight.device.type == "cpu"
+    for use in (lambda: weight.sum(), lambda: weight + 1, lambda: weight.cpu().numpy()):
+        with pytest.raises(ShardedParameterError, match=r"unit 'blocks\.0'.*GatheredParameters"):
+            use()
+    with partita.zero.GatheredParameters([weight]):
+        assert torch.isfinite(weight.sum())  # gathered: an ordinary parameter again
+    with pytest.raises(ShardedParameterError):
+        weight.sum()  # released again on exit
+    engine.destroy()

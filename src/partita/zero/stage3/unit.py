@@ -24,7 +24,7 @@ import torch
 from partita import comm
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
-from partita.zero.placeholder import nan_placeholder
+from partita.zero.placeholder import mark_gathered, mark_sharded
 
 
 class UnitState(enum.Enum):
@@ -82,7 +82,7 @@ class ShardedUnit:
                 view = self.flat_full[off : off + p.numel()].view_as(p)
                 view.copy_(source(p) if source is not None else p.detach())
                 self.views.append(view)
-                p.data = view
+                mark_gathered(p, view)
         # Offload changes only placement: the shard (param offload) and the master with its
         # optimizer state (optimizer offload) may live on the host.
         self.flat_shard = torch.empty(
@@ -190,7 +190,7 @@ class ShardedUnit:
             self._handles = []
             self.evict_shard()  # the gather is done with it; its file still holds it
             for p, view in zip(self.params, self.views, strict=True):
-                p.data = view
+                mark_gathered(p, view)
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -198,7 +198,7 @@ class ShardedUnit:
         if self.persistent or self.state is not UnitState.UNSHARDED:
             return
         for p in self.params:
-            p.data = nan_placeholder(p)
+            mark_sharded(p, self.name)
         self.flat_full.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
