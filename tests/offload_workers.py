@@ -14,6 +14,7 @@ import partita
 from engine_workers import _full_params
 from models import global_batches, make_model, rank_micro_batch
 from partita import comm
+from partita.accelerator import host_peak_rss, host_rss
 from partita.offload import AsyncIOError
 
 
@@ -60,20 +61,6 @@ def disk_full_mid_run(config: dict, folder: str) -> dict[str, Any]:
     }
 
 
-def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def _peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def _reset_peak_rss() -> None:
     # Writing 5 to clear_refs resets the process's peak RSS (VmHWM) to its current RSS.
     Path("/proc/self/clear_refs").write_text("5")
@@ -95,16 +82,16 @@ def train_under_cap(config: dict, model_kwargs: dict, steps: int) -> dict[str, A
     small(*rank_micro_batch(batches[0], 0, 1, micro, 0)).backward()
     del small, warm
     gc.collect()
-    baseline = _rss_bytes()
+    baseline = host_rss()
     _reset_peak_rss()
     with partita.zero.Init(remote_device="nvme", config_dict_or_path=config) as init:
         model = make_model(**model_kwargs)
     numel = sum(p.numel() for p in model.parameters())  # placeholders keep the shapes
     engine, _, _, _ = partita.initialize(model=model, config=config)
     del model
-    after_setup = _rss_bytes() - baseline
+    after_setup = host_rss() - baseline
     _train(engine, batches, micro)
-    peak = _peak_rss_bytes() - baseline
+    peak = host_peak_rss() - baseline
     memory = engine.memory_report()
     engine.destroy()
     return {

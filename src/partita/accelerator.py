@@ -138,23 +138,6 @@ def configure_host_allocator() -> bool:
         return False
 
 
-def release_free_host_memory() -> bool:
-    """Returns the heap's free pages to the OS (glibc ``malloc_trim``).
-
-    Set-up replaces every parameter's storage (flat buffers, shards, swap files); the freed
-    model blocks that glibc served from its heap (before `configure_host_allocator` ran) would
-    otherwise stay resident for the whole run: measured +82 MB RSS after setting up a
-    25M-parameter model with NVMe offload, none of it held by partita. Returns True when it ran.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
 @lru_cache(maxsize=1)
 def get_accelerator() -> Accelerator:
     """The process-wide accelerator. PARTITA_ACCELERATOR=cpu forces CPU on a GPU machine."""

@@ -17,13 +17,7 @@ from typing import Any
 import torch
 
 from partita import comm, engine_setup
-from partita.accelerator import (
-    configure_host_allocator,
-    get_accelerator,
-    host_peak_rss,
-    host_rss,
-    release_free_host_memory,
-)
+from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.config import DeepSpeedConfig
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
@@ -88,7 +82,6 @@ class Engine(torch.nn.Module):
         self._timer = _WallClock(self.accelerator, enabled=config.wall_clock_breakdown)
         self._window_start = time.perf_counter()
         _ensure_log_handler(self.global_rank)
-        release_free_host_memory()  # the model's replaced storage, freed during set-up
 
     # --- DeepSpeed-style accessors -------------------------------------------------------
     def train_batch_size(self) -> int:

@@ -3,9 +3,6 @@ scaler and the ZeRO strategy. Composition only; the algorithms live in `partita.
 
 from __future__ import annotations
 
-import os
-import socket
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -13,7 +10,7 @@ import torch
 
 from partita import comm
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
-from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config
+from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
 from partita.optim import build_optimizer, build_scheduler
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
@@ -141,7 +138,7 @@ def check_supported(config: DeepSpeedConfig) -> None:
     job fails at start-up, before any collective, instead of silently training differently."""
     zero = config.zero_optimization
     problems: list[Problem] = []
-    opt, param = zero.offload_optimizer, zero.offload_param
+    opt = zero.offload_optimizer  # parameter offload below stage 3 is a config error (config/)
     if opt is not None and opt.device == "nvme" and zero.stage != 3:
         problems.append(
             Problem(
@@ -149,7 +146,6 @@ def check_supported(config: DeepSpeedConfig) -> None:
                 f"'nvme' needs zero_optimization.stage 3 (got {zero.stage}); use 'cpu' for stages 1-2",
             )
         )
-    del param  # parameter offload below stage 3 is a config error (config/)
     for key, on in (
         ("fp16.fp16_master_weights_and_grads", config.fp16.fp16_master_weights_and_grads),
         ("bf16.bf16_master_weights_and_grads", config.bf16.bf16_master_weights_and_grads),
@@ -200,10 +196,7 @@ def swap_space(config: DeepSpeedConfig, block: str = "offload_optimizer") -> Swa
     offload = getattr(config.zero_optimization, block)
     if offload is None or offload.device != "nvme":
         return None
-    # A unique run id per engine and block: several engines may live in one process (and a
-    # crashed run's directory is recognised as stale by its dead owner pid, not by its name).
-    kind = "param" if block == "offload_param" else "optim"
-    run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{kind}"
+    run_id = unique_run_id("param" if block == "offload_param" else "optim")
     aio = ThreadPoolIO.from_config(config.aio)
     return SwapSpace(str(offload.nvme_path), comm.get_rank(), aio=aio, run_id=run_id)
 

@@ -28,8 +28,8 @@ from .aio import (
 )
 from .checks import DirectoryProbe, check_offload_config, probe_directory
 from .cpu_adam import AdamHyper, cpu_adam_step, make_cpu_adam
-from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs
-from .swapped import SwappedTensor
+from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
+from .swapped import SwappedTensor, has_storage, release_storage, restore_storage
 
 __all__ = [
     "ALIGNMENT",
@@ -48,10 +48,14 @@ __all__ = [
     "byte_view",
     "check_offload_config",
     "cpu_adam_step",
+    "has_storage",
     "is_aligned",
     "make_cpu_adam",
     "open_file",
     "padded_nbytes",
     "probe_directory",
+    "release_storage",
     "remove_stale_swap_dirs",
+    "restore_storage",
+    "unique_run_id",
 ]

@@ -28,6 +28,7 @@ import shutil
 import socket
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -126,6 +127,13 @@ def remove_stale_swap_dirs(nvme_path: str | os.PathLike[str]) -> list[Path]:
             logger.info("removed stale swap directory '%s' of dead pid %s", entry, owner["pid"])
             removed.append(entry)
     return removed
+
+
+def unique_run_id(kind: str) -> str:
+    """A swap directory run id no other space gets: ``<host>-<pid>-<random>-<kind>`` (several
+    spaces may live in one process; a crashed run's directory is recognised as stale by its
+    dead owner pid, not by its name)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{kind}"
 
 
 def _safe_name(key: str) -> str:

@@ -14,12 +14,19 @@ import torch
 from .swap import SwapSpace
 
 
-def _free(t: torch.Tensor) -> None:
+def release_storage(t: torch.Tensor) -> None:
+    """Frees `t`'s memory (its storage resized to zero; views keep their shapes)."""
     t.untyped_storage().resize_(0)
 
 
-def _grow(t: torch.Tensor) -> None:
+def restore_storage(t: torch.Tensor) -> None:
+    """Gives `t` memory for its elements again (values undefined until written)."""
     t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    """True while `t` holds memory (not released)."""
+    return t.untyped_storage().nbytes() > 0
 
 
 class SwappedTensor:
@@ -37,13 +44,13 @@ class SwappedTensor:
     @property
     def resident(self) -> bool:
         """True while its values are in memory (or being read into it)."""
-        return self.tensor.untyped_storage().nbytes() > 0
+        return has_storage(self.tensor)
 
     def fetch(self) -> None:
         """Starts reading it in (no-op when resident or already being read)."""
         if self.resident:
             return
-        _grow(self.tensor)
+        restore_storage(self.tensor)
         self._reading = self.space.swap_in(self.key, self.tensor)
 
     def ensure(self) -> None:
@@ -65,4 +72,4 @@ class SwappedTensor:
         if self.dirty:
             self.space.swap_out(self.key, self.tensor).result()
             self.dirty = False
-        _free(self.tensor)
+        release_storage(self.tensor)

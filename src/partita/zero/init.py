@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
-import socket
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -34,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from partita import comm
 from partita.accelerator import configure_host_allocator
 from partita.config import config_error, load_config
-from partita.offload import SwappedTensor, SwapSpace
+from partita.offload import SwappedTensor, SwapSpace, unique_run_id
 from partita.zero.placeholder import nan_placeholder
 
 
@@ -149,8 +146,7 @@ def _init_swap_space(remote_device: str | None, source: Any) -> SwapSpace | None
             "zero_optimization.offload_param.nvme_path",
             "zero.Init(remote_device='nvme') needs it: pass config_dict_or_path with it set",
         )
-    run_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}-init"
-    return SwapSpace(str(path), comm.get_rank(), run_id=run_id)
+    return SwapSpace(str(path), comm.get_rank(), run_id=unique_run_id("init"))
 
 
 def _subclasses(cls: type) -> list[type]:

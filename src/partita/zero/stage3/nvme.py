@@ -33,20 +33,9 @@ from concurrent.futures import Future
 import torch
 
 from partita import comm
-from partita.offload import SwapSpace
+from partita.offload import SwapSpace, has_storage, release_storage, restore_storage
+from partita.zero.shard_step import global_norm
 from partita.zero.strategy import StepOutcome
-
-
-def _free(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(0)
-
-
-def _grow(t: torch.Tensor) -> None:
-    t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def _resident(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() > 0
 
 
 class SwappedOptimizerState:
@@ -72,7 +61,7 @@ class SwappedOptimizerState:
             self.grad_zero.append(True)
             assert m.grad is not None
             self.space.register(f"{i}.grad", m.numel(), m.grad.dtype)
-            _free(m.grad)
+            release_storage(m.grad)
             self._evict(i)
         self.space.wait()
         for i in range(first, len(self.masters)):
@@ -105,7 +94,7 @@ class SwappedOptimizerState:
         for f in self._writes.pop(i, []):
             f.result()  # raises the I/O error naming the file
         for t in self._tensors(i).values():
-            _free(t)
+            release_storage(t)
         self.drop_grad(i)
         self.resident[i] = False
 
@@ -113,7 +102,7 @@ class SwappedOptimizerState:
         futures = []
         if not self.resident[i]:
             for name, t in self._tensors(i).items():
-                _grow(t)
+                restore_storage(t)
                 futures.append(self.space.swap_in(f"{i}.{name}", t))
             self.resident[i] = True
         if grads:
@@ -124,9 +113,9 @@ class SwappedOptimizerState:
     def _fetch_grad(self, i: int) -> list[Future[int]]:
         grad = self.masters[i].grad
         assert grad is not None
-        if _resident(grad):
+        if has_storage(grad):
             return []
-        _grow(grad)
+        restore_storage(grad)
         if self.grad_zero[i]:
             grad.zero_()
             return []
@@ -144,7 +133,7 @@ class SwappedOptimizerState:
         """Frees sub-group i's gradient memory (the file, or zero, still holds its value)."""
         grad = self.masters[i].grad
         if grad is not None:
-            _free(grad)
+            release_storage(grad)
 
     def add_grad(self, i: int, value: torch.Tensor) -> None:
         """Adds `value` into sub-group i's gradient, written through to its file."""
@@ -172,10 +161,11 @@ class SwappedOptimizerState:
             f.result()
 
     # --- the step -------------------------------------------------------------------------------
-    def _global_norm_sq(self, loss_scale: float) -> torch.Tensor:
-        """Sum over sub-groups of the squared norm of the unscaled gradient (pipelined reads)."""
+    def _norms(self, loss_scale: float) -> list[torch.Tensor]:
+        """Each sub-group's unscaled gradient norm (pipelined reads), as `sharded_step` takes
+        them: the same kernel per tensor, so the global norm is bitwise the same."""
         n = len(self.masters)
-        squares = []
+        norms = []
         pending = self._fetch_grad(0) if n else []
         for i in range(n):
             for f in pending:
@@ -184,9 +174,9 @@ class SwappedOptimizerState:
             grad = self.masters[i].grad
             assert grad is not None
             unscaled = grad if loss_scale == 1.0 else grad * (1.0 / loss_scale)
-            squares.append(torch._foreach_norm([unscaled], 2.0)[0])
+            norms.append(torch._foreach_norm([unscaled], 2.0)[0])
             self.drop_grad(i)
-        return torch.stack(squares).square().sum() if squares else torch.zeros(())
+        return norms
 
     def step(
         self,
@@ -196,13 +186,10 @@ class SwappedOptimizerState:
         group: comm.ProcessGroup | None,
         comm_device: torch.device,
     ) -> StepOutcome:
-        """The sharded step (see `partita.zero.shard_step`) over swapped sub-groups: global
+        """The sharded step (`partita.zero.shard_step.sharded_step`) over swapped sub-groups: global
         norm, overflow check, then `step_one(i)` per sub-group with it resident and its
         gradient unscaled and clipped, pipelining the I/O."""
-        sq = self._global_norm_sq(loss_scale).to(comm_device)
-        comm.all_reduce(sq, group=group, tag="norm")
-        norm = sq.sqrt()
-        norm_value = float(norm)
+        norm, norm_value = global_norm(self._norms(loss_scale), group, comm_device)
         if not math.isfinite(norm_value):
             return StepOutcome(applied=False, grad_norm=norm_value)
         n = len(self.masters)

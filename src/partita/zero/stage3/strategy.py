@@ -17,7 +17,7 @@ import torch
 
 from partita import comm
 from partita.offload import SwapSpace
-from partita.partition import Piece
+from partita.partition import Piece, plan_buckets
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
@@ -59,18 +59,8 @@ def split_sub_groups(
     """Consecutive runs of `params` of at most `max_numel` elements each (``sub_group_size``
     times the world size: each rank's share of a run is at most ``sub_group_size``). A
     parameter is never split; one larger than the limit is a run of its own."""
-    runs: list[list[torch.nn.Parameter]] = []
-    current: list[torch.nn.Parameter] = []
-    size = 0
-    for p in params:
-        if current and size + p.numel() > max_numel:
-            runs.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel()
-    if current:
-        runs.append(current)
-    return runs
+    plan = plan_buckets([p.numel() for p in params], max_numel)
+    return [[params[i] for i in bucket.indices] for bucket in plan]
 
 
 def plan_units(
@@ -241,6 +231,11 @@ class FullySharded:
         self.optimizer = make_optimizer(self._masters_by_group(len(groups)))
         self._master_index = {id(m): i for i, m in enumerate(self._masters())}
         self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
+        # A unit's masters are consecutive: its shard is written back after the last of them.
+        self._unit_done = {
+            i for i, (u, _) in enumerate(self._master_home)
+            if i + 1 == len(self._master_home) or self._master_home[i + 1][0] is not u
+        }  # fmt: skip
         if self.swapped is not None:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
@@ -306,7 +301,7 @@ class FullySharded:
 
     def _step_one(self, i: int) -> None:
         """Steps master i alone (the optimizer skips parameters without a gradient), then
-        casts it into its unit's shard while it is resident."""
+        casts it into its unit's shard (resident until the unit's last master is done)."""
         masters = self._masters()
         grads = [m.grad for m in masters]
         for j, m in enumerate(masters):
@@ -319,7 +314,8 @@ class FullySharded:
                 m.grad = g
         unit, idx = self._master_home[i]
         unit.copy_master(idx)
-        unit.evict_shard()
+        if i in self._unit_done:
+            unit.evict_shard()
 
     def refresh_params(self) -> None:
         """Copies the masters into the parameter shards (and re-gathers persistent ones)."""
