@@ -198,19 +198,7 @@ class FullySharded:
             int(zero.sub_group_size) * world,
         )  # fmt: skip
         self.swapped = SwappedOptimizerState(swap_space) if swap_space is not None else None
-        self.units: list[ShardedUnit] = []
-        bindings: list[tuple[int, torch.nn.Module]] = []
-        for name, m, params in plan:
-            self.units.append(build(name, params, persistent=False))
-            if self.swapped is not None:
-                self.swapped.add(list(self.units[-1].masters.values()))
-            bindings.extend(
-                (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
-            )
-        self.persistent = build("persistent", persistent, persistent=True) if persistent else None
-        if self.swapped is not None and self.persistent is not None:
-            self.swapped.add(list(self.persistent.masters.values()))
-        self.all_units = self.units + ([self.persistent] if self.persistent else [])
+        bindings = self._build_units(build, plan, persistent, module, modules)
         self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
         self.scheduler = UnitScheduler(
             self.units,
@@ -240,6 +228,31 @@ class FullySharded:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
         self.param_space = param_swap_space
+
+    def _build_units(
+        self,
+        build: _UnitFactory,
+        plan: UnitPlan,
+        persistent: list[torch.nn.Parameter],
+        module: torch.nn.Module,
+        modules: list[torch.nn.Module],
+    ) -> list[tuple[int, torch.nn.Module]]:
+        """Builds the units of `plan` (and the persistent one), handing each unit's masters to
+        the swapped state as soon as it exists; returns (unit index, module) hook bindings."""
+        self.units: list[ShardedUnit] = []
+        bindings: list[tuple[int, torch.nn.Module]] = []
+        for name, m, params in plan:
+            self.units.append(build(name, params, persistent=False))
+            if self.swapped is not None:
+                self.swapped.add(list(self.units[-1].masters.values()))
+            bindings.extend(
+                (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
+            )
+        self.persistent = build("persistent", persistent, persistent=True) if persistent else None
+        if self.swapped is not None and self.persistent is not None:
+            self.swapped.add(list(self.persistent.masters.values()))
+        self.all_units = self.units + ([self.persistent] if self.persistent else [])
+        return bindings
 
     def _masters_by_group(self, n_groups: int) -> list[list[torch.Tensor]]:
         """Each optimizer group's master tensors (one per unit segment of that group)."""
