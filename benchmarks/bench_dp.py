@@ -60,6 +60,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="jobs per configuration, run in turn (A B C A B C ...); steps of all are pooled",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--job_timeout", type=float, default=1800.0, help="seconds per job")
     p.add_argument("--results_dir", type=Path, default=common.RESULTS_DIR, help="where to write")
@@ -172,33 +176,40 @@ def main() -> None:
         "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--seed", str(args.seed),
     ]  # fmt: skip
-    rows, errors = [], {}
-    for impl in impls:
-        label = IMPLS[impl]
-        reason = available(impl)
-        result = None
-        if reason is None:
-            print(f"running {label} ...", flush=True)
+    per_impl: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
+    errors: dict[str, str] = {}
+    reasons = {impl: available(impl) for impl in impls}
+    for round_no in range(args.rounds):  # rounds interleave jobs: drift hits every row alike
+        for impl in impls:
+            if reasons[impl] is not None:
+                continue
+            print(f"running {IMPLS[impl]} (round {round_no + 1}/{args.rounds}) ...", flush=True)
             try:
                 result = common.launch_job(
                     Path(__file__).resolve(), ["--worker", impl, *shared], args.nprocs,
                     args.threads, args.job_timeout,
                 )  # fmt: skip
+                per_impl[impl].append(result)
                 print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, "
                       f"peak RSS {result['peak_rss_mb']} MB", flush=True)  # fmt: skip
             except Exception as exc:  # one failed configuration must not hide the others
                 errors[impl] = str(exc)
-                reason = "failed (error in the JSON)"
-                print(f"  {label} FAILED:\n{exc}", file=sys.stderr, flush=True)
-        if result is not None and impl == "deepspeed":
+                reasons[impl] = "failed (error in the JSON)"
+                print(f"  {IMPLS[impl]} FAILED:\n{exc}", file=sys.stderr, flush=True)
+    rows = []
+    for impl in impls:
+        merged = common.merge_rounds(per_impl[impl]) if reasons[impl] is None else None
+        label = IMPLS[impl]
+        if merged is not None and impl == "deepspeed":
             label = f"DeepSpeed {common.environment()['deepspeed']} stage 0"
-        rows.append(common.Row(label, result, reason or "", is_peer=impl in PEERS))
+        rows.append(common.Row(label, merged, reasons[impl] or "", is_peer=impl in PEERS))
 
     params = next((r.result["params"] for r in rows if r.result), None)
     title = (
         f"Data parallel, GPT-2 {args.model} ({params:,} parameters), {args.nprocs} CPU processes x "
         f"{args.threads} threads, micro-batch {args.micro_batch} x {args.seq_len} tokens, fp32, "
         f"median of {args.steps} steps after {args.warmup} warm-up"
+        + (f", x {args.rounds} interleaved rounds" if args.rounds > 1 else "")
     )
     markdown = common.render_markdown(rows, rss_reference=IMPLS["ddp-fused"], title=title)
     print("\n" + markdown)

@@ -143,6 +143,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument(
+        "--rounds", type=int, default=1,
+        help="jobs per configuration, run in turn (A B C A B C ...); steps of all are pooled",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--persistence_threshold", type=int, default=100_000,
@@ -476,6 +480,7 @@ def suite_title(args: argparse.Namespace, suite: Suite, params: int | None) -> s
         f"{suite.title}, GPT-2 {args.model} ({shown} parameters), {args.nprocs} CPU processes x "
         f"{args.threads} threads, micro-batch {args.micro_batch} x {args.seq_len} tokens, fp32, "
         f"median of {args.steps} steps after {args.warmup} warm-up"
+        + (f", x {args.rounds} interleaved rounds" if args.rounds > 1 else "")
     )
 
 
@@ -619,13 +624,21 @@ def main() -> None:
     known = {i for s in SUITES.values() for i in s.impls}
     if wanted is not None and wanted - known:
         sys.exit(f"--impls: unknown {sorted(wanted - known)}; choose from {sorted(known)}")
-    done: dict[str, Any] = {}  # partita stage 0 runs once for both suites
+    runs: dict[str, list[dict[str, Any]]] = {}  # partita stage 0 runs once for both suites
     errors: dict[str, str] = {}
     for name in suites:
         impls = [i for i in SUITES[name].impls if wanted is None or i in wanted]
-        for impl in impls:
-            if impl not in done and available(impl) is None:
-                done[impl] = run_job(args, impl, args.nprocs, args.threads, errors)
+        todo = [i for i in impls if i not in runs and available(i) is None]
+        runs.update({i: [] for i in todo})
+        for _ in range(args.rounds):  # rounds interleave jobs: drift hits every row alike
+            for impl in todo:
+                if f"{impl}@{args.nprocs}" not in errors:
+                    result = run_job(args, impl, args.nprocs, args.threads, errors)
+                    runs[impl] += [result] if result is not None else []
+        done = {
+            i: common.merge_rounds(r) if r and f"{i}@{args.nprocs}" not in errors else None
+            for i, r in runs.items()
+        }
         report_suite(args, name, impls, done, errors)
     if errors:
         sys.exit(1)

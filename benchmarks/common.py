@@ -195,6 +195,20 @@ def launch_job(
         return json.loads(result_file.read_text())
 
 
+def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One result from several jobs of the same configuration (``--rounds``): the median over
+    every timed step of every job, the highest peak RSS per rank, the first job's losses (every
+    job trains the same steps) and the per-job medians, so drift between jobs stays visible."""
+    merged = dict(results[0])
+    steps = [t for r in results for t in r["step_times_s"]]
+    merged["step_times_s"] = steps
+    merged["median_step_s"] = statistics.median(steps)
+    merged["round_medians_s"] = [r["median_step_s"] for r in results]
+    per_rank = zip(*(r["peak_rss_mb"] for r in results), strict=True)
+    merged["peak_rss_mb"] = [max(ranks) for ranks in per_rank]
+    return merged
+
+
 def environment() -> dict[str, Any]:
     """Versions and host facts that belong next to any timing."""
     info: dict[str, Any] = {
