@@ -138,9 +138,9 @@ def worker(args: argparse.Namespace) -> None:
     else:
         step, extra = setup_engine(args.worker, model, args.micro_batch, stage=0)
     batches = common.corpus_batches(rank, world, args.micro_batch, args.seq_len)
-    times, losses = common.time_steps(step, batches, args.warmup, args.steps)
+    times, losses, faults = common.time_steps(step, batches, args.warmup, args.steps)
     extra["params"] = common.count_params(model)
-    result = common.collect_result(times, losses, baseline, extra)
+    result = common.collect_result(times, losses, baseline, extra, faults)
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
     common.exit_worker()
@@ -211,7 +211,9 @@ def main() -> None:
         f"median of {args.steps} steps after {args.warmup} warm-up"
         + (f", x {args.rounds} interleaved rounds" if args.rounds > 1 else "")
     )
-    markdown = common.render_markdown(rows, rss_reference=IMPLS["ddp-fused"], title=title)
+    markdown = common.render_markdown(
+        rows, rss_reference=IMPLS["ddp-fused"], title=title, extra_columns=[common.FAULTS_COLUMN]
+    )
     print("\n" + markdown)
     gaps = common.loss_gaps(rows, reference=IMPLS["ddp-fused"])
     for name, gap in gaps.items():

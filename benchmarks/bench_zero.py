@@ -320,11 +320,11 @@ def worker(args: argparse.Namespace) -> None:
     params = common.count_params(model)  # before stage 3 swaps the parameters for placeholders
     step, extra, engine = build_worker(args, model)
     batches = common.corpus_batches(rank, world, args.micro_batch, args.seq_len)
-    times, losses = common.time_steps(step, batches, args.warmup, args.steps)
+    times, losses, faults = common.time_steps(step, batches, args.warmup, args.steps)
     extra["params"] = params
     if engine is not None:
         extra["memory_report"] = all_ranks(engine.memory_report())
-    result = common.collect_result(times, losses, baseline, extra)
+    result = common.collect_result(times, losses, baseline, extra, faults)
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
     common.exit_worker()
@@ -506,7 +506,7 @@ def report_suite(
         rows, rss_reference=label(suite.reference), title=suite_title(args, suite, params),
         time_reference=label("partita-0" if "partita-0" in impls else suite.reference),
         extra_columns=[("partita model states per rank (MB)", show_model_states),
-                       ("step-1 loss", show_first_loss)],
+                       ("step-1 loss", show_first_loss), common.FAULTS_COLUMN],
     )  # fmt: skip
     note = stage3_note(results, args.persistence_threshold)
     markdown += f"\n{note}" if note else ""

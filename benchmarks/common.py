@@ -125,32 +125,46 @@ def time_steps(
     batches: Iterator[torch.Tensor],
     warmup: int,
     steps: int,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[int]]:
     """Run ``warmup`` untimed then ``steps`` timed training steps.
 
     Each timed step starts at a barrier, so a step's time on a rank includes waiting for the
-    slowest rank's gradients. Returns (seconds per timed step, loss of every step)."""
+    slowest rank's gradients. Returns (seconds per timed step, loss of every step, minor page
+    faults of this process in each timed step)."""
     times: list[float] = []
     losses: list[float] = []
+    faults: list[int] = []
     for i in range(warmup + steps):
         batch = next(batches)
         barrier()
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         loss = step(batch)
         elapsed = time.perf_counter() - start
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
         losses.append(float(loss.detach()))
         if i >= warmup:
             times.append(elapsed)
-    return times, losses
+            faults.append(faulted)
+    return times, losses, faults
 
 
 def collect_result(
-    times: list[float], losses: list[float], baseline_rss_mb: float, extra: dict[str, Any]
+    times: list[float],
+    losses: list[float],
+    baseline_rss_mb: float,
+    extra: dict[str, Any],
+    faults: list[int] | None = None,
 ) -> dict[str, Any] | None:
     """Gather every rank's timings and memory; rank 0 gets the job's result, others None.
 
     The step time of a step is the slowest rank's; the median over steps is the headline."""
-    mine = {"times": times, "peak_rss_mb": peak_rss_mb(), "baseline_rss_mb": baseline_rss_mb}
+    mine = {
+        "times": times,
+        "peak_rss_mb": peak_rss_mb(),
+        "baseline_rss_mb": baseline_rss_mb,
+        "faults": statistics.median(faults) if faults else None,
+    }
     ranks: list[Any] = [mine]
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()
@@ -163,6 +177,7 @@ def collect_result(
         "step_times_s": step_times,
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "baseline_rss_mb": [r["baseline_rss_mb"] for r in ranks],
+        "page_faults_per_step": [r["faults"] for r in ranks],
         "losses": losses,
         **extra,
     }
@@ -206,6 +221,9 @@ def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["round_medians_s"] = [r["median_step_s"] for r in results]
     per_rank = zip(*(r["peak_rss_mb"] for r in results), strict=True)
     merged["peak_rss_mb"] = [max(ranks) for ranks in per_rank]
+    if all(r.get("page_faults_per_step") for r in results):
+        per_rank_faults = zip(*(r["page_faults_per_step"] for r in results), strict=True)
+        merged["page_faults_per_step"] = [statistics.median(f) for f in per_rank_faults]
     return merged
 
 
@@ -238,6 +256,17 @@ class Row:
 
 # An extra table column: its header and how a finished row's result dict is shown in it.
 Column = tuple[str, Callable[[dict[str, Any]], str]]
+
+
+def show_faults(result: dict[str, Any]) -> str:
+    """Table cell: median minor page faults per timed step, per rank, in thousands."""
+    faults = result.get("page_faults_per_step") or []
+    if not faults or any(f is None for f in faults):
+        return "-"
+    return " / ".join(f"{f / 1000:.0f}k" for f in faults)
+
+
+FAULTS_COLUMN: Column = ("page faults per step", show_faults)
 
 
 def render_markdown(

@@ -4,8 +4,8 @@ Training on the host allocates and frees the same large buffers every step; with
 of them is a fresh mapping that page-faults and is zeroed again. The cache (a ``c10``
 allocator installed as torch's CPU allocator) keeps freed blocks of 1 MiB and more and serves
 requests of nearly the same size from them; idle blocks are unmapped (most recently freed
-first) before a new mapping would take the total past `HEADROOM` above the peak of live bytes
-(see the C++ file's header).
+first) before a new mapping would take the total past `HEADROOM` above the peak of the bytes
+tensors asked for (see the C++ file's header).
 
 The C++ file is compiled on first use with the system C++ compiler against torch's headers
 (well under a second: it includes only ``c10`` headers) into ``$PARTITA_CACHE_DIR`` (default
@@ -42,11 +42,13 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "host_cache.cpp"
 MIN_BYTES = 1 << 20
 """Blocks at least this large go through the cache; smaller ones stay with glibc's heap."""
-HEADROOM = 0.1
-"""Idle blocks are kept while the mapped total stays within (1 + HEADROOM) x the peak of live
-bytes (``PARTITA_HOST_CACHE_HEADROOM`` overrides). Measured on 2 CPU ranks training a
-23M-parameter GPT-2 (stage 0): 0 keeps the mapped total at the live peak but re-faults 145k
-pages per step (glibc: 190k); 0.1 re-faults 49k for 60 MB more RSS; no limit, 2k for 140 MB."""
+HEADROOM = 0.05
+"""Idle blocks are kept while the mapped total stays within (1 + HEADROOM) x the peak of the
+bytes tensors asked for (``PARTITA_HOST_CACHE_HEADROOM`` overrides). Measured on 2 CPU ranks
+training a 23M-parameter GPT-2, page faults per step and peak RSS of rank 0: glibc with a fixed
+1 MB mmap threshold 190k, 1263 MB; glibc's defaults (DDP) 138k, 1374-1403 MB; the cache with
+0.05: 70k, 1300 MB (stage 3: 81k, 1322 MB); with 0.1: 49k, 1335 MB (stage 3: 55k, 1355 MB);
+without a limit: 2k, 1408 MB."""
 
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None
@@ -54,8 +56,9 @@ _why_not: str | None = None
 
 @dataclass(frozen=True)
 class HostCacheStats:
-    """What the cache holds: bytes in tensors, idle bytes kept for reuse, the peak of both,
-    requests served from the cache or by a new mapping, and bytes unmapped so far."""
+    """What the cache holds: mapped bytes of blocks in use, idle bytes kept for reuse, the
+    peak of both, requests served from the cache or by a new mapping, bytes unmapped so far,
+    and the bytes tensors asked for (now and at the peak: the limit's base)."""
 
     live_bytes: int
     idle_bytes: int
@@ -63,6 +66,8 @@ class HostCacheStats:
     hits: int
     misses: int
     released_bytes: int
+    requested_bytes: int
+    peak_requested_bytes: int
 
 
 def _cache_dir() -> Path:
@@ -148,7 +153,7 @@ def host_cache_stats() -> HostCacheStats | None:
     """The cache's counters (None when it is not installed)."""
     if _lib is None:
         return None
-    out = (ctypes.c_uint64 * 6)()
+    out = (ctypes.c_uint64 * 8)()
     _lib.partita_host_cache_stats(out)
     return HostCacheStats(*(int(v) for v in out))
 

@@ -9,9 +9,12 @@
 // what a repeating training step asks for.
 //
 // Bound: a request that no idle block fits maps a new block, but first unmaps idle blocks
-// while the mapped total would pass (1 + headroom) x the peak of live bytes. Victims are the
-// most recently freed blocks: in a repeating step those are needed again last. headroom 0 keeps
-// the mapped total at the live peak (plus page rounding and the reuse slack of 1/8).
+// while the mapped total would pass (1 + headroom) x the peak of requested bytes (what tensors
+// asked for, before rounding). Victims are the most recently freed blocks: in a repeating step
+// those are needed again last. headroom 0 keeps the mapped total at the peak of live
+// requests (plus page rounding and the reuse slack of 1/8). Also tried: letting a block up to
+// twice the request serve it near the limit; the mapped total then exceeded the bound by the
+// unused halves (a ZeRO-3 run: +45 MB RSS), so blocks serve only requests of about their size.
 //
 // Blocks below `min_bytes` go to the allocator that was installed before (torch's default).
 // Built and loaded by partita/host_cache.py; the C entry points below are its ctypes interface.
@@ -23,6 +26,7 @@
 #include <pthread.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -35,11 +39,17 @@ constexpr size_t kPage = 4096;
 
 size_t round_to_page(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 
+struct Block {
+  size_t size;       // mapped bytes
+  size_t requested;  // bytes asked for by the tensor using it (0 while idle)
+};
+
 struct Stats {
-  uint64_t live_bytes = 0;    // handed out and not yet freed
-  uint64_t idle_bytes = 0;    // mapped, cached for reuse
-  uint64_t peak_mapped = 0;   // max of live + idle
-  uint64_t peak_live = 0;     // max of live
+  uint64_t live_bytes = 0;       // mapped bytes of blocks in use
+  uint64_t idle_bytes = 0;       // mapped, cached for reuse
+  uint64_t peak_mapped = 0;      // max of live + idle
+  uint64_t requested_bytes = 0;  // bytes asked for by the blocks in use (<= live_bytes)
+  uint64_t peak_requested = 0;   // max of requested_bytes
   uint64_t hits = 0;          // requests served from the cache
   uint64_t misses = 0;        // requests that mapped a new block
   uint64_t released = 0;      // bytes unmapped to make room or on empty_cache
@@ -99,26 +109,21 @@ class HostCache final : public c10::Allocator {
 
   void* take(size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
+    stats_.requested_bytes += size;
+    if (stats_.requested_bytes > stats_.peak_requested) {
+      stats_.peak_requested = stats_.requested_bytes;
+    }
+    const double limit = static_cast<double>(stats_.peak_requested) * (1.0 + headroom_);
     // Reuse the smallest idle block that is at least `size` and at most 1/8 larger.
     auto it = idle_.lower_bound(size);
     if (it != idle_.end() && it->first <= size + size / 8) {
-      void* p = it->second.first;
-      size_t got = it->first;
-      recent_.erase(it->second.second);
-      idle_.erase(it);
-      stats_.idle_bytes -= got;
-      stats_.live_bytes += got;
       stats_.hits += 1;
-      return p;
+      return hand_out(it, size);
     }
-    // Miss: return idle memory to the OS while mapping `size` more would pass the limit.
-    uint64_t live_after = stats_.live_bytes + size;
-    if (live_after > stats_.peak_live) {
-      stats_.peak_live = live_after;
-    }
-    const double limit = static_cast<double>(stats_.peak_live) * (1.0 + headroom_);
+    // Miss: unmap idle blocks, most recently freed first, while mapping `size` more would
+    // pass the limit.
     while (!idle_.empty() &&
-           static_cast<double>(live_after + stats_.idle_bytes) > limit) {
+           static_cast<double>(stats_.live_bytes + stats_.idle_bytes + size) > limit) {
       release_one(recent_.rbegin()->second);
     }
     void* p = map(size);
@@ -129,36 +134,46 @@ class HostCache final : public c10::Allocator {
       p = map(size);
     }
     if (p == nullptr) {
+      stats_.requested_bytes -= size;
       TORCH_CHECK_WITH(OutOfMemoryError, false, "partita host cache: could not map ", size,
                        " bytes (", stats_.live_bytes, " bytes in use)");
     }
-    sizes_[p] = size;
+    blocks_[p] = Block{size, size};
     stats_.live_bytes += size;
     stats_.misses += 1;
-    uint64_t mapped = stats_.live_bytes + stats_.idle_bytes;
-    if (mapped > stats_.peak_mapped) {
-      stats_.peak_mapped = mapped;
-    }
+    stats_.peak_mapped = std::max(stats_.peak_mapped, stats_.live_bytes + stats_.idle_bytes);
+    return p;
+  }
+
+  void* hand_out(IdleMap::iterator it, size_t requested) {
+    void* p = it->second.first;
+    size_t size = it->first;
+    recent_.erase(it->second.second);
+    idle_.erase(it);
+    blocks_[p].requested = requested;
+    stats_.idle_bytes -= size;
+    stats_.live_bytes += size;
     return p;
   }
 
   bool give_back(void* p) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sizes_.find(p);
-    if (it == sizes_.end()) {
+    auto it = blocks_.find(p);
+    if (it == blocks_.end()) {
       return false;
     }
     uint64_t seq = ++freed_seq_;
-    recent_.emplace(seq, idle_.emplace(it->second, std::make_pair(p, seq)));
-    stats_.live_bytes -= it->second;
-    stats_.idle_bytes += it->second;
+    recent_.emplace(seq, idle_.emplace(it->second.size, std::make_pair(p, seq)));
+    stats_.live_bytes -= it->second.size;
+    stats_.requested_bytes -= it->second.requested;
+    stats_.idle_bytes += it->second.size;
     return true;
   }
 
   uint64_t release_one(IdleMap::iterator it) {
     size_t size = it->first;
     munmap(it->second.first, size);
-    sizes_.erase(it->second.first);
+    blocks_.erase(it->second.first);
     recent_.erase(it->second.second);
     idle_.erase(it);
     stats_.idle_bytes -= size;
@@ -179,7 +194,7 @@ class HostCache final : public c10::Allocator {
   IdleMap idle_;                            // size -> (idle block, when it was freed)
   std::map<uint64_t, IdleMap::iterator> recent_;  // when freed -> entry of idle_
   uint64_t freed_seq_ = 0;
-  std::unordered_map<void*, size_t> sizes_; // every mapped block (live or idle) -> size
+  std::unordered_map<void*, Block> blocks_;  // every mapped block, live or idle
   Stats stats_;
 };
 
@@ -205,7 +220,7 @@ int partita_host_cache_install(uint64_t min_bytes, double headroom) {
   return 1;
 }
 
-// live, idle, peak mapped, hits, misses, released (bytes or counts), into out[0..5].
+// live, idle, peak mapped, hits, misses, released, requested, peak requested, into out[0..7].
 void partita_host_cache_stats(uint64_t* out) {
   Stats s = HostCache::instance ? HostCache::instance->stats() : Stats{};
   out[0] = s.live_bytes;
@@ -214,6 +229,8 @@ void partita_host_cache_stats(uint64_t* out) {
   out[3] = s.hits;
   out[4] = s.misses;
   out[5] = s.released;
+  out[6] = s.requested_bytes;
+  out[7] = s.peak_requested;
 }
 
 void partita_host_cache_empty() {
