@@ -174,16 +174,24 @@ def swap_markdown(res: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- (b) CPU Adam
 
 
-def _time(step: Callable[[], None], repeats: int) -> tuple[float, float]:
-    """(fastest, median) seconds of ``repeats`` steps after one warm-up step. On a busy machine
-    the fastest step is the least disturbed estimate of what the kernel can do."""
-    step()  # warm-up: state allocation, kernel selection
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _time_interleaved(
+    steps: dict[str, Callable[[], None]], repeats: int
+) -> dict[str, tuple[float, float]]:
+    """(fastest, median) seconds per implementation of ``repeats`` rounds; each round times one
+    step of every implementation, in an order rotated every round, so drift of the machine and
+    the position in a round hit all alike. One untimed warm-up step each first (state
+    allocation, kernel selection)."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_no in range(repeats):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def _torch_adamw(
@@ -220,7 +228,7 @@ def _deepspeed(n: int) -> Callable[[], None]:
 def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
     """Part (b): parameters/s of each implementation at each size."""
     impls: dict[str, Callable[[int], Callable[[], None]]] = {
-        "partita cpu_adam_step (torch fused)": _partita,
+        "partita cpu_adam_step (torch fused kernel, direct)": _partita,
         "torch AdamW fused": lambda n: _torch_adamw(n, fused=True),
         "torch AdamW foreach": lambda n: _torch_adamw(n, foreach=True),
         "torch AdamW for-loop": lambda n: _torch_adamw(n, foreach=False),
@@ -235,8 +243,8 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
     best: dict[str, dict[str, float]] = {name: {} for name in impls}
     median: dict[str, dict[str, float]] = {name: {} for name in impls}
     for n in args.adam_sizes:
-        for name, make in impls.items():
-            fastest, typical = _time(make(n), args.repeats)
+        timed = _time_interleaved({name: make(n) for name, make in impls.items()}, args.repeats)
+        for name, (fastest, typical) in timed.items():
             best[name][str(n)], median[name][str(n)] = n / fastest, n / typical
     return {
         "sizes": args.adam_sizes,
@@ -255,7 +263,8 @@ def adam_markdown(res: dict[str, Any]) -> str:
     best = {s: max(rows[name][s] for name in rows) for s in sizes}
     head = " | ".join(f"{int(s) / 1e6:g}M" for s in sizes)
     lines = [
-        f"### CPU AdamW step throughput (M params/s of the fastest of {res['repeats']} steps, "
+        f"### CPU AdamW step throughput (M params/s of the fastest of {res['repeats']} interleaved "
+        "steps, "
         f"median in brackets; {res['threads']} threads, flat fp32)",
         "",
         f"| implementation | {head} |",

@@ -91,10 +91,19 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         source + f"|{torch.__version__}|{compiler}|{abi}|{sys.platform}".encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"host_cache-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"host_cache-{key}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"partita-{os.getuid()}"):
+        if (folder / name).exists():
+            return folder / name
+        try:  # a read-only home falls back to the temporary folder
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable folder to build {name} in")
+    target = folder / name
     # Several ranks may build at once: each writes its own file and renames it into place.
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
