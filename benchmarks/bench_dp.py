@@ -161,21 +161,11 @@ def available(impl: str) -> str | None:
     return None if found else f"not installed (`import {module}` fails)"
 
 
-def main() -> None:
-    """Run every requested configuration, print the table, save markdown and JSON."""
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        sys.exit(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
-    shared = [
-        "--model", args.model, "--threads", str(args.threads), "--micro_batch", str(args.micro_batch),
-        "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
-        "--seed", str(args.seed),
-    ]  # fmt: skip
+def run_rounds(
+    args: argparse.Namespace, impls: list[str], shared: list[str]
+) -> tuple[list[common.Row], dict[str, str]]:
+    """Every configuration's ``--rounds`` jobs, interleaved; one table row per configuration
+    (its jobs merged) and the error text of any that failed."""
     per_impl: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
     errors: dict[str, str] = {}
     reasons = {impl: available(impl) for impl in impls}
@@ -203,6 +193,25 @@ def main() -> None:
         if merged is not None and impl == "deepspeed":
             label = f"DeepSpeed {common.environment()['deepspeed']} stage 0"
         rows.append(common.Row(label, merged, reasons[impl] or "", is_peer=impl in PEERS))
+    return rows, errors
+
+
+def main() -> None:
+    """Run every requested configuration, print the table, save markdown and JSON."""
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    unknown = sorted(set(impls) - set(IMPLS))
+    if unknown:
+        sys.exit(f"--impls: unknown {unknown}; choose from {list(IMPLS)}")
+    shared = [
+        "--model", args.model, "--threads", str(args.threads), "--micro_batch", str(args.micro_batch),
+        "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
+        "--seed", str(args.seed),
+    ]  # fmt: skip
+    rows, errors = run_rounds(args, impls, shared)
 
     params = next((r.result["params"] for r in rows if r.result), None)
     title = (
