@@ -161,39 +161,36 @@ def available(impl: str) -> str | None:
     return None if found else f"not installed (`import {module}` fails)"
 
 
-def run_rounds(
-    args: argparse.Namespace, impls: list[str], shared: list[str]
-) -> tuple[list[common.Row], dict[str, str]]:
-    """Every configuration's ``--rounds`` jobs, interleaved; one table row per configuration
-    (its jobs merged) and the error text of any that failed."""
-    per_impl: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
-    errors: dict[str, str] = {}
-    reasons = {impl: available(impl) for impl in impls}
-    for round_no in range(args.rounds):  # rounds interleave jobs: drift hits every row alike
-        for impl in impls:
-            if reasons[impl] is not None:
-                continue
-            print(f"running {IMPLS[impl]} (round {round_no + 1}/{args.rounds}) ...", flush=True)
-            try:
-                result = common.launch_job(
-                    Path(__file__).resolve(), ["--worker", impl, *shared], args.nprocs,
-                    args.threads, args.job_timeout,
-                )  # fmt: skip
-                per_impl[impl].append(result)
-                print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, "
-                      f"peak RSS {result['peak_rss_mb']} MB", flush=True)  # fmt: skip
-            except Exception as exc:  # one failed configuration must not hide the others
-                errors[impl] = str(exc)
-                reasons[impl] = "failed (error in the JSON)"
-                print(f"  {IMPLS[impl]} FAILED:\n{exc}", file=sys.stderr, flush=True)
+def run_job(
+    args: argparse.Namespace, impl: str, shared: list[str], errors: dict[str, str]
+) -> dict[str, Any] | None:
+    """One configuration's job; None (and the error in ``errors``) when it failed."""
+    print(f"running {IMPLS[impl]} ...", flush=True)
+    try:
+        result = common.launch_job(
+            Path(__file__).resolve(), ["--worker", impl, *shared], args.nprocs, args.threads,
+            args.job_timeout,
+        )  # fmt: skip
+    except Exception as exc:  # one failed configuration must not hide the others
+        errors[impl] = str(exc)
+        print(f"  {IMPLS[impl]} FAILED:\n{exc}", file=sys.stderr, flush=True)
+        return None
+    print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, "
+          f"peak RSS {result['peak_rss_mb']} MB", flush=True)  # fmt: skip
+    return result
+
+
+def table_rows(impls: list[str], runs: dict[str, list[dict[str, Any]]]) -> list[common.Row]:
+    """One row per configuration: its jobs merged, or why it has none."""
     rows = []
     for impl in impls:
-        merged = common.merge_rounds(per_impl[impl]) if reasons[impl] is None else None
+        merged = common.merge_rounds(runs[impl]) if runs.get(impl) else None
+        reason = available(impl) or ("failed (error in the JSON)" if merged is None else "")
         label = IMPLS[impl]
         if merged is not None and impl == "deepspeed":
             label = f"DeepSpeed {common.environment()['deepspeed']} stage 0"
-        rows.append(common.Row(label, merged, reasons[impl] or "", is_peer=impl in PEERS))
-    return rows, errors
+        rows.append(common.Row(label, merged, reason, is_peer=impl in PEERS))
+    return rows
 
 
 def main() -> None:
@@ -211,7 +208,12 @@ def main() -> None:
         "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--seed", str(args.seed),
     ]  # fmt: skip
-    rows, errors = run_rounds(args, impls, shared)
+    errors: dict[str, str] = {}
+    runnable = [impl for impl in impls if available(impl) is None]
+    runs = common.run_rounds(
+        runnable, args.rounds, lambda impl: run_job(args, impl, shared, errors)
+    )
+    rows = table_rows(impls, runs)
 
     params = next((r.result["params"] for r in rows if r.result), None)
     title = (

@@ -629,16 +629,12 @@ def main() -> None:
     for name in suites:
         impls = [i for i in SUITES[name].impls if wanted is None or i in wanted]
         todo = [i for i in impls if i not in runs and available(i) is None]
-        runs.update({i: [] for i in todo})
-        for _ in range(args.rounds):  # rounds interleave jobs: drift hits every row alike
-            for impl in todo:
-                if f"{impl}@{args.nprocs}" not in errors:
-                    result = run_job(args, impl, args.nprocs, args.threads, errors)
-                    runs[impl] += [result] if result is not None else []
-        done = {
-            i: common.merge_rounds(r) if r and f"{i}@{args.nprocs}" not in errors else None
-            for i, r in runs.items()
-        }
+        runs.update(
+            common.run_rounds(
+                todo, args.rounds, lambda i: run_job(args, i, args.nprocs, args.threads, errors)
+            )
+        )
+        done = {i: common.merge_rounds(r) if r else None for i, r in runs.items()}
         report_suite(args, name, impls, done, errors)
     if errors:
         sys.exit(1)

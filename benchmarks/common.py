@@ -210,6 +210,28 @@ def launch_job(
         return json.loads(result_file.read_text())
 
 
+def run_rounds(
+    impls: Sequence[str], rounds: int, run_one: Callable[[str], dict[str, Any] | None]
+) -> dict[str, list[dict[str, Any]]]:
+    """Each configuration's ``rounds`` jobs, interleaved (A B C A B C ...) so that drift of the
+    machine hits every configuration alike; ``run_one`` runs one job and returns its result, or
+    None when it failed, after which that configuration is not run again. Returns the results
+    of each configuration's jobs (empty when its first job failed); merge them with
+    `merge_rounds`."""
+    runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in impls}
+    failed: set[str] = set()
+    for _ in range(rounds):
+        for impl in impls:
+            if impl in failed:
+                continue
+            result = run_one(impl)
+            if result is None:
+                failed.add(impl)
+            else:
+                runs[impl].append(result)
+    return {impl: ([] if impl in failed else r) for impl, r in runs.items()}
+
+
 def merge_rounds(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One result from several jobs of the same configuration (``--rounds``): the median over
     every timed step of every job, the highest peak RSS per rank, the first job's losses (every

@@ -9,9 +9,10 @@ tensors asked for (see the C++ file's header).
 
 The C++ file is compiled on first use with the system C++ compiler against torch's headers
 (well under a second: it includes only ``c10`` headers) into ``$PARTITA_CACHE_DIR`` (default
-``~/.cache/partita``), keyed by a hash of the source, torch's version and the compiler, so
-later processes load it at once. Without a compiler, or with ``PARTITA_HOST_CACHE=0``, nothing
-is installed and `install` says why; callers then keep glibc's allocator.
+``~/.cache/partita``; the temporary folder when that is not writable), keyed by a hash of the
+source, torch's version, the compiler and the C++ ABI, so later processes load it at once.
+Without a compiler, or with ``PARTITA_HOST_CACHE=0``, nothing is installed and `why_not` says
+why; callers then keep glibc's allocator.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
-#include <new>
 #include <unordered_map>
 
 namespace {
@@ -41,18 +40,18 @@ size_t round_to_page(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 
 struct Block {
   size_t size;       // mapped bytes
-  size_t requested;  // bytes asked for by the tensor using it (0 while idle)
+  size_t requested;  // bytes the tensor using it asked for (0 while idle)
 };
 
 struct Stats {
   uint64_t live_bytes = 0;       // mapped bytes of blocks in use
   uint64_t idle_bytes = 0;       // mapped, cached for reuse
   uint64_t peak_mapped = 0;      // max of live + idle
-  uint64_t requested_bytes = 0;  // bytes asked for by the blocks in use (<= live_bytes)
+  uint64_t requested_bytes = 0;  // bytes asked for by the tensors using blocks (<= live)
   uint64_t peak_requested = 0;   // max of requested_bytes
-  uint64_t hits = 0;          // requests served from the cache
-  uint64_t misses = 0;        // requests that mapped a new block
-  uint64_t released = 0;      // bytes unmapped to make room or on empty_cache
+  uint64_t hits = 0;             // requests served from the cache
+  uint64_t misses = 0;           // requests that mapped a new block
+  uint64_t released = 0;         // bytes unmapped to make room or on empty_cache
 };
 
 // Idle blocks by size; each remembers when it was freed.
@@ -70,7 +69,7 @@ class HostCache final : public c10::Allocator {
     if (n < min_bytes_) {
       return fallback_->allocate(n);
     }
-    void* p = take(round_to_page(n));
+    void* p = take(round_to_page(n), n);
     return {p, p, &HostCache::free_block, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -107,9 +106,10 @@ class HostCache final : public c10::Allocator {
     }
   }
 
-  void* take(size_t size) {
+  // `size`: page-rounded bytes to hand out; `requested`: what the tensor asked for.
+  void* take(size_t size, size_t requested) {
     std::lock_guard<std::mutex> lock(mu_);
-    stats_.requested_bytes += size;
+    stats_.requested_bytes += requested;
     if (stats_.requested_bytes > stats_.peak_requested) {
       stats_.peak_requested = stats_.requested_bytes;
     }
@@ -118,7 +118,7 @@ class HostCache final : public c10::Allocator {
     auto it = idle_.lower_bound(size);
     if (it != idle_.end() && it->first <= size + size / 8) {
       stats_.hits += 1;
-      return hand_out(it, size);
+      return hand_out(it, requested);
     }
     // Miss: unmap idle blocks, most recently freed first, while mapping `size` more would
     // pass the limit.
@@ -134,11 +134,11 @@ class HostCache final : public c10::Allocator {
       p = map(size);
     }
     if (p == nullptr) {
-      stats_.requested_bytes -= size;
+      stats_.requested_bytes -= requested;
       TORCH_CHECK_WITH(OutOfMemoryError, false, "partita host cache: could not map ", size,
                        " bytes (", stats_.live_bytes, " bytes in use)");
     }
-    blocks_[p] = Block{size, size};
+    blocks_[p] = Block{size, requested};
     stats_.live_bytes += size;
     stats_.misses += 1;
     stats_.peak_mapped = std::max(stats_.peak_mapped, stats_.live_bytes + stats_.idle_bytes);
@@ -167,10 +167,11 @@ class HostCache final : public c10::Allocator {
     stats_.live_bytes -= it->second.size;
     stats_.requested_bytes -= it->second.requested;
     stats_.idle_bytes += it->second.size;
+    it->second.requested = 0;
     return true;
   }
 
-  uint64_t release_one(IdleMap::iterator it) {
+  void release_one(IdleMap::iterator it) {
     size_t size = it->first;
     munmap(it->second.first, size);
     blocks_.erase(it->second.first);
@@ -178,7 +179,6 @@ class HostCache final : public c10::Allocator {
     idle_.erase(it);
     stats_.idle_bytes -= size;
     stats_.released += size;
-    return size;
   }
 
   static void* map(size_t size) {
@@ -191,10 +191,10 @@ class HostCache final : public c10::Allocator {
   size_t min_bytes_;
   double headroom_;
   std::mutex mu_;
-  IdleMap idle_;                            // size -> (idle block, when it was freed)
+  IdleMap idle_;                                  // size -> (idle block, when it was freed)
   std::map<uint64_t, IdleMap::iterator> recent_;  // when freed -> entry of idle_
   uint64_t freed_seq_ = 0;
-  std::unordered_map<void*, Block> blocks_;  // every mapped block, live or idle
+  std::unordered_map<void*, Block> blocks_;       // every mapped block, live or idle
   Stats stats_;
 };
 
@@ -214,7 +214,8 @@ int partita_host_cache_install(uint64_t min_bytes, double headroom) {
     return 0;
   }
   // Never destroyed: tensors may be freed during interpreter teardown.
-  HostCache::instance = new HostCache(c10::GetCPUAllocator(), static_cast<size_t>(min_bytes), headroom);
+  HostCache::instance =
+      new HostCache(c10::GetCPUAllocator(), static_cast<size_t>(min_bytes), headroom);
   pthread_atfork(&before_fork, &after_fork, &after_fork);
   c10::SetCPUAllocator(HostCache::instance, /*priority=*/1);
   return 1;
