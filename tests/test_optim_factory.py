@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from partita.optim import OptimizerConfigError, build_optimizer, fused_supported
+from partita.optim import CPUAdam, CPUAdamW, OptimizerConfigError, build_optimizer, fused_supported
 
 
 def _params(n: int = 2) -> list[torch.nn.Parameter]:
@@ -21,7 +21,8 @@ def _params(n: int = 2) -> list[torch.nn.Parameter]:
 
 def test_adam_is_decoupled_by_default_with_fused_adam_defaults() -> None:
     opt = build_optimizer("Adam", {"lr": 2e-3}, _params())
-    assert type(opt) is torch.optim.AdamW  # adam_w_mode defaults to true
+    # adam_w_mode defaults to true; fp32 CPU params get torch's fused AdamW on partita's kernel.
+    assert type(opt) is CPUAdamW and isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
     assert group["weight_decay"] == 0.0  # FusedAdam's default, not AdamW's 0.01
     assert group["betas"] == (0.9, 0.999)
@@ -32,12 +33,17 @@ def test_adam_is_decoupled_by_default_with_fused_adam_defaults() -> None:
 
 def test_adam_w_mode_false_is_coupled_adam() -> None:
     opt = build_optimizer("adam", {"adam_w_mode": False, "weight_decay": 0.1}, _params())
-    assert type(opt) is torch.optim.Adam
+    assert type(opt) is CPUAdam
     assert opt.param_groups[0]["weight_decay"] == 0.1
     assert opt.param_groups[0]["decoupled_weight_decay"] is False
     # The name AdamW forces decoupled decay whatever adam_w_mode says.
     opt = build_optimizer("AdamW", {"adam_w_mode": False}, _params())
-    assert type(opt) is torch.optim.AdamW
+    assert type(opt) is CPUAdamW
+    # Not all fp32 (or not fused): torch's own classes.
+    opt = build_optimizer("AdamW", {}, [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["fused"] is True
+    opt = build_optimizer("Adam", {"adam_w_mode": False, "fused": False}, _params())
+    assert type(opt) is torch.optim.Adam
 
 
 def test_torch_adam_uses_torch_defaults() -> None:
@@ -58,7 +64,7 @@ def test_fused_can_be_overridden_and_json_lists_become_tuples() -> None:
     assert opt.param_groups[0]["foreach"] is True
     # FusedAdam-only keys are accepted: bias_correction (true only), set_grad_none.
     opt = build_optimizer("Adam", {"bias_correction": True, "set_grad_none": False}, _params())
-    assert type(opt) is torch.optim.AdamW
+    assert type(opt) is CPUAdamW
 
 
 def test_fused_supported() -> None:

@@ -7,28 +7,21 @@ requests of nearly the same size from them; idle blocks are unmapped (most recen
 first) before a new mapping would take the total past `HEADROOM` above the peak of the bytes
 tensors asked for (see the C++ file's header).
 
-The C++ file is compiled on first use with the system C++ compiler against torch's headers
-(well under a second: it includes only ``c10`` headers) into ``$PARTITA_CACHE_DIR`` (default
-``~/.cache/partita``; the temporary folder when that is not writable), keyed by a hash of the
-source, torch's version, the compiler and the C++ ABI, so later processes load it at once.
-Without a compiler, or with ``PARTITA_HOST_CACHE=0``, nothing is installed and `why_not` says
+The C++ file is compiled on first use against torch's ``c10`` headers by `partita.native`
+(about a second; cached, see there). Without a compiler, or with ``PARTITA_HOST_CACHE=0``, nothing is installed and `why_not` says
 why; callers then keep glibc's allocator.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
+from partita import native
 
 __all__ = [
     "HostCacheStats",
@@ -40,7 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "host_cache.cpp"
+_SOURCE = native.CSRC / "host_cache.cpp"
 MIN_BYTES = 1 << 20
 """Blocks at least this large go through the cache; smaller ones stay with glibc's heap."""
 HEADROOM = 0.05
@@ -71,59 +64,6 @@ class HostCacheStats:
     peak_requested_bytes: int
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PARTITA_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "partita"
-    )
-    return Path(root)
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build(compiler: str) -> Path:
-    torch_dir = Path(torch.__file__).resolve().parent
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        source + f"|{torch.__version__}|{compiler}|{abi}|{sys.platform}".encode()
-    ).hexdigest()[:16]
-    name = f"host_cache-{key}.so"
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"partita-{os.getuid()}"):
-        if (folder / name).exists():
-            return folder / name
-        try:  # a read-only home falls back to the temporary folder
-            folder.mkdir(parents=True, exist_ok=True)
-            if os.access(folder, os.W_OK):
-                break
-        except OSError:
-            continue
-    else:
-        raise RuntimeError(f"no writable folder to build {name} in")
-    target = folder / name
-    # Several ranks may build at once: each writes its own file and renames it into place.
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    cmd = [
-        compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        f"-I{torch_dir / 'include'}", str(_SOURCE), f"-L{torch_dir / 'lib'}", "-lc10",
-        f"-Wl,-rpath,{torch_dir / 'lib'}", "-o", tmp,
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def install_host_cache() -> bool:
     """Installs the cache as torch's CPU allocator for this process (idempotent). Returns
     whether it is installed; when not, `why_not` says why."""
@@ -136,11 +76,11 @@ def install_host_cache() -> bool:
         _why_not = "disabled by PARTITA_HOST_CACHE=0"
     elif not sys.platform.startswith("linux"):
         _why_not = f"not built on {sys.platform}"
-    elif (compiler := _compiler()) is None:
+    elif (cxx := native.compiler()) is None:
         _why_not = "no C++ compiler found (set CXX)"
     else:
         try:
-            lib = ctypes.CDLL(str(_build(compiler)))
+            lib = ctypes.CDLL(str(native.build_library(_SOURCE, cxx, link_c10=True)))
             lib.partita_host_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_double]
             lib.partita_host_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             headroom = float(os.environ.get("PARTITA_HOST_CACHE_HEADROOM", str(HEADROOM)))

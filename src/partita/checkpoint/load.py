@@ -28,6 +28,7 @@ from partita.checkpoint.state import (
     set_module_value,
     set_rng_state,
 )
+from partita.optim.cpu_adam import torch_class_name
 
 logger = logging.getLogger("partita")
 T = TypeVar("T")
@@ -147,7 +148,7 @@ def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -
 
 def _check_optimizer(engine: Any, meta: dict[str, Any]) -> None:
     saved = meta.get("optimizer")
-    here = type(engine.optimizer).__name__
+    here = torch_class_name(engine.optimizer)
     if saved is not None and saved != here:
         raise CheckpointError(
             f"optimizer state was saved from {saved}, this engine's optimizer is {here}; "

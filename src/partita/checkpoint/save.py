@@ -46,6 +46,7 @@ from partita.checkpoint.state import (
     to_plain,
 )
 from partita.checkpoint.stfile import CHECKSUM, write_safetensors
+from partita.optim.cpu_adam import torch_class_name
 
 logger = logging.getLogger("partita")
 SHARD_PATTERN = re.compile(r"^rank\d{5}-of-\d{5}\.safetensors$")
@@ -247,7 +248,7 @@ def _manifest(
         "flattened parameter it holds, concatenated in order; padding is never stored",
         "checksum": CHECKSUM,
         "tensors": _tensor_table(engine, exclude_frozen),
-        "optimizer": type(engine.optimizer).__name__,
+        "optimizer": torch_class_name(engine.optimizer),
         "optimizer_state_keys": engine.strategy.optimizer_state_keys(),
         "scalar_state_keys": sorted({k for r in reports for k in r["scalar_keys"]}),
         "optimizer_param_groups": optimizer_groups(engine.optimizer),

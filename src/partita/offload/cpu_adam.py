@@ -1,18 +1,20 @@
-"""The CPU Adam/AdamW step of offloaded optimizer state: torch's fused CPU kernel.
+"""The CPU Adam/AdamW step of offloaded optimizer state.
 
-Measured on this project's 2-core CPU host (benchmarks/bench_offload.py; torch 2.13, flat fp32
-tensors of 1M-50M elements): ``torch.optim.AdamW(fused=True)`` updates ~1e9 parameters/s at 10M+
-elements, about 10x the foreach and per-tensor implementations, and DeepSpeed's
-``DeepSpeedCPUAdam`` is compared in the same benchmark: with one division per element instead
-of two it is 1.12-1.17x faster at 10M+ elements there. `cpu_adam_step` still calls torch's fused
-kernel (directly, without torch.optim's per-call bookkeeping), because that keeps an offloaded
-step bitwise equal to the in-memory ``torch.optim.AdamW(fused=True)`` step of the same run; an
-own kernel would have to replace torch's in every CPU path to keep that.
+`cpu_adam_step` runs partita's CPU kernel (`partita.optim.adam_kernel`: bitwise the update of
+torch's fused kernel, with one division per element instead of two) on fp32 tensors, and
+torch's fused kernel itself otherwise (other dtypes, amsgrad, maximize, a gradient scale, or
+the kernel unavailable: see ``adam_kernel.why_not()``). Either way an offloaded step is
+bitwise equal to the in-memory ``torch.optim.AdamW(fused=True)`` step of the same run.
+`make_cpu_adam` returns the optimizer object the engine builds for fp32 CPU masters
+(`partita.optim.CPUAdamW`/`CPUAdam`). Throughput against torch's and DeepSpeed's CPU Adam:
+benchmarks/bench_offload.py.
 
 Why a functional step and not an optimizer object: with sub-groups (``sub_group_size``) and NVMe,
 the moments of tile k live in swap buffers only while tile k is being updated; the caller owns
-them and the step count, and hands them in per call. The kernel is elementwise, so updating a
-flat tensor tile by tile gives bitwise the same result as updating it whole (tested).
+them and the step count, and hands them in per call. The update is elementwise, so updating a
+flat tensor in tiles cut at multiples of 16 elements gives bitwise the same result as updating
+it whole (tested). Other cuts move elements into torch's scalar tail loop, whose rounding can
+differ in the last bit.
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from partita.optim import adam_kernel
+from partita.optim.cpu_adam import CPUAdam, CPUAdamW
 
 __all__ = ["AdamHyper", "cpu_adam_step", "make_cpu_adam"]
 
@@ -70,6 +75,15 @@ def cpu_adam_step(
     for tensor in params:
         if tensor.device.type != "cpu":
             raise ValueError(f"cpu_adam_step needs CPU tensors, got one on {tensor.device}")
+    plain = not (hyper.amsgrad or hyper.maximize) and grad_scale is None and found_inf is None
+    tensors = [*params, *grads, *exp_avgs, *exp_avg_sqs]
+    if plain and adam_kernel.supports(tensors) and adam_kernel.available():
+        args = adam_kernel.AdamArgs(
+            step=float(step), lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+            eps=hyper.eps, weight_decay=hyper.weight_decay, decoupled=hyper.decoupled,
+        )  # fmt: skip
+        adam_kernel.adam_step(params, grads, exp_avgs, exp_avg_sqs, args)
+        return
     # torch's fused kernel itself, without torch.optim's functional wrapper: that wrapper
     # groups the lists by device and dtype and increments a step tensor per parameter, about
     # 0.1 ms per call, a fifth of the kernel's time on 1M elements. The kernel reads the
@@ -97,9 +111,10 @@ def cpu_adam_step(
 
 
 def make_cpu_adam(params: Iterable[torch.Tensor], hyper: AdamHyper) -> torch.optim.Optimizer:
-    """A ``torch.optim`` Adam/AdamW on the fused CPU kernel, for state that stays in CPU memory
-    as ordinary tensors (CPU offload of stages 1-2). Same arithmetic as `cpu_adam_step`."""
-    cls = torch.optim.AdamW if hyper.decoupled else torch.optim.Adam
+    """A fused ``torch.optim`` Adam/AdamW stepping with partita's CPU kernel (`CPUAdamW` or
+    `CPUAdam`), for state that stays in CPU memory as ordinary tensors. Same arithmetic as
+    `cpu_adam_step`."""
+    cls = CPUAdamW if hyper.decoupled else CPUAdam
     return cls(
         params,
         lr=hyper.lr,

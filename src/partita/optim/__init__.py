@@ -8,6 +8,7 @@ with identical numbers) or any ``torch.optim.lr_scheduler`` class.
 
 from __future__ import annotations
 
+from partita.optim.cpu_adam import CPUAdam, CPUAdamW, torch_class_name
 from partita.optim.errors import OptimConfigError, OptimizerConfigError, SchedulerConfigError
 from partita.optim.optimizers import build_optimizer, fused_supported
 from partita.optim.schedulers import (
@@ -20,6 +21,8 @@ from partita.optim.schedulers import (
 )
 
 __all__ = [
+    "CPUAdam",
+    "CPUAdamW",
     "LRRangeTest",
     "OneCycle",
     "OptimConfigError",
@@ -31,4 +34,5 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "fused_supported",
+    "torch_class_name",
 ]

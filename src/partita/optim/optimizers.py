@@ -24,7 +24,9 @@ implementation up to float rounding (a small MLP over 20 steps on CPU: per-step 
 2.0e-7 relative at worst over 5 seeds x 3 lrs x 3 weight decays; see
 tests/test_optim_factory.py). Other devices or dtypes fall back to torch's default (foreach
 where supported, else a per-tensor loop). ``fused`` or ``foreach`` in the params override the
-choice. Unlike ``FusedAdam``, ``amsgrad: true`` works (torch supports it).
+choice. Unlike ``FusedAdam``, ``amsgrad: true`` works (torch supports it). When every
+parameter is an fp32 CPU tensor the fused optimizer is `partita.optim.CPUAdamW`/`CPUAdam`:
+torch's class and state, with the step on partita's CPU kernel (bitwise torch's update).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from partita.optim.cpu_adam import CPUAdam, CPUAdamW, torch_base
 from partita.optim.errors import OptimizerConfigError, check_call_params, did_you_mean
 
 __all__ = ["build_optimizer", "fused_supported"]
@@ -170,7 +173,17 @@ def _build_adam(name: str, kwargs: dict[str, Any], groups: list[Any]) -> torch.o
     user_chose = "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable")
     if not user_chose and fused_supported(groups):
         kwargs["fused"] = True
+    if kwargs.get("fused") and _all_cpu_fp32(groups):
+        # Same update bit for bit, on partita's CPU kernel (see partita.optim.cpu_adam).
+        cls = CPUAdamW if cls is torch.optim.AdamW else CPUAdam
     return _construct(cls, groups, kwargs)
+
+
+def _all_cpu_fp32(param_groups: list[Any]) -> bool:
+    tensors = list(_iter_tensors(param_groups))
+    return bool(tensors) and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors
+    )
 
 
 def _construct(
@@ -183,7 +196,8 @@ def _construct(
         return cls(groups, **kwargs)
     except (ValueError, TypeError, RuntimeError) as exc:
         raise OptimizerConfigError(
-            f"{_PREFIX}: torch.optim.{cls.__name__} rejected {kwargs!r}: {exc}", key=_PREFIX
+            f"{_PREFIX}: torch.optim.{torch_base(cls).__name__} rejected {kwargs!r}: {exc}",
+            key=_PREFIX,
         ) from exc
 
 

@@ -1,0 +1,244 @@
+"""partita's CPU Adam/AdamW kernel (``csrc/cpu_adam.cpp``): torch's fused update, bitwise, faster.
+
+`adam_step` updates fp32 CPU tensors exactly as ``torch._fused_adamw_`` / ``torch._fused_adam_``
+(the kernels behind ``torch.optim.AdamW(fused=True)``) would, bit for bit, with one division per
+element instead of two (see the C++ file's header for why that is exact). Measured on this
+project's 2-core CPU host with ``benchmarks/bench_offload.py`` (README, offload section).
+
+The kernel is built on first use by `partita.native` and checked against torch's kernel on
+random data (both modes, with and without weight decay, both of torch's ``lerp`` branches,
+zero and overflowing gradients); when the check fails, there is no compiler, the CPU has
+neither AVX-512 nor AVX2, torch does not vectorise with them, or ``PARTITA_CPU_ADAM=0``, it is
+not used and `why_not` says why: callers then use torch's kernel.
+
+Work is split over ``torch.get_num_threads()`` of torch's OpenMP threads; the last ``n % W``
+elements of each tensor, which torch computes in a differently compiled scalar
+loop (W: torch's vector width), are handed to torch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import subprocess
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from partita import native
+
+__all__ = ["AdamArgs", "adam_step", "available", "supports", "why_not"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = native.CSRC / "cpu_adam.cpp"
+_WIDTHS = {"AVX512": 16, "AVX2": 8}
+
+
+class _CArgs(ctypes.Structure):
+    _fields_ = [
+        ("decay", ctypes.c_float),
+        ("weight_decay", ctypes.c_float),
+        ("lerp_weight", ctypes.c_float),
+        ("beta2", ctypes.c_float),
+        ("one_minus_beta2", ctypes.c_float),
+        ("bias2_sqrt", ctypes.c_float),
+        ("bias2_sqrt_inv", ctypes.c_float),
+        ("eps", ctypes.c_float),
+        ("neg_step_size", ctypes.c_float),
+        ("coupled", ctypes.c_int32),
+        ("has_decay", ctypes.c_int32),
+        ("mxcsr", ctypes.c_uint32),
+    ]
+
+
+@dataclass(frozen=True)
+class AdamArgs:
+    """One update's hyper-parameters, as torch's ``_fused_adam(w)_`` takes them; ``step`` is
+    the 1-based number of this update. ``decoupled``: AdamW (else Adam with the weight decay
+    added to the gradient)."""
+
+    step: float
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+
+    def to_c(self, mxcsr: int) -> _CArgs:
+        """The C struct, with every constant rounded from double as torch's kernel does."""
+        # As ATen: bias corrections and the step size in double, then each cast to float.
+        bias1 = 1 - math.pow(self.beta1, self.step)
+        bias2_sqrt = math.sqrt(1 - math.pow(self.beta2, self.step))
+        return _CArgs(
+            decay=1 - self.lr * self.weight_decay,
+            weight_decay=self.weight_decay,
+            lerp_weight=1 - self.beta1,
+            beta2=self.beta2,
+            one_minus_beta2=1 - self.beta2,
+            bias2_sqrt=bias2_sqrt,
+            bias2_sqrt_inv=0.0,  # the kernel computes RN(1/b) in single precision
+            eps=self.eps,
+            neg_step_size=-(self.lr / bias1),
+            coupled=0 if self.decoupled else 1,
+            has_decay=1 if self.weight_decay != 0 else 0,
+            mxcsr=mxcsr,
+        )
+
+
+_lib: ctypes.CDLL | None = None
+_isa = 0
+_why_not: str | None = None
+_lock = threading.Lock()
+
+
+def _width() -> int | None:
+    """torch's float vector width on this CPU (its kernels' body/tail split), if we match it."""
+    return _WIDTHS.get(torch.backends.cpu.get_cpu_capability())
+
+
+def available() -> bool:
+    """Whether `adam_step` may be used in this process (builds and checks the kernel once)."""
+    global _lib, _isa, _why_not
+    with _lock:
+        if _lib is not None or _why_not is not None:
+            return _lib is not None
+        _why_not = _load()
+        if _why_not is not None:
+            _lib = None
+            logger.info("partita CPU Adam kernel not used (torch's instead): %s", _why_not)
+        return _lib is not None
+
+
+def _load() -> str | None:
+    """Builds, loads and checks the kernel (sets ``_lib``); returns why not, or None."""
+    global _lib, _isa
+    if os.environ.get("PARTITA_CPU_ADAM", "1") == "0":
+        return "disabled by PARTITA_CPU_ADAM=0"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if _width() is None:
+        return f"torch's CPU kernels use {capability!r}, not AVX512 or AVX2"
+    if (cxx := native.compiler()) is None:
+        return "no C++ compiler found (set CXX)"
+    try:
+        # No contraction beyond the fused multiply-adds the source writes: they are torch's.
+        # -fopenmp: libgomp.so.1 resolves to the copy torch has loaded, so the kernel runs on
+        # torch's own OpenMP threads.
+        path = native.build_library(_SOURCE, cxx, flags=["-ffp-contract=off", "-fopenmp"])
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return f"build or load failed: {exc}"
+    lib.partita_adam_isa.restype = ctypes.c_int
+    lib.partita_adam_mxcsr.restype = ctypes.c_uint32
+    ptrs = ctypes.POINTER(ctypes.c_void_p)
+    lib.partita_adam_step.argtypes = [
+        ctypes.POINTER(_CArgs), ctypes.c_int32, ctypes.c_int32, ptrs, ptrs, ptrs, ptrs,
+        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+    ]  # fmt: skip
+    lib.partita_adam_step.restype = None
+    isa = lib.partita_adam_isa()
+    if isa == 0 or (capability == "AVX512" and isa < 2):
+        return f"this CPU lacks the instructions torch's {capability!r} kernels use"
+    _lib, _isa = lib, (2 if capability == "AVX512" else 1)
+    mismatch = _self_check()
+    return None if mismatch is None else f"differs from torch's fused kernel: {mismatch}"
+
+
+def why_not() -> str | None:
+    """Why `available` returned False (None when it returned True or was not called)."""
+    return _why_not
+
+
+def supports(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether `adam_step` takes these tensors: dense, contiguous fp32 CPU tensors."""
+    return all(
+        t.device.type == "cpu"
+        and t.dtype == torch.float32
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        for t in tensors
+    )
+
+
+def adam_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    args: AdamArgs,
+) -> None:
+    """One Adam/AdamW update of ``params`` and their moments, in place; bitwise what torch's
+    ``_fused_adamw_``/``_fused_adam_`` computes. Needs `available` and `supports` (every
+    tensor); grads, moments and params match one to one in size."""
+    assert _lib is not None, "adam_step needs available()"
+    width = _width() or 16
+    bodies: list[tuple[list[int], int]] = []
+    tails: list[tuple[torch.Tensor, ...]] = []
+    for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        n = group[0].numel()
+        if any(t.numel() != n for t in group):
+            raise ValueError(f"adam_step: sizes differ: {[t.numel() for t in group]}")
+        cut = n - n % width
+        if cut:
+            bodies.append(([t.data_ptr() for t in group], cut))
+        if cut < n:
+            tails.append(tuple(t.view(-1)[cut:] for t in group))
+    if bodies:
+        _run_bodies(bodies, args)
+    if tails:
+        kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
+        step = torch.tensor(float(args.step))
+        p, g, m, v = (list(x) for x in zip(*tails, strict=True))
+        kernel(
+            p, g, m, v, [], [step] * len(p), lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+            weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+
+
+def _run_bodies(bodies: list[tuple[list[int], int]], args: AdamArgs) -> None:
+    """Runs the kernel over ``bodies`` (the addresses of param, grad, exp_avg and exp_avg_sq,
+    and a length) on ``torch.get_num_threads()`` threads."""
+    assert _lib is not None
+    c_args = args.to_c(_lib.partita_adam_mxcsr())
+    count = len(bodies)
+    arrays = [(ctypes.c_void_p * count)(*(ptrs[k] for ptrs, _ in bodies)) for k in range(4)]
+    lengths = (ctypes.c_int64 * count)(*(n for _, n in bodies))
+    threads = torch.get_num_threads()
+    _lib.partita_adam_step(ctypes.byref(c_args), _isa, threads, *arrays, lengths, count)
+
+
+def _self_check() -> str | None:
+    """Compares `adam_step` with torch's kernel on random data; returns the first difference."""
+    gen = torch.Generator().manual_seed(0)
+    n = (1 << 18) + 37  # split over threads (when there are several), and a tail
+    for decoupled in (True, False):
+        for weight_decay in (0.0, 0.1):
+            for beta1 in (0.9, 0.3):  # torch's lerp takes two branches at weight 0.5
+                ours = [torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
+                theirs = [t.clone() for t in ours]
+                for step in range(1, 4):
+                    grad = torch.randn(n, generator=gen) * 10.0 ** (8 * step - 16)
+                    grad[::97] = 0.0
+                    grad[5] = 1e30  # its square overflows: an infinite second moment
+                    args = AdamArgs(step, 1e-2, beta1, 0.999, 1e-8, weight_decay, decoupled)
+                    adam_step([ours[0]], [grad], [ours[1]], [ours[2]], args)
+                    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+                    kernel(
+                        [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [],
+                        [torch.tensor(float(step))], lr=1e-2, beta1=beta1, beta2=0.999,
+                        weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False,
+                    )  # fmt: skip
+                    for name, a, b in zip(
+                        ("param", "exp_avg", "exp_avg_sq"), ours, theirs, strict=True
+                    ):
+                        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                            return (
+                                f"{name} after step {step} (decoupled={decoupled}, "
+                                f"weight_decay={weight_decay}, beta1={beta1})"
+                            )
+    return None
