@@ -7,7 +7,7 @@
 // the moments are in cache. DeepSpeed's CPU Adam multiplies by a reciprocal instead and rounds
 // differently. Here the division by the per-step constant b = sqrt(bias_correction2) is done
 // with FMAs and is still correctly rounded (Markstein's theorem, Handbook of Floating-Point
-// Arithmetic, 2nd ed., Thm. 4.10): with y = RN(1/b) and q within one ulp of a/b,
+// Arithmetic, chapter on division with an FMA): with y = RN(1/b) and q within one ulp of a/b,
 // r = a - q*b is exact and RN(q + r*y) = RN(a/b). q0 = RN(a*y) can be 1.5 ulps off, so one
 // correction step makes q1 (well within one ulp), and a second yields RN(a/b). Exhaustive
 // checks (every significand of a against 380 values of b) found no difference from a real
@@ -153,20 +153,20 @@ int partita_adam_isa(void) {
   return 0;
 }
 
-// One update of `count` tensors: tensor j has params[j], grads[j], exp_avgs[j], exp_avg_sqs[j]
-// of lengths[j] floats (a multiple of 16 for isa 2, of 8 for isa 1: torch's vector width, so
-// the split between vector body and scalar tail is torch's). `isa`: 2 AVX-512, 1 AVX2.
-// The elements of all tensors are split into `threads` equal ranges (OpenMP: the runtime torch
-// ships and loads, so these are torch's intra-op threads, already spinning after its last op).
+// One update of `count` tensors. Row j of `table` holds the addresses of tensor j's param,
+// grad, exp_avg and exp_avg_sq and its length in floats (a multiple of 16 for isa 2, of 8 for
+// isa 1: torch's vector width, so the split between vector body and scalar tail is torch's).
+// `isa`: 2 AVX-512, 1 AVX2. The elements of all tensors are split into `threads` equal ranges
+// (OpenMP: the runtime torch ships and loads, so these are torch's intra-op threads, already
+// spinning after its last op).
 void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads,
-                       float* const* params, float* const* grads, float* const* exp_avgs,
-                       float* const* exp_avg_sqs, const int64_t* lengths, int64_t count) {
+                       const int64_t (*table)[5], int64_t count) {
   PartitaAdamArgs a = *args;
   // A float division, not a double one rounded to float (that could differ in the last bit).
   volatile float one = 1.0f;
   a.bias2_sqrt_inv = one / a.bias2_sqrt;
   int64_t total = 0;
-  for (int64_t j = 0; j < count; ++j) total += lengths[j];
+  for (int64_t j = 0; j < count; ++j) total += table[j][4];
   // Below this a fork/join costs about what the work does.
   const int32_t team = total >= (int64_t(1) << 15) ? threads : 1;
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -182,12 +182,14 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
     const uint32_t saved = _mm_getcsr();
     _mm_setcsr(a.mxcsr);
     int64_t start = 0;
-    for (int64_t j = 0; j < count && start < hi; start += lengths[j], ++j) {
+    for (int64_t j = 0; j < count && start < hi; start += table[j][4], ++j) {
       const int64_t from = std::max(lo, start) - start;
-      const int64_t to = std::min(hi, start + lengths[j]) - start;
+      const int64_t to = std::min(hi, start + table[j][4]) - start;
       if (from >= to) continue;
-      float *p = params[j] + from, *g = grads[j] + from;
-      float *m = exp_avgs[j] + from, *v = exp_avg_sqs[j] + from;
+      float* p = reinterpret_cast<float*>(table[j][0]) + from;
+      float* g = reinterpret_cast<float*>(table[j][1]) + from;
+      float* m = reinterpret_cast<float*>(table[j][2]) + from;
+      float* v = reinterpret_cast<float*>(table[j][3]) + from;
       if (isa >= 2) {
         step512(a, p, g, m, v, to - from);
       } else {

@@ -93,6 +93,7 @@ class AdamArgs:
 
 _lib: ctypes.CDLL | None = None
 _isa = 0
+_vector_width = 16
 _why_not: str | None = None
 _lock = threading.Lock()
 
@@ -117,7 +118,7 @@ def available() -> bool:
 
 def _load() -> str | None:
     """Builds, loads and checks the kernel (sets ``_lib``); returns why not, or None."""
-    global _lib, _isa
+    global _lib, _isa, _vector_width
     if os.environ.get("PARTITA_CPU_ADAM", "1") == "0":
         return "disabled by PARTITA_CPU_ADAM=0"
     capability = torch.backends.cpu.get_cpu_capability()
@@ -135,16 +136,14 @@ def _load() -> str | None:
         return f"build or load failed: {exc}"
     lib.partita_adam_isa.restype = ctypes.c_int
     lib.partita_adam_mxcsr.restype = ctypes.c_uint32
-    ptrs = ctypes.POINTER(ctypes.c_void_p)
-    lib.partita_adam_step.argtypes = [
-        ctypes.POINTER(_CArgs), ctypes.c_int32, ctypes.c_int32, ptrs, ptrs, ptrs, ptrs,
-        ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-    ]  # fmt: skip
+    # Plain addresses: ctypes' per-call type checks of pointer arguments cost microseconds.
+    lib.partita_adam_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+    lib.partita_adam_step.argtypes += [ctypes.c_void_p, ctypes.c_int64]
     lib.partita_adam_step.restype = None
     isa = lib.partita_adam_isa()
     if isa == 0 or (capability == "AVX512" and isa < 2):
         return f"this CPU lacks the instructions torch's {capability!r} kernels use"
-    _lib, _isa = lib, (2 if capability == "AVX512" else 1)
+    _lib, _isa, _vector_width = lib, (2 if capability == "AVX512" else 1), _WIDTHS[capability]
     mismatch = _self_check()
     return None if mismatch is None else f"differs from torch's fused kernel: {mismatch}"
 
@@ -176,8 +175,8 @@ def adam_step(
     ``_fused_adamw_``/``_fused_adam_`` computes. Needs `available` and `supports` (every
     tensor); grads, moments and params match one to one in size."""
     assert _lib is not None, "adam_step needs available()"
-    width = _width() or 16
-    bodies: list[tuple[list[int], int]] = []
+    width = _vector_width
+    rows: list[int] = []  # per tensor: 4 addresses and the body's length
     tails: list[tuple[torch.Tensor, ...]] = []
     for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         n = group[0].numel()
@@ -185,11 +184,15 @@ def adam_step(
             raise ValueError(f"adam_step: sizes differ: {[t.numel() for t in group]}")
         cut = n - n % width
         if cut:
-            bodies.append(([t.data_ptr() for t in group], cut))
+            rows += [t.data_ptr() for t in group]
+            rows.append(cut)
         if cut < n:
             tails.append(tuple(t.view(-1)[cut:] for t in group))
-    if bodies:
-        _run_bodies(bodies, args)
+    if rows:
+        table = (ctypes.c_int64 * len(rows))(*rows)
+        c_args = args.to_c(_lib.partita_adam_mxcsr())
+        threads = torch.get_num_threads()  # the kernel uses one below 32K elements
+        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 5)
     if tails:
         kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
         step = torch.tensor(float(args.step))
@@ -198,18 +201,6 @@ def adam_step(
             p, g, m, v, [], [step] * len(p), lr=args.lr, beta1=args.beta1, beta2=args.beta2,
             weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
         )  # fmt: skip
-
-
-def _run_bodies(bodies: list[tuple[list[int], int]], args: AdamArgs) -> None:
-    """Runs the kernel over ``bodies`` (the addresses of param, grad, exp_avg and exp_avg_sq,
-    and a length) on ``torch.get_num_threads()`` threads."""
-    assert _lib is not None
-    c_args = args.to_c(_lib.partita_adam_mxcsr())
-    count = len(bodies)
-    arrays = [(ctypes.c_void_p * count)(*(ptrs[k] for ptrs, _ in bodies)) for k in range(4)]
-    lengths = (ctypes.c_int64 * count)(*(n for _, n in bodies))
-    threads = torch.get_num_threads()
-    _lib.partita_adam_step(ctypes.byref(c_args), _isa, threads, *arrays, lengths, count)
 
 
 def _self_check() -> str | None:
