@@ -7,15 +7,19 @@
     (write time includes the fsync of every swap file). Reported as MB/s and as a fraction of
     the disk's (goal >= 0.8).
 (b) CPU Adam: parameters updated per second by one AdamW step on a flat fp32 tensor of each
-    ``--adam-sizes`` size: partita's `cpu_adam_step`, ``torch.optim.AdamW`` with
-    ``foreach=True``, ``fused=True`` and the per-tensor loop, and DeepSpeed's
-    ``DeepSpeedCPUAdam`` when ``import deepspeed`` works (its first use compiles C++ for
-    minutes; ``--no-deepspeed`` skips it).
+    ``--adam-sizes`` size, with each ``--adam-threads`` count of torch threads: partita's
+    `CPUAdamW` and `cpu_adam_step` (its own kernel), ``torch.optim.AdamW`` with
+    ``foreach=True``, ``fused=True`` and the per-tensor loop, DeepSpeed's ``DeepSpeedCPUAdam``
+    when ``import deepspeed`` works (its first use compiles C++ for minutes; ``--no-deepspeed``
+    skips it), and a memory-bandwidth ceiling: a C loop moving the same bytes as one Adam step
+    with no arithmetic (``csrc/stream_probe.cpp``). Steps are interleaved round by round; the
+    tables give the fastest and median step and, per implementation, the median over rounds of
+    its step time divided by partita's in the same round (robust to the machine's drift).
 (c) End-to-end stage 3 step time with and without each offload is the ``offload`` suite of
     ``bench_zero.py`` (``--suites offload``): whole training jobs, like the other suites.
 
     .venv/bin/python benchmarks/bench_offload.py [--dir /tmp] [--disk-mb 1024] [--block-size 1048576]
-        [--threads 1,4] [--adam-sizes 1e6,1e7,5e7]
+        [--threads 1,4] [--adam-sizes 1e6,1e7,5e7] [--adam-threads 1,2] [--repeats 21]
 
 Prints markdown tables; writes ``benchmarks/results/offload.{json,md}``.
 """
@@ -23,6 +27,7 @@ Prints markdown tables; writes ``benchmarks/results/offload.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -38,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_results
+from partita import native
 from partita.offload import (
     AdamHyper,
     SwapSpace,
@@ -47,6 +53,7 @@ from partita.offload import (
     cpu_adam_step,
     probe_directory,
 )
+from partita.optim import CPUAdamW, adam_kernel
 
 MB = 1e6
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -174,13 +181,11 @@ def swap_markdown(res: dict[str, Any]) -> str:
 # ---------------------------------------------------------------- (b) CPU Adam
 
 
-def _time_interleaved(
-    steps: dict[str, Callable[[], None]], repeats: int
-) -> dict[str, tuple[float, float]]:
-    """(fastest, median) seconds per implementation of ``repeats`` rounds; each round times one
-    step of every implementation, in an order rotated every round, so drift of the machine and
-    the position in a round hit all alike. One untimed warm-up step each first (state
-    allocation, kernel selection)."""
+def _time_interleaved(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each of ``repeats`` steps per implementation. Each round times one step of
+    every implementation, in an order rotated every round, so drift of the machine and the
+    position in a round hit all alike. One untimed warm-up step each first (state allocation,
+    kernel selection)."""
     for step in steps.values():
         step()
     names = list(steps)
@@ -191,27 +196,46 @@ def _time_interleaved(
             start = time.perf_counter()
             steps[name]()
             times[name].append(time.perf_counter() - start)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+    return times
+
+
+def _flat(n: int) -> tuple[torch.Tensor, ...]:
+    return torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
 
 
 def _torch_adamw(
-    n: int, *, fused: bool | None = None, foreach: bool | None = None
+    n: int, *, fused: bool | None = None, foreach: bool | None = None, cls: type = torch.optim.AdamW
 ) -> Callable[[], None]:
     param = torch.nn.Parameter(torch.randn(n))
     param.grad = torch.randn(n)
-    opt = torch.optim.AdamW(
-        [param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, fused=fused, foreach=foreach
-    )
+    opt = cls([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, fused=fused, foreach=foreach)
     return opt.step
 
 
 def _partita(n: int) -> Callable[[], None]:
-    param, grad, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    param, grad, m, v = _flat(n)
     counter = [0]
 
     def step() -> None:
         counter[0] += 1
         cpu_adam_step([param], [grad], [m], [v], counter[0], HYPER)
+
+    return step
+
+
+def _torch_direct(n: int) -> Callable[[], None]:
+    """torch's fused kernel called as `cpu_adam_step` calls ours: without torch.optim's
+    bookkeeping, so the two rows compare the kernels alone."""
+    param, grad, m, v = _flat(n)
+    counter = [0]
+
+    def step() -> None:
+        counter[0] += 1
+        torch._fused_adamw_(
+            [param], [grad], [m], [v], [], [torch.tensor(float(counter[0]))], lr=HYPER.lr,
+            beta1=HYPER.beta1, beta2=HYPER.beta2, weight_decay=HYPER.weight_decay,
+            eps=HYPER.eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
 
     return step
 
@@ -225,60 +249,104 @@ def _deepspeed(n: int) -> Callable[[], None]:
     return opt.step
 
 
+def _stream_probe() -> Callable[[int], Callable[[], None]]:
+    """The memory-bandwidth ceiling (benchmarks/csrc/stream_probe.cpp), built like partita's
+    own C++ helpers."""
+    source = Path(__file__).resolve().parent / "csrc" / "stream_probe.cpp"
+    cxx = native.compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler")
+    flags = ["-march=native", "-fopenmp"]
+    probe = ctypes.CDLL(str(native.build_library(source, cxx, flags=flags))).partita_stream_probe
+    probe.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int32]
+
+    def make(n: int) -> Callable[[], None]:
+        tensors = _flat(n)
+
+        def step() -> None:  # holds `tensors`: the probe only sees their addresses
+            probe(*(t.data_ptr() for t in tensors), n, torch.get_num_threads())
+
+        return step
+
+    return make
+
+
+PARTITA = "partita CPUAdamW (own kernel)"
+CEILING = "memory ceiling (stream probe)"
+
+
 def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
-    """Part (b): parameters/s of each implementation at each size."""
+    """Part (b): parameters/s of each implementation at each size, per thread count."""
     impls: dict[str, Callable[[int], Callable[[], None]]] = {
-        "partita cpu_adam_step (torch fused kernel, direct)": _partita,
+        PARTITA: lambda n: _torch_adamw(n, cls=CPUAdamW),
+        "partita cpu_adam_step (own kernel)": _partita,
         "torch AdamW fused": lambda n: _torch_adamw(n, fused=True),
+        "torch _fused_adamw_ (direct call)": _torch_direct,
         "torch AdamW foreach": lambda n: _torch_adamw(n, foreach=True),
         "torch AdamW for-loop": lambda n: _torch_adamw(n, foreach=False),
     }
-    notes: dict[str, str] = {}
+    notes: dict[str, str] = {"partita kernel": "in use: bitwise torch's fused update"}
+    if not adam_kernel.available():  # partita's rows then run torch's fused kernel
+        notes["partita kernel"] = f"not used: {adam_kernel.why_not()}"
     if args.deepspeed:
         try:
             _deepspeed(16)()  # compiles the extension on first use
             impls["DeepSpeedCPUAdam"] = _deepspeed
         except Exception as exc:  # not installed or the build failed: row skipped, reason kept
             notes["DeepSpeedCPUAdam"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
-    best: dict[str, dict[str, float]] = {name: {} for name in impls}
-    median: dict[str, dict[str, float]] = {name: {} for name in impls}
-    for n in args.adam_sizes:
-        timed = _time_interleaved({name: make(n) for name, make in impls.items()}, args.repeats)
-        for name, (fastest, typical) in timed.items():
-            best[name][str(n)], median[name][str(n)] = n / fastest, n / typical
+    try:
+        impls[CEILING] = _stream_probe()
+    except (OSError, RuntimeError) as exc:
+        notes[CEILING] = f"skipped: {exc}"
+    runs: dict[str, dict[str, Any]] = {}
+    for threads in args.adam_threads:
+        torch.set_num_threads(threads)
+        for n in args.adam_sizes:
+            times = _time_interleaved({name: make(n) for name, make in impls.items()}, args.repeats)
+            runs[f"{threads}/{n}"] = {
+                name: {
+                    "best": n / min(t),
+                    "median": n / statistics.median(t),
+                    # Paired: this implementation's step over partita's in the same round.
+                    "vs_partita": statistics.median(
+                        a / b for a, b in zip(t, times[PARTITA], strict=True)
+                    ),
+                }
+                for name, t in times.items()
+            }
     return {
         "sizes": args.adam_sizes,
-        "params_per_s": best,
-        "params_per_s_median": median,
+        "threads": args.adam_threads,
+        "runs": runs,
         "notes": notes,
-        "threads": torch.get_num_threads(),
         "repeats": args.repeats,
     }
 
 
 def adam_markdown(res: dict[str, Any]) -> str:
-    """Table of part (b): M params/s of the fastest step (median in brackets), best in bold."""
-    sizes = [str(n) for n in res["sizes"]]
-    rows, medians = res["params_per_s"], res["params_per_s_median"]
-    best = {s: max(rows[name][s] for name in rows) for s in sizes}
-    head = " | ".join(f"{int(s) / 1e6:g}M" for s in sizes)
-    lines = [
-        f"### CPU AdamW step throughput (M params/s of the fastest of {res['repeats']} interleaved "
-        "steps, "
-        f"median in brackets; {res['threads']} threads, flat fp32)",
-        "",
-        f"| implementation | {head} |",
-        "|---|" + "---:|" * len(sizes),
-    ]
-    for name, by_size in rows.items():
-        cells = []
-        for s in sizes:
-            text = f"{by_size[s] / 1e6:.0f}"
-            text = f"**{text}**" if by_size[s] == best[s] else text
-            cells.append(f"{text} ({medians[name][s] / 1e6:.0f})")
-        lines.append(f"| {name} | {' | '.join(cells)} |")
-    for name, note in res["notes"].items():
-        lines.append(f"| {name} | {note} |" + " |" * (len(sizes) - 1))
+    """Part (b) tables, one per thread count: M params/s of the fastest step (median in
+    brackets) and the median over rounds of the step time over partita's in the same round."""
+    lines: list[str] = []
+    for threads in res["threads"]:
+        runs = {n: res["runs"][f"{threads}/{n}"] for n in res["sizes"]}
+        names = list(next(iter(runs.values())))
+        head = " | ".join(f"{n / 1e6:g}M" for n in res["sizes"])
+        lines += [
+            f"### CPU AdamW step, {threads} thread(s): M params/s, fastest of {res['repeats']} "
+            "interleaved steps (median); time / partita's, median of rounds",
+            "",
+            f"| implementation | {head} | {head} |",
+            "|---|" + "---:|" * 2 * len(runs),
+        ]
+        for name in names:
+            speed = [
+                f"{r[name]['best'] / 1e6:.0f} ({r[name]['median'] / 1e6:.0f})"
+                for r in runs.values()
+            ]
+            ratio = [f"{r[name]['vs_partita']:.2f}" for r in runs.values()]
+            lines.append(f"| {name} | {' | '.join(speed)} | {' | '.join(ratio)} |")
+        lines.append("")
+    lines += [f"- {name}: {note}" for name, note in res["notes"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -315,13 +383,13 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=7, help="timed optimizer steps per size")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved disk/swap rounds")
-    parser.add_argument("--adam-threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--adam-threads", type=_ints, default=[torch.get_num_threads()], help="torch threads"
+    )
     parser.add_argument("--no-deepspeed", dest="deepspeed", action="store_false")
     parser.add_argument("--skip-swap", action="store_true")
     parser.add_argument("--skip-adam", action="store_true")
     args = parser.parse_args()
-    if args.adam_threads:
-        torch.set_num_threads(args.adam_threads)
 
     payload: dict[str, Any] = {
         "environment": environment(),
