@@ -22,45 +22,62 @@ from partita.optim import adam_kernel
 __all__ = ["CPUAdam", "CPUAdamW", "torch_base", "torch_class_name"]
 
 
+_Work = tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]
+
+
 class _KernelStep:
     """The `step` shared by `CPUAdam` and `CPUAdamW` (mixed in before the torch class)."""
 
     param_groups: list[dict[str, Any]]
     state: Any
 
-    def _kernel_applies(self) -> bool:
-        scaler_set = (getattr(self, name, None) is not None for name in ("grad_scale", "found_inf"))
-        if any(scaler_set):
-            return False
+    def _collect(self) -> list[_Work] | None:
+        """Per group: (group, params with a gradient, their gradients, their states, created
+        as torch creates them), or None when the kernel does not apply to every one."""
+        if (
+            getattr(self, "grad_scale", None) is not None
+            or getattr(self, "found_inf", None) is not None
+        ):
+            return None
+        if not adam_kernel.available():
+            return None
+        work: list[_Work] = []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"] or group["capturable"]:
-                return False
+                return None
             if group["differentiable"] or torch.is_tensor(group["lr"]):
-                return False
-            tensors = [t for p in group["params"] if p.grad is not None for t in (p, p.grad)]
-            if any(t.is_sparse for t in tensors) or not adam_kernel.supports(tensors):
-                return False
-        return adam_kernel.available()
+                return None
+            params, grads, states = [], [], []
+            for p in group["params"]:
+                grad = p.grad
+                if grad is None:
+                    continue
+                if not _plain_fp32(p) or not _plain_fp32(grad):
+                    return None
+                state = self.state[p]
+                if not state:  # what torch's fused path creates
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(grad)
+                states.append(state)
+            if params:
+                work.append((group, params, grads, states))
+        return work
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient (see the module docstring)."""
-        if not self._kernel_applies():
+        work = self._collect()
+        if work is None:
             return super().step(closure)  # type: ignore[misc]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params: list[torch.Tensor] = []
-            grads: list[torch.Tensor] = []
-            exp_avgs: list[torch.Tensor] = []
-            exp_avg_sqs: list[torch.Tensor] = []
-            steps: list[torch.Tensor] = []
-            # torch's own state initialisation, so the state is exactly torch's.
-            self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, [], steps)  # type: ignore[attr-defined]
-            if not params:
-                continue
+        for group, params, grads, states in work:
+            steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1)
             # Parameters restored from different checkpoints may be at different steps.
             by_step: dict[float, list[int]] = {}
@@ -76,11 +93,20 @@ class _KernelStep:
                 adam_kernel.adam_step(
                     [params[i] for i in idx],
                     [grads[i] for i in idx],
-                    [exp_avgs[i] for i in idx],
-                    [exp_avg_sqs[i] for i in idx],
+                    [states[i]["exp_avg"] for i in idx],
+                    [states[i]["exp_avg_sq"] for i in idx],
                     args,
                 )
         return loss
+
+
+def _plain_fp32(t: torch.Tensor) -> bool:
+    return (
+        t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and t.is_contiguous()
+    )
 
 
 class CPUAdam(_KernelStep, torch.optim.Adam):

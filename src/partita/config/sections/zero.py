@@ -31,14 +31,19 @@ class OffloadParamConfig(Section):
     device: OffloadDevice = Field(default="none", description="Offload target for parameters.")
     nvme_path: str | None = Field(default=None, description=_NVME_PATH)
     buffer_count: PositiveInt = Field(
-        default=5, description="Number of buffers in the pool used to swap parameters with NVMe."
+        default=5,
+        description="NVMe: parameter shards read ahead of their gathers, at most this many.",
     )
     buffer_size: PositiveInt = Field(
-        default=100_000_000, description="Size in elements of each NVMe swap buffer for parameters."
+        default=100_000_000,
+        description="NVMe: the shards read ahead hold at most buffer_count x buffer_size "
+        "elements (beyond the next one).",
     )
     max_in_cpu: NonNegInt = Field(
         default=1_000_000_000,
-        description="Parameter elements kept in CPU memory when offloading to NVMe.",
+        description="NVMe: shard elements (per rank) kept in CPU memory instead, units in "
+        "build order. Honoured only when given: DeepSpeed ignores it, so a config without it "
+        "keeps every shard on NVMe.",
     )
     pin_memory: Bool = Field(default=True, description=_PIN)
 
@@ -53,8 +58,8 @@ class OffloadOptimizerConfig(Section):
     nvme_path: str | None = Field(default=None, description=_NVME_PATH)
     buffer_count: PositiveInt = Field(
         default=4,
-        description="Number of NVMe swap buffers; at least the number of state tensors per "
-        "parameter (4 for Adam: parameter, gradient, two moments).",
+        description="NVMe swap buffers for the step: 4 per resident sub-group (master, gradient, "
+        "two Adam moments); 8 or 12 to pipeline reads and writes.",
     )
     pin_memory: Bool = Field(default=True, description=_PIN)
     pipeline_read: Bool = Field(

@@ -3,10 +3,14 @@
 [Note: swapped sub-groups]
 Each master tensor (one per unit and optimizer group) is a sub-group. Between steps its fp32
 values and its element-wise optimizer state (Adam's moments) live only in this rank's swap
-files; their host storage is resized to zero. A step walks the sub-groups in order: the read of
-sub-group k+1 is in flight while k is stepped, and k's write-back is started before moving on, so
-at most three sub-groups are resident. Reading a master outside a step (accessors, checkpoints)
-swaps it in first; it stays resident until the next step writes it back.
+files; their host storage is resized to zero. A step walks the sub-groups in order. As in
+DeepSpeed, ``offload_optimizer.pipeline_read`` has the read of sub-group k+1 in flight while k
+is stepped, and ``pipeline_write`` lets k's write-back run while k+1 is stepped; without them
+(the default) one sub-group is resident at a time. Each resident sub-group holds four state
+tensors (master, gradient, two moments), which ``buffer_count`` must cover: 4 for one, 8 or 12
+with pipelining (a smaller count drops pipelining with a warning; see `optimizer_pipeline`).
+Reading a master outside a step (accessors, checkpoints) swaps it in first; it stays resident
+until the next step writes it back.
 
 [Note: swapped gradients]
 A sub-group's fp32 gradient is either zero (after ``zero_grad``; nothing stored) or held in its
@@ -26,9 +30,11 @@ step changed it.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -37,13 +43,42 @@ from partita.offload import SwapSpace, has_storage, release_storage, restore_sto
 from partita.zero.shard_step import global_norm
 from partita.zero.strategy import StepOutcome
 
+logger = logging.getLogger("partita")
+
+_STATES = 4
+"""State tensors per resident sub-group: master, gradient and Adam's two moments (DeepSpeed's
+rule for ``offload_optimizer.buffer_count``)."""
+
+
+def optimizer_pipeline(block: Any) -> tuple[bool, bool]:
+    """(read ahead, write behind) for the ``offload_optimizer`` section `block`: its
+    ``pipeline_read``/``pipeline_write`` as far as ``buffer_count`` covers four state tensors
+    per resident sub-group ([Note: swapped sub-groups]); what does not fit is dropped with a
+    warning naming the keys."""
+    read, write = bool(block.pipeline_read), bool(block.pipeline_write)
+    fits = int(block.buffer_count) // _STATES
+    if 1 + read + write > fits:
+        wanted = 1 + read + write
+        kept_read = read and fits >= 2
+        kept_write = write and fits >= 2 + kept_read
+        logger.warning(
+            "zero_optimization.offload_optimizer.buffer_count=%d holds %d sub-group(s) of %d "
+            "state tensors; pipeline_read/pipeline_write need %d: running with "
+            "pipeline_read=%s, pipeline_write=%s (raise buffer_count to %d)",
+            block.buffer_count, max(fits, 1), _STATES, wanted, kept_read, kept_write,
+            wanted * _STATES,
+        )  # fmt: skip
+        read, write = kept_read, kept_write
+    return read, write
+
 
 class SwappedOptimizerState:
     """Swaps masters, their gradients and optimizer state in and out of `space`. Masters are
     `add`-ed as their units are built (each unit's go out before the next unit is built, so
     set-up never holds more than one unit's masters); the optimizer is `bind`-ed after."""
 
-    def __init__(self, space: SwapSpace) -> None:
+    def __init__(self, space: SwapSpace, pipeline: tuple[bool, bool] = (False, False)) -> None:
+        self.read_ahead, self.write_behind = pipeline
         self.optimizer: torch.optim.Optimizer | None = None
         self.masters: list[torch.nn.Parameter] = []
         self.space = space
@@ -166,11 +201,11 @@ class SwappedOptimizerState:
         them: the same kernel per tensor, so the global norm is bitwise the same."""
         n = len(self.masters)
         norms = []
-        pending = self._fetch_grad(0) if n else []
+        pending: list[Future[int]] = []
         for i in range(n):
-            for f in pending:
+            for f in pending or self._fetch_grad(i):
                 f.result()
-            pending = self._fetch_grad(i + 1) if i + 1 < n else []
+            pending = self._fetch_grad(i + 1) if self.read_ahead and i + 1 < n else []
             grad = self.masters[i].grad
             assert grad is not None
             unscaled = grad if loss_scale == 1.0 else grad * (1.0 / loss_scale)
@@ -193,11 +228,11 @@ class SwappedOptimizerState:
         if not math.isfinite(norm_value):
             return StepOutcome(applied=False, grad_norm=norm_value)
         n = len(self.masters)
-        pending = self._fetch(0) if n else []
+        pending: list[Future[int]] = []
         for i in range(n):
-            for f in pending:
+            for f in pending or self._fetch(i):
                 f.result()
-            pending = self._fetch(i + 1) if i + 1 < n else []
+            pending = self._fetch(i + 1) if self.read_ahead and i + 1 < n else []
             master = self.masters[i]
             assert master.grad is not None
             if loss_scale != 1.0:
@@ -206,7 +241,9 @@ class SwappedOptimizerState:
                 torch.nn.utils.clip_grads_with_norm_([master], clip, norm.to(master.device))
             step_one(i)
             self._evict(i)
-            if i >= 1 and (i - 1) in self._writes:
+            if not self.write_behind:
+                self._release(i)
+            elif i >= 1 and (i - 1) in self._writes:
                 self._release(i - 1)
         for i in list(self._writes):
             self._release(i)

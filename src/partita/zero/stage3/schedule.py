@@ -53,8 +53,13 @@ class UnitScheduler:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        read_ahead: tuple[int, int] = (1, 0),
     ) -> None:
         self.units = units
+        self.read_ahead_count, self.read_ahead_numel = read_ahead
+        """NVMe parameter offload: shards read ahead of their gathers, at most this many and
+        (beyond the first) this many elements (``offload_param.buffer_count`` and
+        ``buffer_count x buffer_size``); see `_read_ahead`."""
         self.index = {id(u): i for i, u in enumerate(units)}
         self.on_post_backward = on_post_backward
         self.prefetch_numel = prefetch_numel
@@ -109,14 +114,30 @@ class UnitScheduler:
         if not (0 <= target < len(self.order)):
             return
         unit = self.units[self.order[target]]
-        if 0 <= target + step < len(self.order):
-            # NVMe parameter offload: the read of the unit after next starts now, so its shard
-            # is in memory by the time its own gather is issued.
-            self.units[self.order[target + step]].fetch_shard()
+        self._read_ahead(target + step, step)
         if unit.state is not UnitState.SHARDED or unit.numel > self.prefetch_numel:
             return
         if self.live_numel() + unit.numel <= self.max_live_numel:
             self._gather(unit, wait=False)
+
+    def _read_ahead(self, start: int, step: int) -> None:
+        """NVMe parameter offload: starts reading the shards of the units from position `start`
+        on in the recorded order (`step` is the direction), so each is in memory by the time its
+        gather is issued. Shards already in memory count against the window too; a read that
+        would take the elements past ``read_ahead_numel`` waits, except the first."""
+        count = numel = 0
+        pos = start
+        while 0 <= pos < len(self.order) and count < self.read_ahead_count:
+            unit = self.units[self.order[pos]]
+            pos += step
+            size = unit.swapped_shard_numel
+            if size == 0 or unit.state is not UnitState.SHARDED:
+                continue  # in memory for good, or gathered (its shard is not needed now)
+            if count and numel + size > self.read_ahead_numel:
+                return
+            unit.fetch_shard()
+            count += 1
+            numel += size
 
     def _locate(self, i: int, backward: bool) -> int:
         """Position of this use of unit `i` in the recorded order, advancing the cursor."""

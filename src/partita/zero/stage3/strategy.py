@@ -23,7 +23,7 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
 from partita.zero.shard_step import sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
-from partita.zero.stage3.nvme import SwappedOptimizerState
+from partita.zero.stage3.nvme import SwappedOptimizerState, optimizer_pipeline
 from partita.zero.stage3.schedule import UnitScheduler
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
 from partita.zero.strategy import (
@@ -104,6 +104,24 @@ def _binding_modules(
     return [m for m in root.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
 
 
+def _max_in_cpu(zero: Any, param_swap_space: SwapSpace | None) -> int:
+    """``offload_param.max_in_cpu`` when the config gives it (DeepSpeed ignores the key, so a
+    config written for DeepSpeed that leaves it out expects every shard on NVMe: 0 then)."""
+    block = getattr(zero, "offload_param", None)
+    if param_swap_space is None or block is None or "max_in_cpu" not in block.model_fields_set:
+        return 0
+    return int(block.max_in_cpu)
+
+
+def _read_ahead(zero: Any) -> tuple[int, int]:
+    """(shards, elements) NVMe parameter offload may read ahead: ``offload_param``'s
+    ``buffer_count`` and ``buffer_count x buffer_size``."""
+    block = getattr(zero, "offload_param", None)
+    if block is None:
+        return (1, 0)
+    return (int(block.buffer_count), int(block.buffer_count) * int(block.buffer_size))
+
+
 Placement = tuple[torch.device | None, torch.device | None, bool, SwapSpace | None]
 """(optimizer state device, shard device, may a master alias its shard, shard swap space)."""
 
@@ -120,6 +138,9 @@ class _UnitFactory:
     placement: Placement
     sub_group_numel: int
     """Most elements of one segment (``sub_group_size`` x world size)."""
+    shards_in_cpu: int = 0
+    """NVMe parameter offload: shard elements (per rank) still to keep in CPU memory instead
+    (``offload_param.max_in_cpu``); units take from it in build order while their shard fits."""
 
     def __call__(
         self, name: str, params: list[torch.nn.Parameter], persistent: bool
@@ -141,6 +162,11 @@ class _UnitFactory:
         if frozen:
             segments.append((None, frozen))
         infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
+        shard_space = self.placement[3]
+        shard_numel = -(-sum(p.numel() for p in params) // self.world)
+        if shard_space is not None and not persistent and shard_numel <= self.shards_in_cpu:
+            self.shards_in_cpu -= shard_numel
+            shard_space = None
         return ShardedUnit(
             name,
             infos,
@@ -152,7 +178,7 @@ class _UnitFactory:
             state_device=self.placement[0],
             shard_device=self.placement[1],
             alias_masters=self.placement[2],
-            shard_space=self.placement[3],
+            shard_space=shard_space,
         )
 
 
@@ -195,9 +221,13 @@ class FullySharded:
         # sub_group_size elements per rank.
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, self._placement,
-            int(zero.sub_group_size) * world,
+            int(zero.sub_group_size) * world, _max_in_cpu(zero, param_swap_space),
         )  # fmt: skip
-        self.swapped = SwappedOptimizerState(swap_space) if swap_space is not None else None
+        self.swapped = (
+            SwappedOptimizerState(swap_space, optimizer_pipeline(zero.offload_optimizer))
+            if swap_space is not None
+            else None
+        )
         bindings = self._build_units(build, plan, persistent, module, modules)
         self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
         self.scheduler = UnitScheduler(
@@ -207,6 +237,7 @@ class FullySharded:
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            read_ahead=_read_ahead(zero),
         )
         self._where = {p: (unit, i) for unit in self.all_units for i, p in enumerate(unit.params)}
         self._hooks = [

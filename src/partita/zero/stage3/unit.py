@@ -155,6 +155,11 @@ class ShardedUnit:
             self.shard_swap.evict()
 
     @property
+    def swapped_shard_numel(self) -> int:
+        """Elements of the shard when it lives in a swap file (0 when it stays in memory)."""
+        return 0 if self.shard_swap is None else self.flat_shard.numel()
+
+    @property
     def shard_bytes(self) -> int:
         """Bytes of the shard in memory (0 while swapped out)."""
         return self.flat_shard.untyped_storage().nbytes()
