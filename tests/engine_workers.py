@@ -157,6 +157,9 @@ def _stage3_stats(engine: Any) -> dict[str, Any]:
         "padded_numel": sum(u.layout.padded_numel for u in strategy.all_units),
         "persistent_numel": 0 if strategy.persistent is None else strategy.persistent.numel,
         "sub_groups": [m.numel() for m in strategy._masters()],
+        "swapped_shards": sum(1 for u in strategy.units if u.swapped_shard_numel),
+        "peak_resident_shards": strategy.scheduler.peak_resident_shards,
+        "peak_resident_sub_groups": None if strategy.swapped is None else strategy.swapped.peak_resident,
     }
 
 

@@ -190,3 +190,53 @@ def test_zero_init_with_chunks_on_nvme_matches_an_eager_build(tmp_path) -> None:
         assert res["seen"] and res["master"]
         assert res["stats"][1] == 0  # no chunk bytes held in memory after construction
     assert list(tmp_path.iterdir()) == []
+
+
+def test_nvme_buffer_settings_bound_what_is_resident(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """offload_optimizer: one sub-group in memory at a time unless pipeline_read/pipeline_write
+    ask for more and buffer_count (4 state tensors per sub-group) covers it. offload_param:
+    buffer_count bounds the shards read ahead; max_in_cpu, when given, keeps shards of the
+    first units in memory (elements per rank). The training is bitwise the same throughout."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    both = {"pipeline_read": True, "pipeline_write": True}
+    unit = 8416  # elements of the first (largest) units of the test model; shards are half
+    variants: list[tuple[dict, dict]] = [
+        ({"offload_optimizer": nvme}, {"peak_resident_sub_groups": 1}),
+        ({"offload_optimizer": {**nvme, "pipeline_read": True}}, {"peak_resident_sub_groups": 1}),
+        (
+            {"offload_optimizer": {**nvme, **both, "buffer_count": 8}},
+            {"peak_resident_sub_groups": 2},
+        ),
+        (
+            {"offload_optimizer": {**nvme, **both, "buffer_count": 12}},
+            {"peak_resident_sub_groups": 3},
+        ),
+        ({"offload_param": {**nvme, "buffer_count": 1}}, {"peak_resident_shards": 2}),
+        ({"offload_param": nvme}, {"peak_resident_shards": 3, "swapped_shards": 5}),
+        ({"offload_param": {**nvme, "max_in_cpu": unit}}, {"swapped_shards": 3}),
+        ({"offload_param": {**nvme, "max_in_cpu": 10**9}}, {"swapped_shards": 0}),
+    ]
+    cases = [{"config": base_config(2, 1, **_zero(3)), "steps": 4}]
+    cases += [{"config": base_config(2, 1, **_zero(3, **v)), "steps": 4} for v, _ in variants]
+    plain, *results = run_distributed(train_grid, 2, cases, timeout=300)[0]
+    assert plain["unit_numels"][:2] == [unit, unit]
+    for (offload, expected), out in zip(variants, results, strict=True):
+        assert out["losses"] == plain["losses"], offload
+        assert all(torch.equal(a, b) for a, b in zip(out["params"], plain["params"], strict=True))
+        for key, value in expected.items():
+            assert out[key] == value, (offload, key, out[key])
+
+
+def test_optimizer_pipeline_follows_buffer_count(caplog: pytest.LogCaptureFixture) -> None:
+    from partita.config.sections.zero import OffloadOptimizerConfig
+    from partita.zero.stage3.nvme import optimizer_pipeline
+
+    def window(**kwargs: object) -> tuple[bool, bool]:
+        return optimizer_pipeline(OffloadOptimizerConfig(device="nvme", nvme_path="/x", **kwargs))
+
+    assert window() == (False, False)
+    assert window(pipeline_read=True, pipeline_write=True, buffer_count=12) == (True, True)
+    assert not caplog.records
+    assert window(pipeline_read=True, pipeline_write=True, buffer_count=8) == (True, False)
+    assert "buffer_count=8" in caplog.text and "raise buffer_count to 12" in caplog.text
+    assert window(pipeline_write=True) == (False, False)

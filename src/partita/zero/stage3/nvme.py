@@ -85,6 +85,8 @@ class SwappedOptimizerState:
         self.resident: list[bool] = []
         self.grad_zero: list[bool] = []
         self._writes: dict[int, list[Future[int]]] = {}
+        self.peak_resident = 0
+        """Most sub-groups resident at once during steps (instrumentation for tests)."""
 
     def add(self, masters: list[torch.nn.Parameter]) -> None:
         """Takes `masters` (with zero gradients) out to the swap files."""
@@ -140,6 +142,7 @@ class SwappedOptimizerState:
                 restore_storage(t)
                 futures.append(self.space.swap_in(f"{i}.{name}", t))
             self.resident[i] = True
+            self.peak_resident = max(self.peak_resident, sum(self.resident))
         if grads:
             futures.extend(self._fetch_grad(i))
         return futures

@@ -77,6 +77,8 @@ class UnitScheduler:
         self._pos: dict[int, int] = {}
         self.gathers: list[tuple[str, int]] = []
         """(unit name, live numel after the gather): instrumentation for tests."""
+        self.peak_resident_shards = 0
+        """NVMe parameter offload: most swapped shards in memory after a read-ahead (tests)."""
         self._handles = []
         for unit_index, module in bindings:
             unit = units[unit_index]
@@ -138,6 +140,9 @@ class UnitScheduler:
             unit.fetch_shard()
             count += 1
             numel += size
+        if count:
+            resident = sum(1 for u in self.units if u.swapped_shard_numel and u.shard_bytes)
+            self.peak_resident_shards = max(self.peak_resident_shards, resident)
 
     def _locate(self, i: int, backward: bool) -> int:
         """Position of this use of unit `i` in the recorded order, advancing the cursor."""
