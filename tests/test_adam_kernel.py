@@ -143,3 +143,24 @@ def test_disabled_or_without_compiler_falls_back_to_torch(tmp_path: os.PathLike)
     # No compiler, and nothing built yet in an empty cache folder.
     out = _python(code, PATH=str(tmp_path), CXX="", PARTITA_CACHE_DIR=str(tmp_path))
     assert out == "False no C++ compiler found (set CXX)"
+
+
+def test_parameters_at_different_steps():
+    """Each parameter's own step counter sets its bias correction, as in torch."""
+    pairs = []
+    for cls, kwargs in ((CPUAdamW, {}), (torch.optim.AdamW, {"fused": True})):
+        torch.manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 4096)]
+        opt = cls(params, lr=1e-2, weight_decay=0.1, **kwargs)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.state[params[1]]["step"].fill_(41.0)  # as if restored from a longer run
+        for _ in range(2):
+            opt.step()
+        pairs.append((params, opt))
+    (ours, opt_a), (theirs, opt_b) = pairs
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(opt_a.state[a]["step"], opt_b.state[b]["step"])
+    assert float(opt_a.state[ours[1]]["step"]) == 43.0

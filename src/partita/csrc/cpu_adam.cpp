@@ -35,27 +35,61 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 extern "C" {
 
+// One update's hyper-parameters, as torch's fused kernel takes them (doubles).
 struct PartitaAdamArgs {
-  float decay;        // AdamW: 1 - lr * weight_decay (1 when weight_decay is 0)
-  float weight_decay; // Adam (coupled): added as weight_decay * param to the gradient
-  float lerp_weight;  // 1 - beta1: exp_avg.lerp_(grad, lerp_weight)
-  float beta2;
-  float one_minus_beta2;
-  float bias2_sqrt;     // sqrt(1 - beta2^step)
-  float bias2_sqrt_inv; // set here: RN(1 / bias2_sqrt) in single precision
-  float eps;
-  float neg_step_size; // -lr / (1 - beta1^step)
-  int32_t coupled;     // 1: Adam with weight decay added to the gradient; 0: AdamW
-  int32_t has_decay;   // weight_decay != 0
-  uint32_t mxcsr;      // the calling thread's MXCSR (denormal flushing must match torch's)
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  double step;        // 1-based update number for rows without a step counter
+  int32_t decoupled;  // 1: AdamW; 0: Adam with the weight decay added to the gradient
+  uint32_t mxcsr;     // the calling thread's MXCSR (denormal flushing must match torch's)
 };
 
 }  // extern "C"
 
 namespace {
+
+// A row's constants, each rounded from double to float as ATen's kernel rounds it.
+struct Consts {
+  float decay;           // AdamW: 1 - lr * weight_decay
+  float weight_decay;    // Adam (coupled): added as weight_decay * param to the gradient
+  float lerp_weight;     // 1 - beta1: exp_avg.lerp_(grad, lerp_weight)
+  float beta2;
+  float one_minus_beta2;
+  float bias2_sqrt;      // sqrt(1 - beta2^step)
+  float bias2_sqrt_inv;  // RN(1 / bias2_sqrt) in single precision
+  float eps;
+  float neg_step_size;   // -lr / (1 - beta1^step)
+  bool coupled;
+  bool has_decay;
+};
+
+Consts make_consts(const PartitaAdamArgs& a, double step) {
+  // As ATen: bias corrections and the step size in double (std::pow, std::sqrt), then floats.
+  const double bias1 = 1 - std::pow(a.beta1, step);
+  const double bias2_sqrt = std::sqrt(1 - std::pow(a.beta2, step));
+  Consts c;
+  c.decay = float(1 - a.lr * a.weight_decay);
+  c.weight_decay = float(a.weight_decay);
+  c.lerp_weight = float(1 - a.beta1);
+  c.beta2 = float(a.beta2);
+  c.one_minus_beta2 = float(1 - a.beta2);
+  c.bias2_sqrt = float(bias2_sqrt);
+  // A float division, not a double one rounded to float (that could differ in the last bit).
+  volatile float one = 1.0f;
+  c.bias2_sqrt_inv = one / c.bias2_sqrt;
+  c.eps = float(a.eps);
+  c.neg_step_size = float(-(a.lr / bias1));
+  c.coupled = a.decoupled == 0;
+  c.has_decay = a.weight_decay != 0;
+  return c;
+}
 
 // ---- AVX-512: 16 lanes (lengths are multiples of 16).
 
@@ -70,7 +104,7 @@ __attribute__((target("avx512f"))) inline __m512 div_by_constant512(__m512 a, __
 }
 
 __attribute__((target("avx512f"))) void step512(
-    const PartitaAdamArgs& a, float* p, float* g, float* m, float* v, int64_t n) {
+    const Consts& a, float* p, float* g, float* m, float* v, int64_t n) {
   const __m512 decay = _mm512_set1_ps(a.decay), wd = _mm512_set1_ps(a.weight_decay);
   const __m512 lw = _mm512_set1_ps(a.lerp_weight);
   // torch's lerp: for a weight below 0.5, m + w * (g - m); else g - (g - m) * (1 - w),
@@ -113,7 +147,7 @@ __attribute__((target("avx2,fma"))) inline __m256 div_by_constant256(__m256 a, _
 }
 
 __attribute__((target("avx2,fma"))) void step256(
-    const PartitaAdamArgs& a, float* p, float* g, float* m, float* v, int64_t n) {
+    const Consts& a, float* p, float* g, float* m, float* v, int64_t n) {
   const __m256 decay = _mm256_set1_ps(a.decay), wd = _mm256_set1_ps(a.weight_decay);
   const __m256 lw = _mm256_set1_ps(a.lerp_weight);
   const bool small = std::fabs(a.lerp_weight) < 0.5f;
@@ -154,21 +188,30 @@ int partita_adam_isa(void) {
 }
 
 // One update of `count` tensors. Row j of `table` holds the addresses of tensor j's param,
-// grad, exp_avg and exp_avg_sq and its length in floats (a multiple of 16 for isa 2, of 8 for
-// isa 1: torch's vector width, so the split between vector body and scalar tail is torch's).
-// `isa`: 2 AVX-512, 1 AVX2. The elements of all tensors are split into `threads` equal ranges
-// (OpenMP: the runtime torch ships and loads, so these are torch's intra-op threads, already
-// spinning after its last op).
+// grad, exp_avg and exp_avg_sq, of its step counter (a float32 scalar, or 0), and the length to
+// update in floats (a multiple of 16 for isa 2, of 8 for isa 1: torch's vector width, so the
+// split between vector body and scalar tail is torch's). A row with a counter adds one to it
+// first and uses its new value as the step (what torch.optim's fused Adam does); a row without
+// one uses args->step. `isa`: 2 AVX-512, 1 AVX2. The elements of all rows are split into
+// `threads` equal ranges (OpenMP: the runtime torch ships and loads, so these are torch's
+// intra-op threads, already spinning after its last op).
 void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads,
-                       const int64_t (*table)[5], int64_t count) {
-  PartitaAdamArgs a = *args;
-  // A float division, not a double one rounded to float (that could differ in the last bit).
-  volatile float one = 1.0f;
-  a.bias2_sqrt_inv = one / a.bias2_sqrt;
+                       const int64_t (*table)[6], int64_t count) {
+  std::vector<Consts> consts(count);
   int64_t total = 0;
-  for (int64_t j = 0; j < count; ++j) total += table[j][4];
+  for (int64_t j = 0; j < count; ++j) {
+    double step = args->step;
+    if (table[j][4] != 0) {
+      float* counter = reinterpret_cast<float*>(table[j][4]);
+      *counter += 1.0f;
+      step = *counter;
+    }
+    consts[j] = make_consts(*args, step);
+    total += table[j][5];
+  }
   // Below this a fork/join costs about what the work does.
   const int32_t team = total >= (int64_t(1) << 15) ? threads : 1;
+  const uint32_t mxcsr = args->mxcsr;
 #pragma omp parallel num_threads(team) if (team > 1)
   {
 #ifdef _OPENMP
@@ -180,20 +223,20 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
     const int64_t lo = std::min(total, rank * share), hi = std::min(total, lo + share);
     // Worker threads carry their own MXCSR; torch's denormal setting is the caller's.
     const uint32_t saved = _mm_getcsr();
-    _mm_setcsr(a.mxcsr);
+    _mm_setcsr(mxcsr);
     int64_t start = 0;
-    for (int64_t j = 0; j < count && start < hi; start += table[j][4], ++j) {
+    for (int64_t j = 0; j < count && start < hi; start += table[j][5], ++j) {
       const int64_t from = std::max(lo, start) - start;
-      const int64_t to = std::min(hi, start + table[j][4]) - start;
+      const int64_t to = std::min(hi, start + table[j][5]) - start;
       if (from >= to) continue;
       float* p = reinterpret_cast<float*>(table[j][0]) + from;
       float* g = reinterpret_cast<float*>(table[j][1]) + from;
       float* m = reinterpret_cast<float*>(table[j][2]) + from;
       float* v = reinterpret_cast<float*>(table[j][3]) + from;
       if (isa >= 2) {
-        step512(a, p, g, m, v, to - from);
+        step512(consts[j], p, g, m, v, to - from);
       } else {
-        step256(a, p, g, m, v, to - from);
+        step256(consts[j], p, g, m, v, to - from);
       }
     }
     _mm_setcsr(saved);

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import subprocess
 import threading
@@ -41,17 +40,13 @@ _WIDTHS = {"AVX512": 16, "AVX2": 8}
 
 class _CArgs(ctypes.Structure):
     _fields_ = [
-        ("decay", ctypes.c_float),
-        ("weight_decay", ctypes.c_float),
-        ("lerp_weight", ctypes.c_float),
-        ("beta2", ctypes.c_float),
-        ("one_minus_beta2", ctypes.c_float),
-        ("bias2_sqrt", ctypes.c_float),
-        ("bias2_sqrt_inv", ctypes.c_float),
-        ("eps", ctypes.c_float),
-        ("neg_step_size", ctypes.c_float),
-        ("coupled", ctypes.c_int32),
-        ("has_decay", ctypes.c_int32),
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("step", ctypes.c_double),
+        ("decoupled", ctypes.c_int32),
         ("mxcsr", ctypes.c_uint32),
     ]
 
@@ -59,8 +54,8 @@ class _CArgs(ctypes.Structure):
 @dataclass(frozen=True)
 class AdamArgs:
     """One update's hyper-parameters, as torch's ``_fused_adam(w)_`` takes them; ``step`` is
-    the 1-based number of this update. ``decoupled``: AdamW (else Adam with the weight decay
-    added to the gradient)."""
+    the 1-based number of this update (unused where `adam_step` is given step counters).
+    ``decoupled``: AdamW (else Adam with the weight decay added to the gradient)."""
 
     step: float
     lr: float
@@ -69,26 +64,6 @@ class AdamArgs:
     eps: float
     weight_decay: float
     decoupled: bool
-
-    def to_c(self, mxcsr: int) -> _CArgs:
-        """The C struct, with every constant rounded from double as torch's kernel does."""
-        # As ATen: bias corrections and the step size in double, then each cast to float.
-        bias1 = 1 - math.pow(self.beta1, self.step)
-        bias2_sqrt = math.sqrt(1 - math.pow(self.beta2, self.step))
-        return _CArgs(
-            decay=1 - self.lr * self.weight_decay,
-            weight_decay=self.weight_decay,
-            lerp_weight=1 - self.beta1,
-            beta2=self.beta2,
-            one_minus_beta2=1 - self.beta2,
-            bias2_sqrt=bias2_sqrt,
-            bias2_sqrt_inv=0.0,  # the kernel computes RN(1/b) in single precision
-            eps=self.eps,
-            neg_step_size=-(self.lr / bias1),
-            coupled=0 if self.decoupled else 1,
-            has_decay=1 if self.weight_decay != 0 else 0,
-            mxcsr=mxcsr,
-        )
 
 
 _lib: ctypes.CDLL | None = None
@@ -170,35 +145,42 @@ def adam_step(
     exp_avgs: Sequence[torch.Tensor],
     exp_avg_sqs: Sequence[torch.Tensor],
     args: AdamArgs,
+    steps: Sequence[torch.Tensor] | None = None,
 ) -> None:
     """One Adam/AdamW update of ``params`` and their moments, in place; bitwise what torch's
     ``_fused_adamw_``/``_fused_adam_`` computes. Needs `available` and `supports` (every
-    tensor); grads, moments and params match one to one in size."""
+    tensor); grads, moments and params match one to one in size. With ``steps`` (one float32
+    0-dim CPU counter per parameter, as torch.optim's fused Adam keeps them) each counter is
+    incremented and its new value is that parameter's step, as in ``torch.optim.AdamW.step``;
+    without, every parameter takes ``args.step``."""
     assert _lib is not None, "adam_step needs available()"
     width = _vector_width
-    rows: list[int] = []  # per tensor: 4 addresses and the body's length
+    rows: list[int] = []  # per tensor: 4 addresses, its step counter's (or 0), body length
     tails: list[tuple[torch.Tensor, ...]] = []
-    for group in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+    tail_steps: list[torch.Tensor] = []
+    for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         n = group[0].numel()
         if any(t.numel() != n for t in group):
             raise ValueError(f"adam_step: sizes differ: {[t.numel() for t in group]}")
         cut = n - n % width
-        if cut:
-            rows += [t.data_ptr() for t in group]
-            rows.append(cut)
+        rows += [t.data_ptr() for t in group]
+        rows += [0 if steps is None else steps[i].data_ptr(), cut]
         if cut < n:
             tails.append(tuple(t.view(-1)[cut:] for t in group))
+            tail_steps.append(torch.tensor(float(args.step)) if steps is None else steps[i])
     if rows:
         table = (ctypes.c_int64 * len(rows))(*rows)
-        c_args = args.to_c(_lib.partita_adam_mxcsr())
+        c_args = _CArgs(
+            args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
+            1 if args.decoupled else 0, _lib.partita_adam_mxcsr(),
+        )  # fmt: skip
         threads = torch.get_num_threads()  # the kernel uses one below 32K elements
-        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 5)
-    if tails:
+        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 6)
+    if tails:  # after the kernel: the counters hold this update's step now
         kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
-        step = torch.tensor(float(args.step))
         p, g, m, v = (list(x) for x in zip(*tails, strict=True))
         kernel(
-            p, g, m, v, [], [step] * len(p), lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+            p, g, m, v, [], tail_steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
             weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
         )  # fmt: skip
 
@@ -217,7 +199,9 @@ def _self_check() -> str | None:
                     grad[::97] = 0.0
                     grad[5] = 1e30  # its square overflows: an infinite second moment
                     args = AdamArgs(step, 1e-2, beta1, 0.999, 1e-8, weight_decay, decoupled)
-                    adam_step([ours[0]], [grad], [ours[1]], [ours[2]], args)
+                    # The counter path (torch.optim's state) in half of the cases.
+                    counter = [torch.tensor(float(step - 1))] if beta1 == 0.3 else None
+                    adam_step([ours[0]], [grad], [ours[1]], [ours[2]], args, counter)
                     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
                     kernel(
                         [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [],

@@ -59,6 +59,8 @@ class _KernelStep:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif not _step_counter(state["step"]):
+                    return None
                 params.append(p)
                 grads.append(grad)
                 states.append(state)
@@ -77,27 +79,25 @@ class _KernelStep:
             with torch.enable_grad():
                 loss = closure()
         for group, params, grads, states in work:
-            steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
-            # Parameters restored from different checkpoints may be at different steps.
-            by_step: dict[float, list[int]] = {}
-            for i, s in enumerate(steps):
-                by_step.setdefault(float(s), []).append(i)
             beta1, beta2 = group["betas"]
-            for step, idx in by_step.items():
-                args = adam_kernel.AdamArgs(
-                    step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                    decoupled=bool(group.get("decoupled_weight_decay", False)),
-                )  # fmt: skip
-                adam_kernel.adam_step(
-                    [params[i] for i in idx],
-                    [grads[i] for i in idx],
-                    [states[i]["exp_avg"] for i in idx],
-                    [states[i]["exp_avg_sq"] for i in idx],
-                    args,
-                )
+            args = adam_kernel.AdamArgs(
+                step=0.0, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=bool(group.get("decoupled_weight_decay", False)),
+            )  # fmt: skip
+            # The kernel adds one to each step counter and uses its value (parameters restored
+            # from different checkpoints may be at different steps).
+            steps = [s["step"] for s in states]
+            exp_avgs = [s["exp_avg"] for s in states]
+            adam_kernel.adam_step(
+                params, grads, exp_avgs, [s["exp_avg_sq"] for s in states], args, steps
+            )
         return loss
+
+
+def _step_counter(step: Any) -> bool:
+    """Whether ``step`` is the float32 CPU scalar the kernel increments in place."""
+    return torch.is_tensor(step) and step.dim() == 0 and _plain_fp32(step)
 
 
 def _plain_fp32(t: torch.Tensor) -> bool:
