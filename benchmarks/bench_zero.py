@@ -8,8 +8,9 @@ Trains the same GPT-2 on the same data as ``bench_dp.py``, each configuration it
 * ``zero3``: partita stage 3 against partita stage 0 (the reference), FSDP2 (``fully_shard`` on
   each transformer block, then the root, with ``AdamW(fused=True)``) and DeepSpeed stage 3;
 * ``offload``: partita stage 3 without offload (the reference), with the optimizer state on the
-  CPU, with it and the parameters on the CPU, with the optimizer state on NVMe, and with both on
-  NVMe (swap files under ``--nvme_dir``); DeepSpeed stage 3 with CPU optimizer offload as the
+  CPU, with it and the parameters on the CPU, with the optimizer state on NVMe (one sub-group in
+  memory at a time, DeepSpeed's default; and pipelined: ``pipeline_read``/``pipeline_write``
+  with ``buffer_count`` 12), and with both on NVMe (swap files under ``--nvme_dir``); DeepSpeed stage 3 with CPU optimizer offload as the
   peer. On a CPU-only machine "CPU offload" moves nothing (host and device are one memory), so
   its rows measure the offload code path's overhead; NVMe rows measure real disk traffic.
 
@@ -84,6 +85,7 @@ SUITES: dict[str, Suite] = {
             "partita-3+cpu",
             "partita-3+cpu_params",
             "partita-3+nvme",
+            "partita-3+nvme_pipelined",
             "partita-3+nvme_params",
             "deepspeed-3+cpu",
         ),
@@ -98,8 +100,11 @@ OFFLOADS: dict[str, tuple[str, str]] = {
     "cpu_params": ("cpu", "cpu"),
     "nvme": ("nvme", "none"),
     "nvme_params": ("nvme", "nvme"),
+    "nvme_pipelined": ("nvme", "none"),
 }
 """Offload variant -> (offload_optimizer.device, offload_param.device)."""
+PIPELINED = {"pipeline_read": True, "pipeline_write": True, "buffer_count": 12}
+"""``offload_optimizer`` keys of the ``nvme_pipelined`` variant: reads and writes overlapped."""
 
 
 def split_impl(impl: str) -> tuple[str, int, str]:
@@ -122,6 +127,7 @@ def label(impl: str) -> str:
         where = f" + optimizer on {opt.upper()}" + (
             f", parameters on {param.upper()}" if param != "none" else ""
         )
+        where += " (pipelined I/O)" if offload == "nvme_pipelined" else ""
     if backend == "deepspeed":
         version = common.environment()["deepspeed"]
         name = f"DeepSpeed {version} stage {stage}" if version else f"DeepSpeed stage {stage}"
@@ -243,6 +249,8 @@ def engine_config(args: argparse.Namespace, stage: int, offload: str = "") -> di
         ):
             if device != "none":
                 zero[block] = {"device": device, "nvme_path": args.nvme_dir}
+        if offload == "nvme_pipelined":
+            zero["offload_optimizer"].update(PIPELINED)
     return config
 
 
