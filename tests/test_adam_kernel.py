@@ -164,3 +164,13 @@ def test_parameters_at_different_steps():
         assert torch.equal(a, b)
         assert torch.equal(opt_a.state[a]["step"], opt_b.state[b]["step"])
     assert float(opt_a.state[ours[1]]["step"]) == 43.0
+
+
+def test_avx2_path_when_torch_uses_avx2() -> None:
+    """With torch's AVX2 kernels (8-wide: a different body/tail split) the kernel's AVX2 code
+    passes its bitwise check against torch too."""
+    code = (
+        "import torch; from partita.optim import adam_kernel as k; "
+        "print(torch.backends.cpu.get_cpu_capability(), k.available(), k.why_not(), k._isa)"
+    )
+    assert _python(code, ATEN_CPU_CAPABILITY="avx2") == "AVX2 True None 1"
