@@ -15,7 +15,10 @@ until the next step writes it back.
 [Note: swapped gradients]
 A sub-group's fp32 gradient is either zero (after ``zero_grad``; nothing stored) or held in its
 swap file. A finished reduce-scatter is added in write-through (`add_grad`: read or zero, add,
-write, free), so backward never keeps more than one sub-group's gradient in memory. The step
+start the write): backward goes on while up to `GRAD_WRITES_IN_FLIGHT` writes run, each
+keeping its gradient in memory until it is done, so backward holds at most that many plus one
+sub-group gradients. A gradient whose write is still running is used from memory (the next
+micro-batch's add, the step), after waiting for the write. The step
 reads the gradients twice: once for the global norm (the overflow and clipping decision needs
 every sub-group before any is stepped), once, pipelined with the masters, for the update. The
 arithmetic is the same as without offload (unscale, norm per tensor, clip coefficient, fused
@@ -44,6 +47,9 @@ from partita.zero.shard_step import global_norm
 from partita.zero.strategy import StepOutcome
 
 logger = logging.getLogger("partita")
+
+GRAD_WRITES_IN_FLIGHT = 2
+"""Gradient writes backward leaves running ([Note: swapped gradients])."""
 
 _STATES = 4
 """State tensors per resident sub-group: master, gradient and Adam's two moments (DeepSpeed's
@@ -85,6 +91,7 @@ class SwappedOptimizerState:
         self.resident: list[bool] = []
         self.grad_zero: list[bool] = []
         self._writes: dict[int, list[Future[int]]] = {}
+        self._grad_writes: dict[int, Future[int]] = {}
         self.peak_resident = 0
         """Most sub-groups resident at once during steps (instrumentation for tests)."""
 
@@ -148,7 +155,14 @@ class SwappedOptimizerState:
         return futures
 
     # --- gradients ([Note: swapped gradients]) --------------------------------------------------
+    def _settle_grad(self, i: int) -> None:
+        """Waits for a running write of sub-group i's gradient (which stays in memory)."""
+        write = self._grad_writes.pop(i, None)
+        if write is not None:
+            write.result()  # raises the I/O error naming the file
+
     def _fetch_grad(self, i: int) -> list[Future[int]]:
+        self._settle_grad(i)
         grad = self.masters[i].grad
         assert grad is not None
         if has_storage(grad):
@@ -169,6 +183,7 @@ class SwappedOptimizerState:
 
     def drop_grad(self, i: int) -> None:
         """Frees sub-group i's gradient memory (the file, or zero, still holds its value)."""
+        self._settle_grad(i)
         grad = self.masters[i].grad
         if grad is not None:
             release_storage(grad)
@@ -180,12 +195,15 @@ class SwappedOptimizerState:
         self.store_grad(i)
 
     def store_grad(self, i: int) -> None:
-        """Writes sub-group i's resident gradient to its file and frees it."""
+        """Starts writing sub-group i's resident gradient to its file; its memory is freed when
+        the write is done, waited for once more than `GRAD_WRITES_IN_FLIGHT` are running."""
         grad = self.masters[i].grad
         assert grad is not None
-        self.space.swap_out(f"{i}.grad", grad).result()
+        self._settle_grad(i)  # writes of one file stay in order
+        self._grad_writes[i] = self.space.swap_out(f"{i}.grad", grad)
         self.grad_zero[i] = False
-        self.drop_grad(i)
+        while len(self._grad_writes) > GRAD_WRITES_IN_FLIGHT:
+            self.drop_grad(next(iter(self._grad_writes)))
 
     def zero_grads(self) -> None:
         """Every gradient becomes zero (no I/O: zero is a state, not file contents)."""
