@@ -13,8 +13,9 @@
     when ``import deepspeed`` works (its first use compiles C++ for minutes; ``--no-deepspeed``
     skips it), and a memory-bandwidth ceiling: a C loop moving the same bytes as one Adam step
     with no arithmetic (``csrc/stream_probe.cpp``). Steps are interleaved round by round; the
-    tables give the fastest and median step and, per implementation, the median over rounds of
-    its step time divided by partita's in the same round (robust to the machine's drift).
+    tables give the fastest and median step and, per implementation, the median and quartiles
+    over rounds of its step time divided by partita's in the same round (robust to the
+    machine's drift; quartiles on both sides of 1.00 mean no difference beyond the noise).
 (c) End-to-end stage 3 step time with and without each offload is the ``offload`` suite of
     ``bench_zero.py`` (``--suites offload``): whole training jobs, like the other suites.
 
@@ -249,6 +250,12 @@ def _deepspeed(n: int) -> Callable[[], None]:
     return opt.step
 
 
+def _quartiles(values: list[float]) -> list[float]:
+    """[first quartile, median, third quartile] of ``values``."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, median, q3]
+
+
 def _stream_probe() -> Callable[[int], Callable[[], None]]:
     """The memory-bandwidth ceiling (benchmarks/csrc/stream_probe.cpp), built like partita's
     own C++ helpers."""
@@ -307,9 +314,10 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
                 name: {
                     "best": n / min(t),
                     "median": n / statistics.median(t),
-                    # Paired: this implementation's step over partita's in the same round.
-                    "vs_partita": statistics.median(
-                        a / b for a, b in zip(t, times[PARTITA], strict=True)
+                    # Paired: this implementation's step over partita's in the same round;
+                    # the quartiles show whether a difference is more than the noise.
+                    "vs_partita": _quartiles(
+                        [a / b for a, b in zip(t, times[PARTITA], strict=True)]
                     ),
                 }
                 for name, t in times.items()
@@ -323,6 +331,11 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _ratio_cell(quartiles: list[float]) -> str:
+    q1, median, q3 = quartiles
+    return f"{median:.2f} ({q1:.2f}-{q3:.2f})"
+
+
 def adam_markdown(res: dict[str, Any]) -> str:
     """Part (b) tables, one per thread count: M params/s of the fastest step (median in
     brackets) and the median over rounds of the step time over partita's in the same round."""
@@ -333,7 +346,8 @@ def adam_markdown(res: dict[str, Any]) -> str:
         head = " | ".join(f"{n / 1e6:g}M" for n in res["sizes"])
         lines += [
             f"### CPU AdamW step, {threads} thread(s): M params/s, fastest of {res['repeats']} "
-            "interleaved steps (median); time / partita's, median of rounds",
+            "interleaved steps (median); time / partita's in the same round, median "
+            "(quartiles)",
             "",
             f"| implementation | {head} | {head} |",
             "|---|" + "---:|" * 2 * len(runs),
@@ -343,7 +357,7 @@ def adam_markdown(res: dict[str, Any]) -> str:
                 f"{r[name]['best'] / 1e6:.0f} ({r[name]['median'] / 1e6:.0f})"
                 for r in runs.values()
             ]
-            ratio = [f"{r[name]['vs_partita']:.2f}" for r in runs.values()]
+            ratio = [_ratio_cell(r[name]["vs_partita"]) for r in runs.values()]
             lines.append(f"| {name} | {' | '.join(speed)} | {' | '.join(ratio)} |")
         lines.append("")
     lines += [f"- {name}: {note}" for name, note in res["notes"].items()]
