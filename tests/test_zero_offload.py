@@ -146,7 +146,8 @@ def test_nvme_offload_trains_a_model_four_times_the_memory_cap(tmp_path) -> None
     ``zero.Init(remote_device="nvme")``: the model states (16 bytes per parameter) are over 4x
     the RSS the run may add to the process (the cap), and construction, set-up and training
     stay under it. Bounded by the config: units of one block, at most ~2 blocks gathered, one
-    sub-group (block) of master/moments/gradient resident per pipeline stage."""
+    sub-group (block) of master/moments/gradient resident in the step, up to 5 shards read
+    ahead and 2 gradient writes running in backward."""
     from offload_workers import train_under_cap
 
     cap = 80 * 2**20
