@@ -8,8 +8,8 @@ first) before a new mapping would take the total past `HEADROOM` above the peak 
 tensors asked for (see the C++ file's header).
 
 The C++ file is compiled on first use against torch's ``c10`` headers by `partita.native`
-(about a second; cached, see there). Without a compiler, or with ``PARTITA_HOST_CACHE=0``, nothing is installed and `why_not` says
-why; callers then keep glibc's allocator.
+(about a second; cached, see there). Without a compiler, or with ``PARTITA_HOST_CACHE=0``,
+nothing is installed and `why_not` says why; callers then keep glibc's allocator.
 """
 
 from __future__ import annotations

@@ -51,7 +51,6 @@ struct PartitaAdamArgs {
   double weight_decay;
   double step;        // 1-based update number for rows without a step counter
   int32_t decoupled;  // 1: AdamW; 0: Adam with the weight decay added to the gradient
-  uint32_t mxcsr;     // the calling thread's MXCSR (denormal flushing must match torch's)
 };
 
 }  // extern "C"
@@ -214,7 +213,8 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
   }
   // Below this a fork/join costs about what the work does.
   const int32_t team = total >= (int64_t(1) << 15) ? threads : 1;
-  const uint32_t mxcsr = args->mxcsr;
+  // The calling thread's MXCSR (denormal flushing, as torch.set_flush_denormal left it).
+  const uint32_t mxcsr = _mm_getcsr();
 #pragma omp parallel num_threads(team) if (team > 1)
   {
 #ifdef _OPENMP
@@ -246,6 +246,5 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
   }
 }
 
-uint32_t partita_adam_mxcsr(void) { return _mm_getcsr(); }
 
 }  // extern "C"

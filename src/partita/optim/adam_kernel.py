@@ -1,4 +1,4 @@
-"""partita's CPU Adam/AdamW kernel (``csrc/cpu_adam.cpp``): torch's fused update, bitwise, faster.
+"""partita's CPU Adam/AdamW kernel (``csrc/cpu_adam.cpp``): torch's fused update, bitwise.
 
 `adam_step` updates fp32 CPU tensors exactly as ``torch._fused_adamw_`` / ``torch._fused_adam_``
 (the kernels behind ``torch.optim.AdamW(fused=True)``) would, bit for bit, with one division per
@@ -30,12 +30,13 @@ import torch
 
 from partita import native
 
-__all__ = ["AdamArgs", "adam_step", "available", "supports", "why_not"]
+__all__ = ["AdamArgs", "adam_step", "available", "plain_fp32", "supports", "why_not"]
 
 logger = logging.getLogger(__name__)
 
 _SOURCE = native.CSRC / "cpu_adam.cpp"
 _WIDTHS = {"AVX512": 16, "AVX2": 8}
+"""torch's float vector width per CPU capability: its kernels' split between body and tail."""
 
 
 class _CArgs(ctypes.Structure):
@@ -47,7 +48,6 @@ class _CArgs(ctypes.Structure):
         ("weight_decay", ctypes.c_double),
         ("step", ctypes.c_double),
         ("decoupled", ctypes.c_int32),
-        ("mxcsr", ctypes.c_uint32),
     ]
 
 
@@ -73,14 +73,9 @@ _why_not: str | None = None
 _lock = threading.Lock()
 
 
-def _width() -> int | None:
-    """torch's float vector width on this CPU (its kernels' body/tail split), if we match it."""
-    return _WIDTHS.get(torch.backends.cpu.get_cpu_capability())
-
-
 def available() -> bool:
     """Whether `adam_step` may be used in this process (builds and checks the kernel once)."""
-    global _lib, _isa, _why_not
+    global _lib, _why_not
     with _lock:
         if _lib is not None or _why_not is not None:
             return _lib is not None
@@ -97,7 +92,7 @@ def _load() -> str | None:
     if os.environ.get("PARTITA_CPU_ADAM", "1") == "0":
         return "disabled by PARTITA_CPU_ADAM=0"
     capability = torch.backends.cpu.get_cpu_capability()
-    if _width() is None:
+    if capability not in _WIDTHS:
         return f"torch's CPU kernels use {capability!r}, not AVX512 or AVX2"
     if (cxx := native.compiler()) is None:
         return "no C++ compiler found (set CXX)"
@@ -110,7 +105,6 @@ def _load() -> str | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return f"build or load failed: {exc}"
     lib.partita_adam_isa.restype = ctypes.c_int
-    lib.partita_adam_mxcsr.restype = ctypes.c_uint32
     # Plain addresses: ctypes' per-call type checks of pointer arguments cost microseconds.
     lib.partita_adam_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
     lib.partita_adam_step.argtypes += [ctypes.c_void_p, ctypes.c_int64]
@@ -130,12 +124,16 @@ def why_not() -> str | None:
 
 def supports(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether `adam_step` takes these tensors: dense, contiguous fp32 CPU tensors."""
-    return all(
-        t.device.type == "cpu"
-        and t.dtype == torch.float32
+    return all(plain_fp32(t) for t in tensors)
+
+
+def plain_fp32(t: torch.Tensor) -> bool:
+    """Whether `adam_step` takes ``t``: a dense, contiguous fp32 CPU tensor."""
+    return (
+        t.dtype == torch.float32
+        and t.device.type == "cpu"
         and t.layout == torch.strided
         and t.is_contiguous()
-        for t in tensors
     )
 
 
@@ -157,7 +155,7 @@ def adam_step(
     width = _vector_width
     rows: list[int] = []  # per tensor: 4 addresses, its step counter's (or 0), body length
     tails: list[tuple[torch.Tensor, ...]] = []
-    tail_steps: list[torch.Tensor] = []
+    tail_of: list[int] = []  # which tensor each tail belongs to
     for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         n = group[0].numel()
         if any(t.numel() != n for t in group):
@@ -167,18 +165,23 @@ def adam_step(
         rows += [0 if steps is None else steps[i].data_ptr(), cut]
         if cut < n:
             tails.append(tuple(t.view(-1)[cut:] for t in group))
-            tail_steps.append(torch.tensor(float(args.step)) if steps is None else steps[i])
+            tail_of.append(i)
     if rows:
         table = (ctypes.c_int64 * len(rows))(*rows)
         c_args = _CArgs(
             args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
-            1 if args.decoupled else 0, _lib.partita_adam_mxcsr(),
+            1 if args.decoupled else 0,
         )  # fmt: skip
         threads = torch.get_num_threads()  # the kernel uses one below 32K elements
         _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 6)
     if tails:  # after the kernel: the counters hold this update's step now
         kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
         p, g, m, v = (list(x) for x in zip(*tails, strict=True))
+        tail_steps = (
+            [torch.tensor(float(args.step))] * len(tails)
+            if steps is None
+            else [steps[i] for i in tail_of]
+        )
         kernel(
             p, g, m, v, [], tail_steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
             weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,

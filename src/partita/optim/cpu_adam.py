@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from partita.optim import adam_kernel
+from partita.optim.adam_kernel import plain_fp32
 
 __all__ = ["CPUAdam", "CPUAdamW", "torch_base", "torch_class_name"]
 
@@ -52,7 +53,7 @@ class _KernelStep:
                 grad = p.grad
                 if grad is None:
                     continue
-                if not _plain_fp32(p) or not _plain_fp32(grad):
+                if not plain_fp32(p) or not plain_fp32(grad):
                     return None
                 state = self.state[p]
                 if not state:  # what torch's fused path creates
@@ -87,26 +88,20 @@ class _KernelStep:
             )  # fmt: skip
             # The kernel adds one to each step counter and uses its value (parameters restored
             # from different checkpoints may be at different steps).
-            steps = [s["step"] for s in states]
-            exp_avgs = [s["exp_avg"] for s in states]
             adam_kernel.adam_step(
-                params, grads, exp_avgs, [s["exp_avg_sq"] for s in states], args, steps
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                args,
+                [s["step"] for s in states],
             )
         return loss
 
 
 def _step_counter(step: Any) -> bool:
     """Whether ``step`` is the float32 CPU scalar the kernel increments in place."""
-    return torch.is_tensor(step) and step.dim() == 0 and _plain_fp32(step)
-
-
-def _plain_fp32(t: torch.Tensor) -> bool:
-    return (
-        t.dtype == torch.float32
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-    )
+    return torch.is_tensor(step) and step.dim() == 0 and plain_fp32(step)
 
 
 class CPUAdam(_KernelStep, torch.optim.Adam):

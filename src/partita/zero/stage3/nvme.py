@@ -26,9 +26,9 @@ update), so the parameters come out bitwise equal.
 
 [Note: swapped shards]
 With ``offload_param`` on NVMe a unit's module-dtype shard lives in a swap file too
-(`partita.offload.SwappedTensor`): read before the unit is gathered (started ahead of time by the scheduler's
-prefetch), freed once the gather is done (the file still holds it), and written back after the
-step changed it.
+(`partita.offload.SwappedTensor`): read before the unit is gathered (the scheduler reads up to
+``offload_param.buffer_count`` shards ahead in the recorded order), freed once the gather is
+done (the file still holds it), and written back after the step changed it.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ class SwappedOptimizerState:
         self.grad_zero: list[bool] = []
         self._writes: dict[int, list[Future[int]]] = {}
         self._grad_writes: dict[int, Future[int]] = {}
+        self._resident_count = 0
         self.peak_resident = 0
         """Most sub-groups resident at once during steps (instrumentation for tests)."""
 
@@ -102,6 +103,7 @@ class SwappedOptimizerState:
             i = len(self.masters)
             self.masters.append(m)
             self.resident.append(True)
+            self._resident_count += 1
             self.grad_zero.append(True)
             assert m.grad is not None
             self.space.register(f"{i}.grad", m.numel(), m.grad.dtype)
@@ -141,6 +143,7 @@ class SwappedOptimizerState:
             release_storage(t)
         self.drop_grad(i)
         self.resident[i] = False
+        self._resident_count -= 1
 
     def _fetch(self, i: int, grads: bool = True) -> list[Future[int]]:
         futures = []
@@ -149,7 +152,8 @@ class SwappedOptimizerState:
                 restore_storage(t)
                 futures.append(self.space.swap_in(f"{i}.{name}", t))
             self.resident[i] = True
-            self.peak_resident = max(self.peak_resident, sum(self.resident))
+            self._resident_count += 1
+            self.peak_resident = max(self.peak_resident, self._resident_count)
         if grads:
             futures.extend(self._fetch_grad(i))
         return futures
