@@ -69,6 +69,20 @@ class Accelerator:
             with torch.cuda.stream(stream):
                 yield
 
+    def wait_stream(self, waiter: torch.cuda.Stream | None, done: torch.cuda.Stream | None) -> None:
+        """Work queued on `waiter` after this call starts after what `done` has queued so far
+        (None: the current stream; a no-op on CPU)."""
+        if self.is_cuda:
+            (waiter or torch.cuda.current_stream()).wait_stream(done or torch.cuda.current_stream())
+
+    def record_event(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """An event marking what `stream` has queued so far (None on CPU)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or torch.cuda.current_stream())
+        return event
+
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:
         """Page-locked copy of a CPU tensor on CUDA machines; the tensor itself elsewhere."""
         return tensor.pin_memory() if self.is_cuda else tensor

@@ -254,9 +254,11 @@ def strategy(
             param_swap_space=swap_space(config, "offload_param"),
         )  # fmt: skip
     if zero.stage in (1, 2):
+        opt = zero.offload_optimizer
         return Sharded(
             zero.stage, groups, policy, make_optimizer, bucket, scaling,
-            state_device=state_device,
+            state_device=state_device, pin_memory=opt is not None and bool(opt.pin_memory),
+            sub_group_numel=int(zero.sub_group_size),
         )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"

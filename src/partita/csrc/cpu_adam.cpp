@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 extern "C" {
@@ -93,7 +94,37 @@ Consts make_consts(const PartitaAdamArgs& a, double step) {
   return c;
 }
 
-// ---- AVX-512: 16 lanes (lengths are multiples of 16).
+// Where a row's updated parameters are also written, converted (kinds: see partita_adam_step).
+enum OutKind : int64_t { kNone = 0, kBF16 = 1, kFP16 = 2, kFP32 = 3 };
+
+struct Out {
+  void* ptr;
+  int64_t kind;
+};
+
+inline int64_t out_size(int64_t kind) { return kind == kFP32 ? 4 : 2; }
+
+// The last partial vector of a row: its elements are copied into zero-padded vectors, updated
+// with the same operations as the full vectors (the update is elementwise), and copied back.
+struct Remainder {
+  alignas(64) float p[16], g[16], m[16], v[16];
+  alignas(64) unsigned char out[64];
+  Remainder(const float* p0, const float* g0, const float* m0, const float* v0, int64_t k) {
+    std::fill(p, p + 16, 0.0f), std::fill(g, g + 16, 0.0f);
+    std::fill(m, m + 16, 0.0f), std::fill(v, v + 16, 0.0f);
+    std::copy(p0, p0 + k, p), std::copy(g0, g0 + k, g);
+    std::copy(m0, m0 + k, m), std::copy(v0, v0 + k, v);
+  }
+  void store(float* p0, float* m0, float* v0, const Out& o, int64_t i, int64_t k) const {
+    std::copy(p, p + k, p0), std::copy(m, m + k, m0), std::copy(v, v + k, v0);
+    if (o.kind != kNone) {
+      std::memcpy(static_cast<unsigned char*>(o.ptr) + i * out_size(o.kind), out,
+                  k * out_size(o.kind));
+    }
+  }
+};
+
+// ---- AVX-512: 16 lanes.
 
 __attribute__((target("avx512f"))) inline __m512 div_by_constant512(__m512 a, __m512 b, __m512 y) {
   __m512 q = _mm512_mul_ps(a, y);
@@ -105,8 +136,30 @@ __attribute__((target("avx512f"))) inline __m512 div_by_constant512(__m512 a, __
   return _mm512_mask_mov_ps(q, inf, _mm512_set1_ps(INFINITY));
 }
 
+// bfloat16 as torch's vectorised conversion makes it: round to nearest even on the bits, NaN to
+// 0xffff.
+__attribute__((target("avx512f"))) inline __m256i to_bf16_512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  __m512i r = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  r = _mm512_add_epi32(_mm512_add_epi32(r, _mm512_set1_epi32(0x7fff)), bits);
+  r = _mm512_srli_epi32(r, 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), r);
+  return _mm512_cvtusepi32_epi16(r);
+}
+
+__attribute__((target("avx512f"))) inline void store_out512(__m512 x, void* dst, int64_t kind) {
+  if (kind == kBF16) {
+    _mm256_storeu_si256(static_cast<__m256i*>(dst), to_bf16_512(x));
+  } else if (kind == kFP16) {
+    _mm256_storeu_si256(static_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (kind == kFP32) {
+    _mm512_storeu_ps(static_cast<float*>(dst), x);
+  }
+}
+
 __attribute__((target("avx512f"))) void step512(
-    const Consts& a, float* p, float* g, float* m, float* v, int64_t n) {
+    const Consts& a, float* p, float* g, float* m, float* v, const Out& out, int64_t n) {
   const __m512 decay = _mm512_set1_ps(a.decay), wd = _mm512_set1_ps(a.weight_decay);
   const __m512 lw = _mm512_set1_ps(a.lerp_weight);
   // torch's lerp: for a weight below 0.5, m + w * (g - m); else g - (g - m) * (1 - w),
@@ -116,9 +169,11 @@ __attribute__((target("avx512f"))) void step512(
   const __m512 b2 = _mm512_set1_ps(a.beta2), c2 = _mm512_set1_ps(a.one_minus_beta2);
   const __m512 bs = _mm512_set1_ps(a.bias2_sqrt), bsi = _mm512_set1_ps(a.bias2_sqrt_inv);
   const __m512 eps = _mm512_set1_ps(a.eps), ns = _mm512_set1_ps(a.neg_step_size);
-  for (int64_t i = 0; i < n; i += 16) {
-    __m512 pv = _mm512_loadu_ps(p + i), gv = _mm512_loadu_ps(g + i);
-    __m512 mv = _mm512_loadu_ps(m + i), vv = _mm512_loadu_ps(v + i);
+  // One vector: 16 elements at pp..vp, converted parameters to dst.
+  auto update = [&](float* pp, float* gp, float* mp, float* vp, void* dst)
+                    __attribute__((target("avx512f"))) {
+    __m512 pv = _mm512_loadu_ps(pp), gv = _mm512_loadu_ps(gp);
+    __m512 mv = _mm512_loadu_ps(mp), vv = _mm512_loadu_ps(vp);
     if (a.has_decay) {
       if (a.coupled) {
         gv = _mm512_fmadd_ps(pv, wd, gv);
@@ -130,13 +185,25 @@ __attribute__((target("avx512f"))) void step512(
     vv = _mm512_fmadd_ps(_mm512_mul_ps(c2, gv), gv, _mm512_mul_ps(vv, b2));
     const __m512 den = _mm512_add_ps(div_by_constant512(_mm512_sqrt_ps(vv), bs, bsi), eps);
     pv = _mm512_add_ps(pv, _mm512_div_ps(_mm512_mul_ps(ns, mv), den));
-    _mm512_storeu_ps(m + i, mv);
-    _mm512_storeu_ps(v + i, vv);
-    _mm512_storeu_ps(p + i, pv);
+    _mm512_storeu_ps(mp, mv);
+    _mm512_storeu_ps(vp, vv);
+    _mm512_storeu_ps(pp, pv);
+    store_out512(pv, dst, out.kind);
+  };
+  unsigned char* o = static_cast<unsigned char*>(out.ptr);
+  const int64_t size = out_size(out.kind);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    update(p + i, g + i, m + i, v + i, o == nullptr ? nullptr : o + i * size);
+  }
+  if (i < n) {
+    Remainder r(p + i, g + i, m + i, v + i, n - i);
+    update(r.p, r.g, r.m, r.v, r.out);
+    r.store(p + i, m + i, v + i, out, i, n - i);
   }
 }
 
-// ---- AVX2 + FMA: 8 lanes (lengths are multiples of 8).
+// ---- AVX2 + FMA (+ F16C): 8 lanes.
 
 __attribute__((target("avx2,fma"))) inline __m256 div_by_constant256(__m256 a, __m256 b, __m256 y) {
   __m256 q = _mm256_mul_ps(a, y);
@@ -148,8 +215,33 @@ __attribute__((target("avx2,fma"))) inline __m256 div_by_constant256(__m256 a, _
   return _mm256_blendv_ps(q, inf, _mm256_cmp_ps(a, inf, _CMP_EQ_OQ));
 }
 
-__attribute__((target("avx2,fma"))) void step256(
-    const Consts& a, float* p, float* g, float* m, float* v, int64_t n) {
+__attribute__((target("avx2,fma"))) inline __m128i to_bf16_256(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  __m256i r = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  r = _mm256_add_epi32(_mm256_add_epi32(r, _mm256_set1_epi32(0x7fff)), bits);
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_ORD_Q));
+  r = _mm256_blendv_epi8(_mm256_set1_epi32(0xffff), r, ordered);
+  // Values are at most 0xffff, so the unsigned saturating pack keeps them; it packs within
+  // 128-bit lanes, so the two 64-bit halves are put back in order.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  return _mm256_castsi256_si128(packed);
+}
+
+__attribute__((target("avx2,fma,f16c"))) inline void store_out256(__m256 x, void* dst,
+                                                                   int64_t kind) {
+  if (kind == kBF16) {
+    _mm_storeu_si128(static_cast<__m128i*>(dst), to_bf16_256(x));
+  } else if (kind == kFP16) {
+    _mm_storeu_si128(static_cast<__m128i*>(dst),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else if (kind == kFP32) {
+    _mm256_storeu_ps(static_cast<float*>(dst), x);
+  }
+}
+
+__attribute__((target("avx2,fma,f16c"))) void step256(
+    const Consts& a, float* p, float* g, float* m, float* v, const Out& out, int64_t n) {
   const __m256 decay = _mm256_set1_ps(a.decay), wd = _mm256_set1_ps(a.weight_decay);
   const __m256 lw = _mm256_set1_ps(a.lerp_weight);
   const bool small = std::fabs(a.lerp_weight) < 0.5f;
@@ -157,9 +249,10 @@ __attribute__((target("avx2,fma"))) void step256(
   const __m256 b2 = _mm256_set1_ps(a.beta2), c2 = _mm256_set1_ps(a.one_minus_beta2);
   const __m256 bs = _mm256_set1_ps(a.bias2_sqrt), bsi = _mm256_set1_ps(a.bias2_sqrt_inv);
   const __m256 eps = _mm256_set1_ps(a.eps), ns = _mm256_set1_ps(a.neg_step_size);
-  for (int64_t i = 0; i < n; i += 8) {
-    __m256 pv = _mm256_loadu_ps(p + i), gv = _mm256_loadu_ps(g + i);
-    __m256 mv = _mm256_loadu_ps(m + i), vv = _mm256_loadu_ps(v + i);
+  auto update = [&](float* pp, float* gp, float* mp, float* vp, void* dst)
+                    __attribute__((target("avx2,fma,f16c"))) {
+    __m256 pv = _mm256_loadu_ps(pp), gv = _mm256_loadu_ps(gp);
+    __m256 mv = _mm256_loadu_ps(mp), vv = _mm256_loadu_ps(vp);
     if (a.has_decay) {
       if (a.coupled) {
         gv = _mm256_fmadd_ps(pv, wd, gv);
@@ -171,9 +264,21 @@ __attribute__((target("avx2,fma"))) void step256(
     vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, gv), gv, _mm256_mul_ps(vv, b2));
     const __m256 den = _mm256_add_ps(div_by_constant256(_mm256_sqrt_ps(vv), bs, bsi), eps);
     pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(ns, mv), den));
-    _mm256_storeu_ps(m + i, mv);
-    _mm256_storeu_ps(v + i, vv);
-    _mm256_storeu_ps(p + i, pv);
+    _mm256_storeu_ps(mp, mv);
+    _mm256_storeu_ps(vp, vv);
+    _mm256_storeu_ps(pp, pv);
+    store_out256(pv, dst, out.kind);
+  };
+  unsigned char* o = static_cast<unsigned char*>(out.ptr);
+  const int64_t size = out_size(out.kind);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    update(p + i, g + i, m + i, v + i, o == nullptr ? nullptr : o + i * size);
+  }
+  if (i < n) {
+    Remainder r(p + i, g + i, m + i, v + i, n - i);
+    update(r.p, r.g, r.m, r.v, r.out);
+    r.store(p + i, m + i, v + i, out, i, n - i);
   }
 }
 
@@ -189,16 +294,18 @@ int partita_adam_isa(void) {
   return 0;
 }
 
-// One update of `count` tensors. Row j of `table` holds the addresses of tensor j's param,
-// grad, exp_avg and exp_avg_sq, of its step counter (a float32 scalar, or 0), and the length to
-// update in floats (a multiple of 16 for isa 2, of 8 for isa 1: torch's vector width, so the
-// split between vector body and scalar tail is torch's). A row with a counter adds one to it
-// first and uses its new value as the step (what torch.optim's fused Adam does); a row without
-// one uses args->step. `isa`: 2 AVX-512, 1 AVX2. The elements of all rows are split into
-// `threads` equal ranges (OpenMP: the runtime torch ships and loads, so these are torch's
-// intra-op threads, already spinning after its last op).
+// One update of `count` rows. Row j of `table` holds the addresses of a param, grad, exp_avg and
+// exp_avg_sq, of its step counter (a float32 scalar, or 0), the number of floats to update (any;
+// the caller hands torch the last n % W elements of each whole tensor, W = torch's vector width,
+// which torch computes in a scalar loop), and where to also write the updated parameters (0: no
+// copy) in which type (1: bfloat16, 2: float16, 3: float32; converted as torch's vectorised
+// conversions do). A row with a counter adds one to it first and uses its new value as the step
+// (what torch.optim's fused Adam does); a row without one uses args->step. `isa`: 2 AVX-512,
+// 1 AVX2. The elements of all rows are split into `threads` equal ranges (OpenMP: the runtime
+// torch ships and loads, so these are torch's intra-op threads, already spinning after its
+// last op).
 void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads,
-                       const int64_t (*table)[6], int64_t count) {
+                       const int64_t (*table)[8], int64_t count) {
   std::vector<Consts> consts(count);
   int64_t total = 0;
   for (int64_t j = 0; j < count; ++j) {
@@ -236,10 +343,15 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
       float* g = reinterpret_cast<float*>(table[j][1]) + from;
       float* m = reinterpret_cast<float*>(table[j][2]) + from;
       float* v = reinterpret_cast<float*>(table[j][3]) + from;
+      const int64_t kind = table[j][6] == 0 ? kNone : table[j][7];
+      const Out out{kind == kNone ? nullptr
+                                  : reinterpret_cast<unsigned char*>(table[j][6]) +
+                                        from * out_size(kind),
+                    kind};
       if (isa >= 2) {
-        step512(consts[j], p, g, m, v, to - from);
+        step512(consts[j], p, g, m, v, out, to - from);
       } else {
-        step256(consts[j], p, g, m, v, to - from);
+        step256(consts[j], p, g, m, v, out, to - from);
       }
     }
     _mm_setcsr(saved);

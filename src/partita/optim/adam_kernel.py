@@ -19,6 +19,7 @@ loop (W: torch's vector width), are handed to torch's kernel.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import subprocess
@@ -30,7 +31,16 @@ import torch
 
 from partita import native
 
-__all__ = ["AdamArgs", "adam_step", "available", "plain_fp32", "supports", "why_not"]
+__all__ = [
+    "OUT_DTYPES",
+    "AdamArgs",
+    "adam_step",
+    "available",
+    "plain_fp32",
+    "supports",
+    "vector_body",
+    "why_not",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +147,20 @@ def plain_fp32(t: torch.Tensor) -> bool:
     )
 
 
+_OUT_KINDS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+"""The kernel's codes for the types it writes updated parameters in."""
+
+OUT_DTYPES = tuple(_OUT_KINDS)
+"""Types `adam_step` can also write the updated parameters in (``outs``)."""
+
+
+def vector_body(numel: int) -> int:
+    """How many leading elements of a ``numel``-element tensor torch's fused kernel computes in
+    vectors; the rest (its scalar tail) round differently and go to torch's kernel. Slices of
+    one tensor stepped separately (``tails``) must keep this boundary."""
+    return numel - numel % _vector_width
+
+
 def adam_step(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -144,28 +168,37 @@ def adam_step(
     exp_avg_sqs: Sequence[torch.Tensor],
     args: AdamArgs,
     steps: Sequence[torch.Tensor] | None = None,
+    outs: Sequence[torch.Tensor | None] | None = None,
+    tails: Sequence[int] | None = None,
 ) -> None:
     """One Adam/AdamW update of ``params`` and their moments, in place; bitwise what torch's
     ``_fused_adamw_``/``_fused_adam_`` computes. Needs `available` and `supports` (every
     tensor); grads, moments and params match one to one in size. With ``steps`` (one float32
     0-dim CPU counter per parameter, as torch.optim's fused Adam keeps them) each counter is
     incremented and its new value is that parameter's step, as in ``torch.optim.AdamW.step``;
-    without, every parameter takes ``args.step``."""
+    without, every parameter takes ``args.step``.
+
+    ``outs`` (optional, per parameter: None or a contiguous tensor of its size in one of
+    `OUT_DTYPES`) also receives the updated parameter, converted as ``out.copy_(param)`` would,
+    in the same pass over memory. ``tails`` (optional, per parameter) says where torch's
+    scalar tail starts in it, for a slice of a larger tensor (`vector_body` of the whole, minus
+    the slice's start, clipped to the slice); by default each tensor is whole."""
     assert _lib is not None, "adam_step needs available()"
-    width = _vector_width
-    rows: list[int] = []  # per tensor: 4 addresses, its step counter's (or 0), body length
-    tails: list[tuple[torch.Tensor, ...]] = []
-    tail_of: list[int] = []  # which tensor each tail belongs to
+    rows: list[int] = []  # per tensor: 4 addresses, its counter's (or 0), body length, out, kind
+    tail_rows: list[tuple[int, int]] = []  # (tensor index, tail start)
     for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         n = group[0].numel()
         if any(t.numel() != n for t in group):
             raise ValueError(f"adam_step: sizes differ: {[t.numel() for t in group]}")
-        cut = n - n % width
+        out = None if outs is None else outs[i]
+        if out is not None and (out.numel() != n or out.dtype not in _OUT_KINDS):
+            raise ValueError(f"adam_step: out {i} is {out.dtype}[{out.numel()}] for {n} floats")
+        cut = vector_body(n) if tails is None else max(0, min(n, tails[i]))
         rows += [t.data_ptr() for t in group]
         rows += [0 if steps is None else steps[i].data_ptr(), cut]
+        rows += [0, 0] if out is None else [out.data_ptr(), _OUT_KINDS[out.dtype]]
         if cut < n:
-            tails.append(tuple(t.view(-1)[cut:] for t in group))
-            tail_of.append(i)
+            tail_rows.append((i, cut))
     if rows:
         table = (ctypes.c_int64 * len(rows))(*rows)
         c_args = _CArgs(
@@ -173,19 +206,37 @@ def adam_step(
             1 if args.decoupled else 0,
         )  # fmt: skip
         threads = torch.get_num_threads()  # the kernel uses one below 32K elements
-        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 6)
-    if tails:  # after the kernel: the counters hold this update's step now
-        kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
-        p, g, m, v = (list(x) for x in zip(*tails, strict=True))
-        tail_steps = (
-            [torch.tensor(float(args.step))] * len(tails)
-            if steps is None
-            else [steps[i] for i in tail_of]
-        )
-        kernel(
-            p, g, m, v, [], tail_steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
-            weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
-        )  # fmt: skip
+        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 8)
+    if tail_rows:  # after the kernel: the counters hold this update's step now
+        _torch_tails(params, grads, exp_avgs, exp_avg_sqs, args, steps, outs, tail_rows)
+
+
+def _torch_tails(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    args: AdamArgs,
+    steps: Sequence[torch.Tensor] | None,
+    outs: Sequence[torch.Tensor | None] | None,
+    tail_rows: list[tuple[int, int]],
+) -> None:
+    """Torch's kernel on the elements ``[cut:]`` of each listed tensor (its scalar tail)."""
+    kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
+    p, g, m, v = (
+        [t[i].view(-1)[cut:] for i, cut in tail_rows]
+        for t in (params, grads, exp_avgs, exp_avg_sqs)
+    )
+    one_step = torch.tensor(float(args.step))
+    tail_steps = [one_step if steps is None else steps[i] for i, _ in tail_rows]
+    kernel(
+        p, g, m, v, [], tail_steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+        weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
+    for (i, cut), tail in zip(tail_rows, p, strict=True):
+        out = None if outs is None else outs[i]
+        if out is not None:
+            out.view(-1)[cut:].copy_(tail)
 
 
 def _self_check() -> str | None:
@@ -219,4 +270,34 @@ def _self_check() -> str | None:
                                 f"{name} after step {step} (decoupled={decoupled}, "
                                 f"weight_decay={weight_decay}, beta1={beta1})"
                             )
+    return _check_outs(gen)
+
+
+def _check_outs(gen: torch.Generator) -> str | None:
+    """Steps one tensor in slices of odd lengths with converted copies (``outs``) and compares
+    parameters and copies with torch's kernel followed by ``Tensor.to``."""
+    n = (1 << 16) + 21
+    bounds = [0, 7, 1000, 33333, n - 5, n]
+    for dtype in OUT_DTYPES:
+        # Magnitudes from far below float16's subnormals to beyond its range.
+        scale = torch.pow(10.0, torch.empty(n).uniform_(-12, 6, generator=gen))
+        ours = [torch.randn(n, generator=gen) * scale, torch.zeros(n), torch.zeros(n)]
+        theirs = [t.clone() for t in ours]
+        grad = torch.randn(n, generator=gen)
+        out = torch.empty(n, dtype=dtype)
+        args = AdamArgs(1.0, 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+        pieces = list(itertools.pairwise(bounds))
+        p, g, m, v = ([t[a:b] for a, b in pieces] for t in (ours[0], grad, ours[1], ours[2]))
+        tails = [vector_body(n) - a for a, _ in pieces]
+        adam_step(p, g, m, v, args, outs=[out[a:b] for a, b in pieces], tails=tails)
+        torch._fused_adamw_(
+            [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [], [torch.tensor(1.0)],
+            lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+            maximize=False,
+        )  # fmt: skip
+        if not torch.equal(ours[0].view(torch.int32), theirs[0].view(torch.int32)):
+            return f"param stepped in slices (copies to {dtype})"
+        expected = theirs[0].to(dtype)
+        if not torch.equal(out.view(-1).view(torch.uint8), expected.view(torch.uint8)):
+            return f"parameters written as {dtype}"
     return None

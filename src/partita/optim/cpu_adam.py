@@ -12,15 +12,39 @@ offload, and CPU training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from partita.optim import adam_kernel
 from partita.optim.adam_kernel import plain_fp32
 
-__all__ = ["CPUAdam", "CPUAdamW", "torch_base", "torch_class_name"]
+__all__ = ["CPUAdam", "CPUAdamW", "Slice", "SliceSink", "torch_base", "torch_class_name"]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements ``[start, stop)`` of one (flattened) parameter the optimizer steps."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+
+
+class SliceSink(Protocol):
+    """Where `CPUAdamW.step_slices` also writes each sub-group's updated parameters."""
+
+    def outs(self, k: int) -> Sequence[torch.Tensor | None]:
+        """One tensor per slice of sub-group ``k`` (its size; None: no copy) to receive the
+        updated values, converted to its dtype. Called just before the sub-group is stepped
+        (it may wait for a buffer to be free)."""
+        ...
+
+    def done(self, k: int) -> None:
+        """Sub-group ``k`` is updated and written to its `outs` (start moving them on)."""
+        ...
 
 
 _Work = tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor], list[dict[str, Any]]]
@@ -80,12 +104,7 @@ class _KernelStep:
             with torch.enable_grad():
                 loss = closure()
         for group, params, grads, states in work:
-            beta1, beta2 = group["betas"]
-            args = adam_kernel.AdamArgs(
-                step=0.0, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                eps=group["eps"], weight_decay=group["weight_decay"],
-                decoupled=bool(group.get("decoupled_weight_decay", False)),
-            )  # fmt: skip
+            args = _kernel_args(group, 0.0)
             # The kernel adds one to each step counter and uses its value (parameters restored
             # from different checkpoints may be at different steps).
             adam_kernel.adam_step(
@@ -97,6 +116,90 @@ class _KernelStep:
                 [s["step"] for s in states],
             )
         return loss
+
+    @torch.no_grad()
+    def step_slices(self, plan: Sequence[Sequence[Slice]], sink: SliceSink) -> bool:
+        """The same update as `step`, sub-group by sub-group: the slices of ``plan[k]`` are
+        stepped (their updated values written to ``sink.outs(k)`` in the same pass), then
+        ``sink.done(k)`` runs, so the caller can move sub-group k on while k+1 is stepped.
+        The slices must cover every parameter with a gradient exactly once (the update is
+        elementwise, so the result is bitwise `step`'s). Returns False without doing anything
+        when the kernel does not apply (see `step`); the caller then steps and copies itself."""
+        work = self._collect()
+        if work is None:
+            return False
+        where = {id(p): (g, s) for g, ps, _, ss in work for p, s in zip(ps, ss, strict=True)}
+        covered = dict.fromkeys(where, 0)
+        for sl in (sl for slices in plan for sl in slices if id(sl.param) in where):
+            covered[id(sl.param)] += sl.stop - sl.start
+        if any(covered[i] != p.numel() for _, ps, _, _ in work for p in ps if (i := id(p))):
+            raise ValueError("step_slices: the slices must cover each stepped parameter once")
+        for _, state in where.values():
+            state["step"] += 1  # once per update, whatever the number of slices
+        for k, slices in enumerate(plan):
+            outs = sink.outs(k)
+            batches: dict[tuple[int, float], _Batch] = {}
+            for sl, out in zip(slices, outs, strict=True):
+                found = where.get(id(sl.param))
+                if found is None:  # no gradient: unchanged, still copied
+                    if out is not None:
+                        out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
+                    continue
+                group, state = found
+                key = (id(group), float(state["step"]))
+                batches.setdefault(key, _Batch(group, key[1])).add(sl, state, out)
+            for batch in batches.values():
+                batch.run()
+            sink.done(k)
+        return True
+
+
+class _Batch:
+    """Slices of one parameter group at one step, stepped in one kernel call."""
+
+    def __init__(self, group: dict[str, Any], step: float) -> None:
+        self.args = _kernel_args(group, step)
+        # params, grads, exp_avgs, exp_avg_sqs
+        self.tensors: tuple[
+            list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]
+        ] = ([], [], [], [])
+        self.outs: list[torch.Tensor | None] = []
+        self.tails: list[int] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, sl: Slice, state: dict[str, Any], out: torch.Tensor | None) -> None:
+        """Adds ``sl`` of a parameter whose state is ``state``; ``out`` receives its values."""
+        span = slice(sl.start, sl.stop)
+        p, grad = sl.param.detach().view(-1), sl.param.grad
+        assert grad is not None
+        sources = (p, grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
+        for dst, t in zip(self.tensors, sources, strict=True):
+            dst.append(t[span])
+        # The kernel writes host tensors of its types; anything else is copied after it.
+        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+        direct = direct and out.dtype in adam_kernel.OUT_DTYPES  # type: ignore[union-attr]
+        self.outs.append(out if direct else None)
+        if out is not None and not direct:
+            self.copies.append((out, p[span]))
+        # Where torch's scalar tail of the whole parameter falls in this slice.
+        self.tails.append(adam_kernel.vector_body(p.numel()) - sl.start)
+
+    def run(self) -> None:
+        """One kernel call for every slice added, then the copies the kernel could not make."""
+        p, g, m, v = self.tensors
+        adam_kernel.adam_step(p, g, m, v, self.args, outs=self.outs, tails=self.tails)
+        for out, src in self.copies:
+            out.copy_(src)
+
+
+def _kernel_args(group: dict[str, Any], step: float) -> adam_kernel.AdamArgs:
+    """The kernel's arguments for one parameter group (``step``: see `AdamArgs`)."""
+    beta1, beta2 = group["betas"]
+    return adam_kernel.AdamArgs(
+        step=step, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+        eps=group["eps"], weight_decay=group["weight_decay"],
+        decoupled=bool(group.get("decoupled_weight_decay", False)),
+    )  # fmt: skip
 
 
 def _step_counter(step: Any) -> bool:

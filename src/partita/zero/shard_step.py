@@ -8,12 +8,19 @@ every rank reaches the same overflow and clipping decision).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from partita import comm
+from partita.offload.copy_back import CopyBack
+from partita.optim.cpu_adam import Slice
 from partita.zero.strategy import StepOutcome
+
+COPY_SLICE_NUMEL = 1 << 22
+"""Most elements stepped before their copy back starts (16 MiB of fp32 masters): sub-groups
+(``sub_group_size``, 1e9 by default as in DeepSpeed) are cut into slices of at most this size,
+so copying one slice to the device overlaps stepping the next even with the default."""
 
 
 def global_norm(
@@ -37,8 +44,10 @@ def sharded_step(
     loss_scale: float,
     group: comm.ProcessGroup | None,
     comm_device: torch.device,
+    run: Callable[[], None] | None = None,
 ) -> StepOutcome:
-    """Unscale, global norm, overflow check, clip and step (the caller refreshes weights)."""
+    """Unscale, global norm, overflow check, clip and step (the caller refreshes weights);
+    ``run`` replaces ``optimizer.step()`` (e.g. `step_with_copy_back`)."""
     grads: list[torch.Tensor] = [m.grad for m in masters if m.grad is not None]
     if loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)
@@ -49,5 +58,60 @@ def sharded_step(
         return StepOutcome(applied=False, grad_norm=norm_value)
     if clip > 0.0:
         torch.nn.utils.clip_grads_with_norm_(list(masters), clip, norm.to(grads[0].device))
-    optimizer.step()
+    if run is None:
+        optimizer.step()
+    else:
+        run()
     return StepOutcome(applied=True, grad_norm=norm_value)
+
+
+def slice_plan(
+    masters: Sequence[torch.Tensor],
+    targets: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    max_numel: int,
+) -> tuple[list[list[Slice]], list[list[torch.Tensor]]]:
+    """Sub-groups of at most ``max_numel`` elements (cut at multiples of 16, where the update
+    of a tile equals that of the whole) over each master, and the weights each slice goes to.
+
+    ``targets[i]`` lists (offset in master i, weights view) pairs covering master i; a slice
+    never spans two views. Returns the plan for `CPUAdamW.step_slices` and the `CopyBack`
+    targets, sub-group by sub-group."""
+    step = max(16, max_numel // 16 * 16)
+    plan: list[list[Slice]] = []
+    dsts: list[list[torch.Tensor]] = []
+    for master, pieces in zip(masters, targets, strict=True):
+        n = master.numel()
+        if n == 0:
+            continue
+        spans = sorted((offset, offset + view.numel()) for offset, view in pieces)
+        if [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]] or spans[-1][1] != n:
+            raise ValueError(f"slice_plan: targets {spans} do not cover the master's {n} elements")
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            plan.append([])
+            dsts.append([])
+            for offset, view in pieces:
+                a, b = max(lo, offset), min(hi, offset + view.numel())
+                if a < b:
+                    plan[-1].append(Slice(master, a, b))
+                    dsts[-1].append(view[a - offset : b - offset])
+    return plan, dsts
+
+
+def step_with_copy_back(
+    optimizer: torch.optim.Optimizer, plan: Sequence[Sequence[Slice]], sink: CopyBack
+) -> None:
+    """Steps every master and writes the plan's slices into the sink's targets, each
+    sub-group's copy overlapping the next one's step where the optimizer can step in slices
+    (partita's CPU Adam); otherwise a whole step, then the copies."""
+    sink.begin()
+    step_slices = getattr(optimizer, "step_slices", None)
+    if step_slices is None or not step_slices(plan, sink):
+        optimizer.step()
+        with torch.no_grad():
+            for k, slices in enumerate(plan):
+                for sl, out in zip(slices, sink.outs(k), strict=True):
+                    if out is not None:
+                        out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
+                sink.done(k)
+    sink.finish()

@@ -13,10 +13,16 @@ import torch
 
 from partita import comm
 from partita.accelerator import get_accelerator
+from partita.offload.copy_back import CopyBack
 from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
-from partita.zero.shard_step import sharded_step
+from partita.zero.shard_step import (
+    COPY_SLICE_NUMEL,
+    sharded_step,
+    slice_plan,
+    step_with_copy_back,
+)
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.strategy import (
     OptimizerFactory,
@@ -25,6 +31,10 @@ from partita.zero.strategy import (
     ensure_state,
     optimizer_state_bytes,
 )
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 class ShardedGroup:
@@ -38,6 +48,7 @@ class ShardedGroup:
         rank: int,
         master_dtype: torch.dtype,
         state_device: torch.device | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.params = params
         numels = [p.numel() for p in params]
@@ -52,22 +63,28 @@ class ShardedGroup:
                 view = self.flat_param[off : off + p.numel()].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-        # Under optimizer offload the master and its gradient live on the host (pinned on GPU
-        # machines); the algorithm is the same, only copies cross devices.
+        # Under optimizer offload the master and its gradient live on the host (page-locked on
+        # GPU machines with offload_optimizer.pin_memory); the algorithm is the same, only
+        # copies cross devices.
         where = state_device or device
+        pin = get_accelerator().pin_memory if pin_memory and where.type == "cpu" else _same
         master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=where)
-        self.master = torch.nn.Parameter(
-            get_accelerator().pin_memory(master) if where.type == "cpu" else master
-        )
-        self.master.grad = (
-            get_accelerator().pin_memory(torch.zeros_like(self.master))
-            if where.type == "cpu"
-            else torch.zeros_like(self.master)
-        )
+        self.master = torch.nn.Parameter(pin(master))
+        self.master.grad = pin(torch.zeros_like(self.master))
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
                 v.shard.copy_(self._own_chunk(v.full))
+
+    def weight_targets(self) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the master shard, view of this rank's chunk of the flat parameters) per
+        segment: where the updated master goes."""
+        out = []
+        for seg in range(len(self.layout.segments)):
+            v = segment_views(self.flat_param, self.master, self.layout, seg, self.rank)
+            if v.shard.numel():
+                out.append((self.layout.segments[seg].shard_offset, self._own_chunk(v.full)))
+        return out
 
     def _own_chunk(self, full: torch.Tensor) -> torch.Tensor:
         chunk = full.numel() // self.layout.world_size
@@ -80,15 +97,17 @@ class ShardedGroup:
         assert grad is not None
         return grad
 
-    def all_gather_params(self, handles: list[comm.Work]) -> None:
-        """Casts the updated master shard into the flat parameters and starts the all-gathers."""
+    def all_gather_params(self, handles: list[comm.Work], cast: bool = True) -> None:
+        """Casts the updated master shard into the flat parameters (unless the step did:
+        ``cast=False``) and starts the all-gathers."""
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, self.rank)
                 if v.full.numel() == 0:
                     continue
                 own = self._own_chunk(v.full)
-                own.copy_(v.shard)
+                if cast:
+                    own.copy_(v.shard)
                 # In place: the input is this rank's chunk of the output (gloo and NCCL allow it).
                 handle = comm.all_gather(v.full, own, async_op=True, tag="param")
                 if handle is not None:
@@ -108,11 +127,15 @@ class Sharded:
         scaling: ReduceScaling,
         group: comm.ProcessGroup | None = None,
         state_device: torch.device | None = None,
+        pin_memory: bool = False,
+        sub_group_numel: int = COPY_SLICE_NUMEL,
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         self.groups = [
-            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype, state_device)
+            ShardedGroup(
+                g, bucket_numel, world, rank, policy.master_dtype, state_device, pin_memory
+            )
             for g in groups
         ]
         self.comm_device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
@@ -128,6 +151,16 @@ class Sharded:
         )
         self.process_group = group
         self.optimizer = make_optimizer([[g.master] for g in self.groups])
+        # Masters on the host (optimizer offload, CPU training): the step writes the updated
+        # weights slice by slice (see `step_with_copy_back`).
+        self._plan, self._copy_back = None, None
+        if self.groups and self.groups[0].master.device.type == "cpu":
+            self._plan, dsts = slice_plan(
+                [g.master for g in self.groups],
+                [g.weight_targets() for g in self.groups],
+                min(sub_group_numel, COPY_SLICE_NUMEL),
+            )
+            self._copy_back = CopyBack(dsts)
 
     def begin_backward(self, sync: bool) -> None:
         """Stage 1 reduces in the boundary backward only; stage 2 in every backward."""
@@ -140,13 +173,19 @@ class Sharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
         masters = [g.master for g in self.groups]
+        plan, sink = self._plan, self._copy_back
+        run = None if plan is None or sink is None else self._step_and_copy
         outcome = sharded_step(
-            masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device
+            masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device, run
         )
         if not outcome.applied:
             return outcome
-        self.refresh_params()
+        self._all_gather(cast=run is None)
         return outcome
+
+    def _step_and_copy(self) -> None:
+        assert self._plan is not None and self._copy_back is not None
+        step_with_copy_back(self.optimizer, self._plan, self._copy_back)
 
     def zero_grad(self) -> None:
         """Zeroes full (stage 1) and sharded gradients."""
@@ -160,7 +199,8 @@ class Sharded:
             "grads": shard_grad + self.grads.persistent_bytes,
             "master_params": sum(g.master.numel() * g.master.element_size() for g in self.groups),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
-            "comm_buffers": self.grads.peak_transient_bytes,
+            "comm_buffers": self.grads.peak_transient_bytes
+            + (0 if self._copy_back is None else self._copy_back.nbytes),
         }
 
     def close(self) -> None:
@@ -273,8 +313,11 @@ class Sharded:
 
     def refresh_params(self) -> None:
         """All-gathers the master shards into the module's parameters (after loading state)."""
+        self._all_gather(cast=True)
+
+    def _all_gather(self, cast: bool) -> None:
         handles: list[comm.Work] = []
         for g in self.groups:
-            g.all_gather_params(handles)
+            g.all_gather_params(handles, cast)
         for h in handles:
             h.wait()

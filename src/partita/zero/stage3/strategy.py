@@ -17,11 +17,18 @@ import torch
 
 from partita import comm
 from partita.offload import SwapSpace
+from partita.offload.copy_back import CopyBack
+from partita.optim.cpu_adam import Slice
 from partita.partition import Piece, plan_buckets
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
-from partita.zero.shard_step import sharded_step
+from partita.zero.shard_step import (
+    COPY_SLICE_NUMEL,
+    sharded_step,
+    slice_plan,
+    step_with_copy_back,
+)
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.nvme import SwappedOptimizerState, optimizer_pipeline
 from partita.zero.stage3.schedule import UnitScheduler
@@ -259,6 +266,29 @@ class FullySharded:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
         self.param_space = param_swap_space
+        self._plan, self._copy_back = self._copy_back_plan(int(zero.sub_group_size))
+
+    def _copy_back_plan(
+        self, sub_group_size: int
+    ) -> tuple[list[list[Slice]] | None, CopyBack | None]:
+        """Masters on the host that are copies of shards in memory (optimizer offload to CPU,
+        16-bit CPU training): the step writes each sub-group into its shard as it goes (see
+        `step_with_copy_back`). Swapped state or shards keep the per-sub-group path of
+        `SwappedOptimizerState`; masters that are their shards need no copy."""
+        homes = self._master_home
+        if self.swapped is not None or self.param_space is not None or not homes:
+            return None, None
+        chunks = [u.shard_chunk(idx) for u, idx in homes]
+        masters = [u.masters[idx] for u, idx in homes]
+        if any(
+            m.device.type != "cpu" or m.data_ptr() == c.data_ptr()
+            for m, c in zip(masters, chunks, strict=True)
+        ):
+            return None, None
+        plan, dsts = slice_plan(
+            masters, [[(0, c)] for c in chunks], min(sub_group_size, COPY_SLICE_NUMEL)
+        )
+        return plan, CopyBack(dsts)
 
     def _build_units(
         self,
@@ -322,6 +352,7 @@ class FullySharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
         swapped = self.swapped
+        copied = self._copy_back is not None
         if swapped is None:
             outcome = sharded_step(
                 self._masters(),
@@ -330,18 +361,23 @@ class FullySharded:
                 loss_scale,
                 self.process_group,
                 self.comm_device,
+                self._step_and_copy if copied else None,
             )
         else:
             outcome = swapped.step(
                 self._step_one, clip, loss_scale, self.process_group, self.comm_device
             )
         if outcome.applied:
-            if swapped is None:
+            if swapped is None and not copied:
                 self.refresh_params()
             else:  # the masters were copied into the shards sub-group by sub-group
                 for unit in self.all_units:
                     unit.regather_if_persistent()
         return outcome
+
+    def _step_and_copy(self) -> None:
+        assert self._plan is not None and self._copy_back is not None
+        step_with_copy_back(self.optimizer, self._plan, self._copy_back)
 
     def _step_one(self, i: int) -> None:
         """Steps master i alone (the optimizer skips parameters without a gradient), then
@@ -389,7 +425,8 @@ class FullySharded:
             "grads": sum(m.grad.untyped_storage().nbytes() for m in masters if m.grad is not None),
             "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
-            "comm_buffers": self.reducer.peak_buffer_bytes,
+            "comm_buffers": self.reducer.peak_buffer_bytes
+            + (0 if self._copy_back is None else self._copy_back.nbytes),
             "persistent_params": 0
             if self.persistent is None
             else self.persistent.numel * self.persistent.flat_full.element_size(),
