@@ -16,6 +16,11 @@
     tables give the fastest and median step and, per implementation, the median and quartiles
     over rounds of its step time divided by partita's in the same round (robust to the
     machine's drift; quartiles on both sides of 1.00 mean no difference beyond the noise).
+    A second table times the step as an offloaded engine runs it, ending with the updated
+    weights in bf16: partita's `step_with_copy_back` (the kernel writes the bf16 weights in the
+    same pass) against each optimizer's step followed by the cast (``Tensor.copy_``), which is
+    what torch's and DeepSpeed's CPU Adam need (DeepSpeed 0.19's ZeRO-Offload casts after its
+    step the same way).
 (c) End-to-end stage 3 step time with and without each offload is the ``offload`` suite of
     ``bench_zero.py`` (``--suites offload``): whole training jobs, like the other suites.
 
@@ -54,7 +59,9 @@ from partita.offload import (
     cpu_adam_step,
     probe_directory,
 )
+from partita.offload.copy_back import CopyBack
 from partita.optim import CPUAdamW, adam_kernel
+from partita.zero.shard_step import COPY_SLICE_NUMEL, slice_plan, step_with_copy_back
 
 MB = 1e6
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -278,12 +285,57 @@ def _stream_probe() -> Callable[[int], Callable[[], None]]:
     return make
 
 
+def _with_copy(
+    make: Callable[[int, torch.nn.Parameter], Callable[[], None]],
+) -> Callable[[int], Callable[[], None]]:
+    """A step of ``make`` followed by the cast of the updated weights into bf16 weights (what
+    torch's and DeepSpeed's optimizers need after their step under offload)."""
+
+    def build(n: int) -> Callable[[], None]:
+        param = torch.nn.Parameter(torch.randn(n))
+        param.grad = torch.randn(n)
+        weights = torch.empty(n, dtype=torch.bfloat16)
+        step = make(n, param)
+
+        def run() -> None:
+            step()
+            weights.copy_(param.detach())
+
+        return run
+
+    return build
+
+
+def _partita_fused(n: int) -> Callable[[], None]:
+    """What stages 1-3 run with host masters: `step_with_copy_back` over the engine's slices,
+    the kernel writing the bf16 weights in the same pass."""
+    param = torch.nn.Parameter(torch.randn(n))
+    param.grad = torch.randn(n)
+    weights = torch.empty(n, dtype=torch.bfloat16)
+    opt = CPUAdamW([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay)
+    plan, dsts = slice_plan([param], [[(0, weights)]], COPY_SLICE_NUMEL)
+    sink = CopyBack(dsts)
+    return lambda: step_with_copy_back(opt, plan, sink)
+
+
+def _optimizer_on(
+    cls: type, **kwargs: Any
+) -> Callable[[int, torch.nn.Parameter], Callable[[], None]]:
+    def make(n: int, param: torch.nn.Parameter) -> Callable[[], None]:
+        del n
+        return cls([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay, **kwargs).step
+
+    return make
+
+
 PARTITA = "partita CPUAdamW (own kernel)"
+PARTITA_FUSED = "partita step_with_copy_back (cast in the kernel)"
 CEILING = "memory ceiling (stream probe)"
 
 
 def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
-    """Part (b): parameters/s of each implementation at each size, per thread count."""
+    """Part (b): parameters/s of each implementation at each size, per thread count; then the
+    same with the cast of the updated weights to bf16 that an offloaded step needs."""
     impls: dict[str, Callable[[int], Callable[[], None]]] = {
         PARTITA: lambda n: _torch_adamw(n, cls=CPUAdamW),
         "partita cpu_adam_step (own kernel)": _partita,
@@ -292,6 +344,11 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
         "torch AdamW foreach": lambda n: _torch_adamw(n, foreach=True),
         "torch AdamW for-loop": lambda n: _torch_adamw(n, foreach=False),
     }
+    copying: dict[str, Callable[[int], Callable[[], None]]] = {
+        PARTITA_FUSED: _partita_fused,
+        "partita CPUAdamW, then cast": _with_copy(_optimizer_on(CPUAdamW)),
+        "torch AdamW fused, then cast": _with_copy(_optimizer_on(torch.optim.AdamW, fused=True)),
+    }
     notes: dict[str, str] = {"partita kernel": "in use: bitwise torch's fused update"}
     if not adam_kernel.available():  # partita's rows then run torch's fused kernel
         notes["partita kernel"] = f"not used: {adam_kernel.why_not()}"
@@ -299,12 +356,32 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
         try:
             _deepspeed(16)()  # compiles the extension on first use
             impls["DeepSpeedCPUAdam"] = _deepspeed
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            copying["DeepSpeedCPUAdam, then cast"] = _with_copy(
+                _optimizer_on(DeepSpeedCPUAdam, adamw_mode=True)
+            )
         except Exception as exc:  # not installed or the build failed: row skipped, reason kept
             notes["DeepSpeedCPUAdam"] = f"skipped: {type(exc).__name__}: {str(exc)[:200]}"
     try:
         impls[CEILING] = _stream_probe()
     except (OSError, RuntimeError) as exc:
         notes[CEILING] = f"skipped: {exc}"
+    return {
+        "sizes": args.adam_sizes,
+        "threads": args.adam_threads,
+        "runs": _measure(impls, PARTITA, args),
+        "runs_with_cast": _measure(copying, PARTITA_FUSED, args),
+        "notes": notes,
+        "repeats": args.repeats,
+    }
+
+
+def _measure(
+    impls: dict[str, Callable[[int], Callable[[], None]]], ref: str, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """Per "threads/size": each implementation's best and median parameters/s and the
+    quartiles of its step time over ``ref``'s in the same round."""
     runs: dict[str, dict[str, Any]] = {}
     for threads in args.adam_threads:
         torch.set_num_threads(threads)
@@ -316,19 +393,11 @@ def bench_adam(args: argparse.Namespace) -> dict[str, Any]:
                     "median": n / statistics.median(t),
                     # Paired: this implementation's step over partita's in the same round;
                     # the quartiles show whether a difference is more than the noise.
-                    "vs_partita": _quartiles(
-                        [a / b for a, b in zip(t, times[PARTITA], strict=True)]
-                    ),
+                    "vs_partita": _quartiles([a / b for a, b in zip(t, times[ref], strict=True)]),
                 }
                 for name, t in times.items()
             }
-    return {
-        "sizes": args.adam_sizes,
-        "threads": args.adam_threads,
-        "runs": runs,
-        "notes": notes,
-        "repeats": args.repeats,
-    }
+    return runs
 
 
 def _ratio_cell(quartiles: list[float]) -> str:
@@ -337,31 +406,36 @@ def _ratio_cell(quartiles: list[float]) -> str:
 
 
 def adam_markdown(res: dict[str, Any]) -> str:
-    """Part (b) tables, one per thread count: M params/s of the fastest step (median in
-    brackets) and the median over rounds of the step time over partita's in the same round."""
+    """Part (b) tables, one per thread count and kind of step: M params/s of the fastest step
+    (median in brackets) and the median over rounds of the step time over partita's in the
+    same round."""
     lines: list[str] = []
-    for threads in res["threads"]:
-        runs = {n: res["runs"][f"{threads}/{n}"] for n in res["sizes"]}
-        names = list(next(iter(runs.values())))
-        head = " | ".join(f"{n / 1e6:g}M" for n in res["sizes"])
-        lines += [
-            f"### CPU AdamW step, {threads} thread(s): M params/s, fastest of {res['repeats']} "
-            "interleaved steps (median); time / partita's in the same round, median "
-            "(quartiles)",
-            "",
-            f"| implementation | {head} | {head} |",
-            "|---|" + "---:|" * 2 * len(runs),
-        ]
-        for name in names:
-            speed = [
-                f"{r[name]['best'] / 1e6:.0f} ({r[name]['median'] / 1e6:.0f})"
-                for r in runs.values()
-            ]
-            ratio = [_ratio_cell(r[name]["vs_partita"]) for r in runs.values()]
-            lines.append(f"| {name} | {' | '.join(speed)} | {' | '.join(ratio)} |")
-        lines.append("")
+    kinds = (("runs", "CPU AdamW step"), ("runs_with_cast", "CPU AdamW step + bf16 weights"))
+    for key, title in kinds:
+        for threads in res["threads"]:
+            runs = {n: res[key][f"{threads}/{n}"] for n in res["sizes"]}
+            lines += _table(f"{title}, {threads} thread(s)", runs, res["repeats"])
     lines += [f"- {name}: {note}" for name, note in res["notes"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _table(title: str, runs: dict[int, dict[str, Any]], repeats: int) -> list[str]:
+    names = list(next(iter(runs.values())))
+    head = " | ".join(f"{n / 1e6:g}M" for n in runs)
+    lines = [
+        f"### {title}: M params/s, fastest of {repeats} interleaved steps (median); time / "
+        "partita's in the same round, median (quartiles)",
+        "",
+        f"| implementation | {head} | {head} |",
+        "|---|" + "---:|" * 2 * len(runs),
+    ]
+    for name in names:
+        speed = [
+            f"{r[name]['best'] / 1e6:.0f} ({r[name]['median'] / 1e6:.0f})" for r in runs.values()
+        ]
+        ratio = [_ratio_cell(r[name]["vs_partita"]) for r in runs.values()]
+        lines.append(f"| {name} | {' | '.join(speed)} | {' | '.join(ratio)} |")
+    return [*lines, ""]
 
 
 # ---------------------------------------------------------------- main
