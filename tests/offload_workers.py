@@ -102,3 +102,39 @@ def train_under_cap(config: dict, model_kwargs: dict, steps: int) -> dict[str, A
         "init_peak_materialized": init.stats.peak_materialized_bytes,
         "memory": memory,
     }
+
+
+def pinned_by_config(configs: list[dict]) -> list[dict[str, int]]:
+    """Per config: how many host tensors the engine asked to page-lock, and how many masters
+    (fp32 tensors the optimizer steps) and stage-3 shard buffers it has (pinning is a no-op on
+    CPU machines, so the accelerator's `pin_memory` is replaced by a recorder)."""
+    from partita.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    pinned: list[torch.Tensor] = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        pinned.append(tensor)
+        return tensor
+
+    accelerator.pin_memory = record  # type: ignore[method-assign]
+    out = []
+    for config in configs:
+        pinned.clear()
+        model = make_model()
+        engine, _, _, _ = partita.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        optimizer = engine.strategy.optimizer
+        masters = [p for g in optimizer.param_groups for p in g["params"]]
+        units = getattr(engine.strategy, "all_units", [])
+        out.append(
+            {
+                "pinned": len(pinned),
+                "masters": len(masters),
+                "pinned_masters": sum(any(t is m.data or t.data_ptr() == m.data_ptr() for t in pinned) for m in masters),
+                "shards": len(units),
+            }
+        )
+        engine.destroy()
+    return out

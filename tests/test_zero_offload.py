@@ -241,3 +241,33 @@ def test_optimizer_pipeline_follows_buffer_count(caplog: pytest.LogCaptureFixtur
     assert window(pipeline_read=True, pipeline_write=True, buffer_count=8) == (True, False)
     assert "buffer_count=8" in caplog.text and "raise buffer_count to 12" in caplog.text
     assert window(pipeline_write=True) == (False, False)
+
+
+def test_pin_memory_follows_the_offload_blocks(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``pin_memory`` (DeepSpeed's default: true) page-locks the host masters with their
+    gradients (stages 1-2) or the masters and CPU shards (stage 3); false pins nothing; swapped
+    (NVMe) state lives in the swap buffers, not in pinned masters."""
+    from offload_workers import pinned_by_config
+
+    def config(stage: int, **blocks: object) -> dict:
+        # bf16: an fp32 master in host memory would be its shard itself (nothing to pin twice)
+        return base_config(2, 1, bf16={"enabled": True}, **_zero(stage, **blocks))
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    configs = [
+        config(2, offload_optimizer=CPU),
+        config(2, offload_optimizer={**CPU, "pin_memory": False}),
+        config(3, offload_optimizer=CPU),
+        config(3, offload_optimizer=CPU, offload_param=CPU),
+        config(3, offload_optimizer={**CPU, "pin_memory": False}, offload_param=CPU),
+        config(3, offload_optimizer=nvme),
+        config(2),
+    ]
+    (got,) = run_distributed(pinned_by_config, 1, configs, timeout=120)
+    s2, s2_off, s3, s3_both, s3_params, s3_nvme, plain = got
+    assert s2["pinned"] == 2 * s2["masters"] and s2["pinned_masters"] == s2["masters"]
+    assert s2_off["pinned"] == 0 and plain["pinned"] == 0
+    assert s3["pinned"] == s3["pinned_masters"] == s3["masters"] > 1
+    assert s3_both["pinned"] == s3_both["masters"] + s3_both["shards"]
+    assert s3_params["pinned"] == s3_params["shards"] and s3_params["pinned_masters"] == 0
+    assert s3_nvme["pinned"] == 0

@@ -232,6 +232,15 @@ def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, tor
     )
 
 
+def _pin_memory(zero: Any) -> tuple[bool, bool]:
+    """``pin_memory`` of (offload_optimizer, offload_param); False where a block is absent."""
+    blocks = (zero.offload_optimizer, zero.offload_param)
+    return (
+        blocks[0] is not None and bool(blocks[0].pin_memory),
+        blocks[1] is not None and bool(blocks[1].pin_memory),
+    )
+
+
 def strategy(
     config: DeepSpeedConfig,
     module: torch.nn.Module,
@@ -252,12 +261,12 @@ def strategy(
             module, groups, policy, make_optimizer, zero, scaling,
             state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
             param_swap_space=swap_space(config, "offload_param"),
+            pin_memory=_pin_memory(zero),
         )  # fmt: skip
     if zero.stage in (1, 2):
-        opt = zero.offload_optimizer
         return Sharded(
             zero.stage, groups, policy, make_optimizer, bucket, scaling,
-            state_device=state_device, pin_memory=opt is not None and bool(opt.pin_memory),
+            state_device=state_device, pin_memory=_pin_memory(zero)[0],
             sub_group_numel=int(zero.sub_group_size),
         )  # fmt: skip
     raise config_error(

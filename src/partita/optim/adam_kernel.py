@@ -36,8 +36,11 @@ __all__ = [
     "AdamArgs",
     "adam_step",
     "available",
+    "out_kind",
     "plain_fp32",
+    "run_rows",
     "supports",
+    "torch_tail",
     "vector_body",
     "why_not",
 ]
@@ -139,12 +142,9 @@ def supports(tensors: Sequence[torch.Tensor]) -> bool:
 
 def plain_fp32(t: torch.Tensor) -> bool:
     """Whether `adam_step` takes ``t``: a dense, contiguous fp32 CPU tensor."""
-    return (
-        t.dtype == torch.float32
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-    )
+    # Attribute checks only: ``t.device`` builds an object, and this runs for every tensor of
+    # every step.
+    return t.dtype is torch.float32 and t.is_cpu and t.layout is torch.strided and t.is_contiguous()
 
 
 _OUT_KINDS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
@@ -196,19 +196,51 @@ def adam_step(
         cut = vector_body(n) if tails is None else max(0, min(n, tails[i]))
         rows += [t.data_ptr() for t in group]
         rows += [0 if steps is None else steps[i].data_ptr(), cut]
-        rows += [0, 0] if out is None else [out.data_ptr(), _OUT_KINDS[out.dtype]]
+        rows += [0, 0] if out is None else [out.data_ptr(), out_kind(out)]
         if cut < n:
             tail_rows.append((i, cut))
-    if rows:
-        table = (ctypes.c_int64 * len(rows))(*rows)
-        c_args = _CArgs(
-            args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
-            1 if args.decoupled else 0,
-        )  # fmt: skip
-        threads = torch.get_num_threads()  # the kernel uses one below 32K elements
-        _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 8)
+    run_rows(rows, args)
     if tail_rows:  # after the kernel: the counters hold this update's step now
         _torch_tails(params, grads, exp_avgs, exp_avg_sqs, args, steps, outs, tail_rows)
+
+
+def out_kind(out: torch.Tensor) -> int:
+    """The kernel's code for writing updated parameters into ``out`` (its dtype must be one of
+    `OUT_DTYPES`): the last two fields of a `run_rows` row are ``out.data_ptr()`` and this."""
+    return _OUT_KINDS[out.dtype]
+
+
+def run_rows(rows: Sequence[int], args: AdamArgs) -> None:
+    """The kernel itself on rows of 8 integers each: the addresses of a parameter, its
+    gradient, exp_avg and exp_avg_sq (contiguous fp32), of its step counter (or 0: the row
+    uses ``args.step``), the number of elements, and the address (or 0) and `out_kind` of where
+    the updated values are also written. The caller keeps torch's scalar tails out of the rows
+    (`vector_body`) and the tensors alive; `adam_step` is the checked interface."""
+    assert _lib is not None, "run_rows needs available()"
+    if not rows:
+        return
+    table = (ctypes.c_int64 * len(rows))(*rows)
+    c_args = _CArgs(
+        args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
+        1 if args.decoupled else 0,
+    )  # fmt: skip
+    threads = torch.get_num_threads()  # the kernel uses one below 32K elements
+    _lib.partita_adam_step(ctypes.addressof(c_args), _isa, threads, table, len(rows) // 8)
+
+
+def torch_tail(
+    tensors: Sequence[Sequence[torch.Tensor]],
+    args: AdamArgs,
+    steps: Sequence[torch.Tensor],
+) -> None:
+    """torch's fused kernel on (params, grads, exp_avgs, exp_avg_sqs) slices: the scalar
+    tails `run_rows` leaves out, each at its step (a float32 0-dim tensor)."""
+    kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
+    p, g, m, v = (list(t) for t in tensors)
+    kernel(
+        p, g, m, v, [], list(steps), lr=args.lr, beta1=args.beta1, beta2=args.beta2,
+        weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
+    )  # fmt: skip
 
 
 def _torch_tails(
@@ -222,17 +254,12 @@ def _torch_tails(
     tail_rows: list[tuple[int, int]],
 ) -> None:
     """Torch's kernel on the elements ``[cut:]`` of each listed tensor (its scalar tail)."""
-    kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
     p, g, m, v = (
         [t[i].view(-1)[cut:] for i, cut in tail_rows]
         for t in (params, grads, exp_avgs, exp_avg_sqs)
     )
     one_step = torch.tensor(float(args.step))
-    tail_steps = [one_step if steps is None else steps[i] for i, _ in tail_rows]
-    kernel(
-        p, g, m, v, [], tail_steps, lr=args.lr, beta1=args.beta1, beta2=args.beta2,
-        weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
-    )  # fmt: skip
+    torch_tail((p, g, m, v), args, [one_step if steps is None else steps[i] for i, _ in tail_rows])
     for (i, cut), tail in zip(tail_rows, p, strict=True):
         out = None if outs is None else outs[i]
         if out is not None:

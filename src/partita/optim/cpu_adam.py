@@ -12,6 +12,7 @@ offload, and CPU training.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,14 +78,14 @@ class _KernelStep:
                 grad = p.grad
                 if grad is None:
                     continue
-                if not plain_fp32(p) or not plain_fp32(grad):
+                if not plain_fp32(p) or not plain_fp32(grad) or grad.numel() != p.numel():
                     return None
                 state = self.state[p]
                 if not state:  # what torch's fused path creates
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif not _step_counter(state["step"]):
+                elif not _step_counter(state["step"]) or not _moments(state, p.numel()):
                     return None
                 params.append(p)
                 grads.append(grad)
@@ -134,8 +135,7 @@ class _KernelStep:
             covered[id(sl.param)] += sl.stop - sl.start
         if any(covered[i] != p.numel() for _, ps, _, _ in work for p in ps if (i := id(p))):
             raise ValueError("step_slices: the slices must cover each stepped parameter once")
-        for _, state in where.values():
-            state["step"] += 1  # once per update, whatever the number of slices
+        steps = {i: _bump(state["step"]) for i, (_, state) in where.items()}  # once per update
         for k, slices in enumerate(plan):
             outs = sink.outs(k)
             batches: dict[tuple[int, float], _Batch] = {}
@@ -146,7 +146,7 @@ class _KernelStep:
                         out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
                     continue
                 group, state = found
-                key = (id(group), float(state["step"]))
+                key = (id(group), steps[id(sl.param)])
                 batches.setdefault(key, _Batch(group, key[1])).add(sl, state, out)
             for batch in batches.values():
                 batch.run()
@@ -155,41 +155,59 @@ class _KernelStep:
 
 
 class _Batch:
-    """Slices of one parameter group at one step, stepped in one kernel call."""
+    """Slices of one parameter group at one step, stepped in one kernel call (rows built from
+    addresses: no tensor views for the common case, a slice inside the vector body)."""
 
     def __init__(self, group: dict[str, Any], step: float) -> None:
         self.args = _kernel_args(group, step)
-        # params, grads, exp_avgs, exp_avg_sqs
-        self.tensors: tuple[
-            list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]
-        ] = ([], [], [], [])
-        self.outs: list[torch.Tensor | None] = []
-        self.tails: list[int] = []
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rows: list[int] = []
+        self.tails: list[tuple[torch.Tensor, ...]] = []  # torch's scalar tails: (p, g, m, v)
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, source) afterwards
 
     def add(self, sl: Slice, state: dict[str, Any], out: torch.Tensor | None) -> None:
-        """Adds ``sl`` of a parameter whose state is ``state``; ``out`` receives its values."""
-        span = slice(sl.start, sl.stop)
-        p, grad = sl.param.detach().view(-1), sl.param.grad
+        """Adds ``sl`` of a parameter whose state is ``state``; ``out`` receives its values.
+        The parameter, its gradient and moments are contiguous fp32 (`_collect` checked)."""
+        p, grad = sl.param.detach(), sl.param.grad
         assert grad is not None
-        sources = (p, grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1))
-        for dst, t in zip(self.tensors, sources, strict=True):
-            dst.append(t[span])
+        tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
+        body = adam_kernel.vector_body(p.numel())
         # The kernel writes host tensors of its types; anything else is copied after it.
-        direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-        direct = direct and out.dtype in adam_kernel.OUT_DTYPES  # type: ignore[union-attr]
-        self.outs.append(out if direct else None)
-        if out is not None and not direct:
-            self.copies.append((out, p[span]))
-        # Where torch's scalar tail of the whole parameter falls in this slice.
-        self.tails.append(adam_kernel.vector_body(p.numel()) - sl.start)
+        direct = None
+        if out is not None and out.is_cpu and out.dtype in adam_kernel.OUT_DTYPES:
+            direct = out if out.is_contiguous() else None
+        stop = min(sl.stop, body)
+        if sl.start < stop:
+            self.rows += [t.data_ptr() + 4 * sl.start for t in tensors]
+            self.rows += [0, stop - sl.start]
+            self.rows += (
+                [0, 0] if direct is None else [direct.data_ptr(), adam_kernel.out_kind(direct)]
+            )
+        if max(sl.start, body) < sl.stop:  # the slice ends in torch's scalar tail
+            cut = max(sl.start, body)
+            self.tails.append(tuple(t.view(-1)[cut : sl.stop] for t in tensors))
+            if direct is not None:
+                self.copies.append((direct.view(-1)[cut - sl.start :], self.tails[-1][0]))
+        if out is not None and direct is None:
+            self.copies.append((out, p.view(-1)[sl.start : sl.stop]))
 
     def run(self) -> None:
-        """One kernel call for every slice added, then the copies the kernel could not make."""
-        p, g, m, v = self.tensors
-        adam_kernel.adam_step(p, g, m, v, self.args, outs=self.outs, tails=self.tails)
+        """The kernel on every row, torch's kernel on the tails, then the copies."""
+        adam_kernel.run_rows(self.rows, self.args)
+        if self.tails:
+            step = torch.tensor(self.args.step)
+            tensors = [list(t) for t in zip(*self.tails, strict=True)]
+            adam_kernel.torch_tail(tensors, self.args, [step] * len(self.tails))
         for out, src in self.copies:
             out.copy_(src)
+
+
+def _bump(counter: torch.Tensor) -> float:
+    """Adds one to a float32 0-dim CPU step counter in place and returns the new value
+    (through its address: a tensor op costs microseconds per parameter per step; the float32
+    rounding of the sum is that of torch's add)."""
+    cell = ctypes.c_float.from_address(counter.data_ptr())
+    cell.value += 1.0
+    return float(cell.value)
 
 
 def _kernel_args(group: dict[str, Any], step: float) -> adam_kernel.AdamArgs:
@@ -200,6 +218,14 @@ def _kernel_args(group: dict[str, Any], step: float) -> adam_kernel.AdamArgs:
         eps=group["eps"], weight_decay=group["weight_decay"],
         decoupled=bool(group.get("decoupled_weight_decay", False)),
     )  # fmt: skip
+
+
+def _moments(state: dict[str, Any], numel: int) -> bool:
+    """Whether the moments are tensors the kernel takes, as large as their parameter."""
+    return all(
+        torch.is_tensor(t := state.get(key)) and plain_fp32(t) and t.numel() == numel
+        for key in ("exp_avg", "exp_avg_sq")
+    )
 
 
 def _step_counter(step: Any) -> bool:

@@ -148,6 +148,8 @@ class _UnitFactory:
     shards_in_cpu: int = 0
     """NVMe parameter offload: shard elements (per rank) still to keep in CPU memory instead
     (``offload_param.max_in_cpu``); units take from it in build order while their shard fits."""
+    pin: tuple[bool, bool] = (False, False)
+    """Page-lock (masters, shards) kept in host memory (``pin_memory`` of the offload blocks)."""
 
     def __call__(
         self, name: str, params: list[torch.nn.Parameter], persistent: bool
@@ -186,6 +188,7 @@ class _UnitFactory:
             shard_device=self.placement[1],
             alias_masters=self.placement[2],
             shard_space=shard_space,
+            pin_memory=(self.pin[0], self.pin[1] and shard_space is None),
         )
 
 
@@ -210,6 +213,7 @@ class FullySharded:
         shard_device: torch.device | None = None,
         swap_space: SwapSpace | None = None,
         param_swap_space: SwapSpace | None = None,
+        pin_memory: tuple[bool, bool] = (False, False),
     ) -> None:
         self.process_group = group
         if swap_space is not None:
@@ -229,6 +233,8 @@ class FullySharded:
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, self._placement,
             int(zero.sub_group_size) * world, _max_in_cpu(zero, param_swap_space),
+            # Swapped masters and shards live in the swap buffers, not in these tensors.
+            (pin_memory[0] and swap_space is None, pin_memory[1]),
         )  # fmt: skip
         self.swapped = (
             SwappedOptimizerState(swap_space, optimizer_pipeline(zero.offload_optimizer))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from partita import comm
+from partita.accelerator import get_accelerator
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import mark_gathered, mark_sharded
@@ -62,6 +63,7 @@ class ShardedUnit:
         shard_device: torch.device | None = None,
         alias_masters: bool = True,
         shard_space: SwapSpace | None = None,
+        pin_memory: tuple[bool, bool] = (False, False),
     ) -> None:
         self.name = name
         self.segments = segments
@@ -85,8 +87,11 @@ class ShardedUnit:
                 mark_gathered(p, view)
         # Offload changes only placement: the shard (param offload) and the master with its
         # optimizer state (optimizer offload) may live on the host.
-        self.flat_shard = torch.empty(
-            self.layout.shard_numel, dtype=like.dtype, device=shard_device or like.device
+        self.flat_shard = _pinned_if(
+            pin_memory[1],
+            torch.empty(
+                self.layout.shard_numel, dtype=like.dtype, device=shard_device or like.device
+            ),
         )
         self.masters: dict[int, torch.nn.Parameter] = {}
         for seg_info, seg in zip(self.segments, self.layout.segments, strict=True):
@@ -100,8 +105,11 @@ class ShardedUnit:
                     master = torch.nn.Parameter(chunk)
                 else:
                     master = torch.nn.Parameter(
-                        own.detach().to(
-                            device=state_device or like.device, dtype=master_dtype, copy=True
+                        _pinned_if(
+                            pin_memory[0],
+                            own.detach().to(
+                                device=state_device or like.device, dtype=master_dtype, copy=True
+                            ),
                         )
                     )
                 master.grad = torch.zeros_like(master)
@@ -267,3 +275,9 @@ class ShardedUnit:
     def gathered_numel(self) -> int:
         """Elements currently gathered (0 when sharded)."""
         return 0 if self.state is UnitState.SHARDED else self.numel
+
+
+def _pinned_if(pin: bool, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` page-locked when asked and in host memory on a GPU machine (see
+    `Accelerator.pin_memory`), else itself."""
+    return get_accelerator().pin_memory(tensor) if pin and tensor.device.type == "cpu" else tensor
