@@ -159,7 +159,10 @@ def _stage3_stats(engine: Any) -> dict[str, Any]:
         "sub_groups": [m.numel() for m in strategy._masters()],
         "swapped_shards": sum(1 for u in strategy.units if u.swapped_shard_numel),
         "peak_resident_shards": strategy.scheduler.peak_resident_shards,
-        "peak_resident_sub_groups": None if strategy.swapped is None else strategy.swapped.peak_resident,
+        "peak_resident_sub_groups": None
+        if strategy.swapped is None
+        else strategy.swapped.peak_resident,
+        "masters_on_device": strategy.masters_on_device,
     }
 
 

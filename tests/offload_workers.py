@@ -132,7 +132,10 @@ def pinned_by_config(configs: list[dict]) -> list[dict[str, int]]:
             {
                 "pinned": len(pinned),
                 "masters": len(masters),
-                "pinned_masters": sum(any(t is m.data or t.data_ptr() == m.data_ptr() for t in pinned) for m in masters),
+                "pinned_masters": sum(
+                    any(t is m.data or t.data_ptr() == m.data_ptr() for t in pinned)
+                    for m in masters
+                ),
                 "shards": len(units),
             }
         )

@@ -5,6 +5,9 @@ stages 1-2 in 16-bit precision train bitwise like stage 0 with it."""
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
 
@@ -29,7 +32,7 @@ def _params(seed: int) -> list[torch.nn.Parameter]:
     return params
 
 
-def _optimizer(cls: type, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(cls: type, params: list[torch.nn.Parameter]) -> Any:
     groups = [
         {"params": params[:2], "weight_decay": 0.1},
         {"params": params[2:], "lr": 3e-3, "betas": (0.3, 0.99)},  # torch's other lerp branch
@@ -45,15 +48,13 @@ def _targets(
     pieces = []
     for w in weights:
         cuts = sorted({0, w.numel() // 3 + 1, w.numel() // 2 + 3, w.numel()})
-        pieces.append([(a, w[a:b]) for a, b in zip(cuts, cuts[1:], strict=False) if a < b])
+        pieces.append([(a, w[a:b]) for a, b in itertools.pairwise(cuts) if a < b])
     return weights, pieces
 
 
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_step_slices_is_bitwise_a_whole_step_then_a_cast(
-    dtype: torch.dtype, staged: bool
-) -> None:
+def test_step_slices_is_bitwise_a_whole_step_then_a_cast(dtype: torch.dtype, staged: bool) -> None:
     ours, theirs = _params(0), _params(0)
     opt, ref = _optimizer(CPUAdamW, ours), _optimizer(torch.optim.AdamW, theirs)
     weights, pieces = _targets(ours, dtype)
@@ -90,10 +91,10 @@ def test_other_optimizers_step_whole_then_copy() -> None:
 def test_slices_must_cover_every_stepped_parameter() -> None:
     params = _params(2)
     opt = _optimizer(CPUAdamW, params)
-    weights, pieces = _targets(params, torch.float32)
+    _, pieces = _targets(params, torch.float32)
     plan, dsts = slice_plan(params, pieces, 1000)
     with pytest.raises(ValueError, match="cover each stepped parameter"):
-        opt.step_slices(plan[1:], CopyBack(dsts[1:]))  # type: ignore[attr-defined]
+        opt.step_slices(plan[1:], CopyBack(dsts[1:]))
     with pytest.raises(ValueError, match="do not cover"):
         slice_plan(params[:1], [pieces[0][1:]], 1000)
 
@@ -102,7 +103,10 @@ def test_sharded_stages_in_16_bit_train_bitwise_like_stage_0() -> None:
     """Stage 0 steps whole masters and casts them with torch; stages 1-3 (with and without
     optimizer offload, and with small sub-groups) write the cast in the step."""
     cases = []
-    precisions = ({"bf16": {"enabled": True}}, {"fp16": {"enabled": True, "initial_scale_power": 8}})
+    precisions = (
+        {"bf16": {"enabled": True}},
+        {"fp16": {"enabled": True, "initial_scale_power": 8}},
+    )
     for precision in precisions:
         cases.append({"config": base_config(2, 1, **precision), "steps": 6})
         for stage in (1, 2, 3):
@@ -122,3 +126,22 @@ def test_sharded_stages_in_16_bit_train_bitwise_like_stage_0() -> None:
                 assert all(
                     torch.equal(a, b) for a, b in zip(run["params"], stage0["params"], strict=True)
                 )
+
+
+def test_step_hooks_run_and_kernel_less_cases_still_copy() -> None:
+    """step_slices runs inside `step`: registered step hooks fire; with amsgrad (torch's
+    kernel) the update is torch's and the weights still get their cast."""
+    for amsgrad in (False, True):
+        ours, theirs = _params(3), _params(3)
+        opt = CPUAdamW(ours, lr=1e-2, amsgrad=amsgrad)
+        ref = torch.optim.AdamW(theirs, lr=1e-2, amsgrad=amsgrad, fused=True)
+        calls: list[str] = []
+        opt.register_step_pre_hook(lambda *_, calls=calls: calls.append("pre"))
+        opt.register_step_post_hook(lambda *_, calls=calls: calls.append("post"))
+        weights, pieces = _targets(ours, torch.bfloat16)
+        plan, dsts = slice_plan(ours, pieces, 1000)
+        step_with_copy_back(opt, plan, CopyBack(dsts))
+        ref.step()
+        assert calls == ["pre", "post"]
+        for p, q, w in zip(ours, theirs, weights, strict=True):
+            assert torch.equal(p, q) and torch.equal(w, q.detach().to(torch.bfloat16))

@@ -262,6 +262,7 @@ def strategy(
             state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
             param_swap_space=swap_space(config, "offload_param"),
             pin_memory=_pin_memory(zero),
+            offload_ratio=1.0 if zero.offload_optimizer is None else zero.offload_optimizer.ratio,
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(

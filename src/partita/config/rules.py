@@ -88,17 +88,6 @@ _NOT_IMPLEMENTED: tuple[
         "SuperOffload",
         "use false",
     ),
-    (
-        "zero_optimization.offload_optimizer.ratio",
-        lambda c: (
-            1.0
-            if c.zero_optimization.offload_optimizer is None
-            else c.zero_optimization.offload_optimizer.ratio
-        ),
-        lambda v: v < 1.0,
-        "partial optimizer offload",
-        "use 1.0",
-    ),
 )
 
 
@@ -168,6 +157,14 @@ def _offload(cfg: DeepSpeedConfig) -> list[Problem]:
             Problem(
                 "zero_optimization.offload_optimizer",
                 "optimizer offload needs zero_optimization.stage 1, 2 or 3 (got stage 0)",
+            )
+        )
+    if opt is not None and opt.ratio < 1.0 and (opt.device != "cpu" or zero.stage != 3):
+        problems.append(
+            Problem(
+                "zero_optimization.offload_optimizer.ratio",
+                f"partial optimizer offload (ratio {opt.ratio} < 1) needs device 'cpu' and "
+                f"zero_optimization.stage 3 (got device {opt.device!r}, stage {zero.stage})",
             )
         )
     return problems

@@ -22,7 +22,15 @@ import torch
 from partita.optim import adam_kernel
 from partita.optim.adam_kernel import plain_fp32
 
-__all__ = ["CPUAdam", "CPUAdamW", "Slice", "SliceSink", "torch_base", "torch_class_name"]
+__all__ = [
+    "CPUAdam",
+    "CPUAdamW",
+    "Slice",
+    "SliceSink",
+    "copy_after_step",
+    "torch_base",
+    "torch_class_name",
+]
 
 
 @dataclass(frozen=True)
@@ -94,41 +102,59 @@ class _KernelStep:
                 work.append((group, params, grads, states))
         return work
 
+    _slices: tuple[Sequence[Sequence[Slice]], SliceSink] | None = None
+    """The plan and sink of a `step_slices` call in progress."""
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient (see the module docstring)."""
+        pending, self._slices = self._slices, None
         work = self._collect()
         if work is None:
-            return super().step(closure)  # type: ignore[misc]
+            loss = self._torch_step(closure)
+            if pending is not None:
+                copy_after_step(*pending)
+            return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, params, grads, states in work:
-            args = _kernel_args(group, 0.0)
+        if pending is not None:
+            self._step_slices(work, *pending)
+            return loss
+        for group, params, _, states in work:
             # The kernel adds one to each step counter and uses its value (parameters restored
             # from different checkpoints may be at different steps).
-            adam_kernel.adam_step(
-                params,
-                grads,
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                args,
-                [s["step"] for s in states],
-            )
+            batch = _Batch(group, 0.0)
+            for p, state in zip(params, states, strict=True):
+                batch.add(Slice(p, 0, p.numel()), state, None, counter=True)
+            batch.run()
         return loss
 
-    @torch.no_grad()
-    def step_slices(self, plan: Sequence[Sequence[Slice]], sink: SliceSink) -> bool:
+    def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
+        """torch's own step. Without the hook wrapper torch.optim puts around every class's
+        ``step`` once an instance exists: this ``step`` is wrapped already, and its hooks have
+        run (they would run twice)."""
+        step = torch_base(type(self)).step  # type: ignore[attr-defined]
+        return getattr(step, "__wrapped__", step)(self, closure)
+
+    def step_slices(self, plan: Sequence[Sequence[Slice]], sink: SliceSink) -> None:
         """The same update as `step`, sub-group by sub-group: the slices of ``plan[k]`` are
         stepped (their updated values written to ``sink.outs(k)`` in the same pass), then
         ``sink.done(k)`` runs, so the caller can move sub-group k on while k+1 is stepped.
         The slices must cover every parameter with a gradient exactly once (the update is
-        elementwise, so the result is bitwise `step`'s). Returns False without doing anything
-        when the kernel does not apply (see `step`); the caller then steps and copies itself."""
-        work = self._collect()
-        if work is None:
-            return False
+        elementwise, so the result is bitwise `step`'s). It runs inside `step` (so step hooks
+        and profiler ranges behave as for `step`); where the kernel does not apply, torch's
+        step runs and `copy_after_step` writes the sink."""
+        self._slices = (plan, sink)
+        try:
+            self.step()
+        finally:
+            self._slices = None
+
+    def _step_slices(
+        self, work: list[_Work], plan: Sequence[Sequence[Slice]], sink: SliceSink
+    ) -> None:
         where = {id(p): (g, s) for g, ps, _, ss in work for p, s in zip(ps, ss, strict=True)}
         covered = dict.fromkeys(where, 0)
         for sl in (sl for slices in plan for sl in slices if id(sl.param) in where):
@@ -151,7 +177,17 @@ class _KernelStep:
             for batch in batches.values():
                 batch.run()
             sink.done(k)
-        return True
+
+
+@torch.no_grad()
+def copy_after_step(plan: Sequence[Sequence[Slice]], sink: SliceSink) -> None:
+    """Writes every slice of ``plan`` (already stepped) to ``sink``, sub-group by sub-group:
+    what `CPUAdamW.step_slices` does in its step, for any other optimizer."""
+    for k, slices in enumerate(plan):
+        for sl, out in zip(slices, sink.outs(k), strict=True):
+            if out is not None:
+                out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
+        sink.done(k)
 
 
 class _Batch:
@@ -162,11 +198,16 @@ class _Batch:
         self.args = _kernel_args(group, step)
         self.rows: list[int] = []
         self.tails: list[tuple[torch.Tensor, ...]] = []  # torch's scalar tails: (p, g, m, v)
+        self.tail_steps: list[torch.Tensor | None] = []  # their counters (None: this step)
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, source) afterwards
 
-    def add(self, sl: Slice, state: dict[str, Any], out: torch.Tensor | None) -> None:
+    def add(
+        self, sl: Slice, state: dict[str, Any], out: torch.Tensor | None, counter: bool = False
+    ) -> None:
         """Adds ``sl`` of a parameter whose state is ``state``; ``out`` receives its values.
-        The parameter, its gradient and moments are contiguous fp32 (`_collect` checked)."""
+        The parameter, its gradient and moments are contiguous fp32 (`_collect` checked).
+        With ``counter`` (a whole parameter) the kernel increments ``state["step"]`` and uses
+        it instead of the batch's step."""
         p, grad = sl.param.detach(), sl.param.grad
         assert grad is not None
         tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
@@ -176,15 +217,18 @@ class _Batch:
         if out is not None and out.is_cpu and out.dtype in adam_kernel.OUT_DTYPES:
             direct = out if out.is_contiguous() else None
         stop = min(sl.stop, body)
-        if sl.start < stop:
+        # A row with a counter is kept even when empty: the kernel increments the counter
+        # (a parameter smaller than one vector is all tail, and the tail reads the counter).
+        if sl.start < stop or counter:
             self.rows += [t.data_ptr() + 4 * sl.start for t in tensors]
-            self.rows += [0, stop - sl.start]
+            self.rows += [state["step"].data_ptr() if counter else 0, max(0, stop - sl.start)]
             self.rows += (
                 [0, 0] if direct is None else [direct.data_ptr(), adam_kernel.out_kind(direct)]
             )
         if max(sl.start, body) < sl.stop:  # the slice ends in torch's scalar tail
             cut = max(sl.start, body)
             self.tails.append(tuple(t.view(-1)[cut : sl.stop] for t in tensors))
+            self.tail_steps.append(state["step"] if counter else None)
             if direct is not None:
                 self.copies.append((direct.view(-1)[cut - sl.start :], self.tails[-1][0]))
         if out is not None and direct is None:
@@ -193,10 +237,11 @@ class _Batch:
     def run(self) -> None:
         """The kernel on every row, torch's kernel on the tails, then the copies."""
         adam_kernel.run_rows(self.rows, self.args)
-        if self.tails:
+        if self.tails:  # after the kernel: the counters hold this update's step now
             step = torch.tensor(self.args.step)
             tensors = [list(t) for t in zip(*self.tails, strict=True)]
-            adam_kernel.torch_tail(tensors, self.args, [step] * len(self.tails))
+            steps = [step if t is None else t for t in self.tail_steps]
+            adam_kernel.torch_tail(tensors, self.args, steps)
         for out, src in self.copies:
             out.copy_(src)
 

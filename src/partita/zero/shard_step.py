@@ -14,7 +14,7 @@ import torch
 
 from partita import comm
 from partita.offload.copy_back import CopyBack
-from partita.optim.cpu_adam import Slice
+from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice, copy_after_step
 from partita.zero.strategy import StepOutcome
 
 COPY_SLICE_NUMEL = 1 << 22
@@ -28,10 +28,18 @@ def global_norm(
 ) -> tuple[torch.Tensor, float]:
     """The global norm from this rank's per-tensor norms: one scalar all-reduce of the sum of
     squares. Returns it as a tensor (for clipping) and as a float (inf/nan: overflow)."""
-    sq = torch.stack(list(norms)).square().sum() if norms else torch.zeros(())
-    # The norm is computed where the shards live (the CPU under offload) and reduced where the
-    # backend can reach (NCCL needs a device tensor).
-    sq = sq.to(comm_device)
+    # The sum of squares is taken where the shards live (the CPU under offload; both places
+    # under partial offload) and reduced where the backend can reach (NCCL needs a device
+    # tensor).
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for n in norms:
+        by_device.setdefault(n.device, []).append(n)
+    parts = [torch.stack(ns).square().sum().to(comm_device) for ns in by_device.values()]
+    sq = (
+        torch.stack(parts).sum()
+        if len(parts) > 1
+        else (parts[0] if parts else torch.zeros((), device=comm_device))
+    )
     comm.all_reduce(sq, group=group, tag="norm")
     norm = sq.sqrt()
     return norm, float(norm)
@@ -105,13 +113,9 @@ def step_with_copy_back(
     sub-group's copy overlapping the next one's step where the optimizer can step in slices
     (partita's CPU Adam); otherwise a whole step, then the copies."""
     sink.begin()
-    step_slices = getattr(optimizer, "step_slices", None)
-    if step_slices is None or not step_slices(plan, sink):
+    if isinstance(optimizer, CPUAdamW | CPUAdam):
+        optimizer.step_slices(plan, sink)
+    else:
         optimizer.step()
-        with torch.no_grad():
-            for k, slices in enumerate(plan):
-                for sl, out in zip(slices, sink.outs(k), strict=True):
-                    if out is not None:
-                        out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
-                sink.done(k)
+        copy_after_step(plan, sink)
     sink.finish()

@@ -77,7 +77,8 @@ class OffloadOptimizerConfig(Section):
         default=1.0,
         ge=0.0,
         le=1.0,
-        description="Fraction of optimizer state offloaded (below 1 is partial offload).",
+        description="Stage 3, device cpu: fraction of the sub-groups whose optimizer state is "
+        "offloaded (the last ones in build order; the first stay and step on the device).",
     )
     super_offload: Bool = Field(
         default=False, description="DeepSpeed's SuperOffload for superchips (ZeRO-3 only)."

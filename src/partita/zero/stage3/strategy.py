@@ -214,6 +214,7 @@ class FullySharded:
         swap_space: SwapSpace | None = None,
         param_swap_space: SwapSpace | None = None,
         pin_memory: tuple[bool, bool] = (False, False),
+        offload_ratio: float = 1.0,
     ) -> None:
         self.process_group = group
         if swap_space is not None:
@@ -242,6 +243,8 @@ class FullySharded:
             else None
         )
         bindings = self._build_units(build, plan, persistent, module, modules)
+        if state_device is not None and swap_space is None and offload_ratio < 1.0:
+            self._keep_masters_on_device(offload_ratio)
         self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
         self.scheduler = UnitScheduler(
             self.units,
@@ -320,6 +323,18 @@ class FullySharded:
             self.swapped.add(list(self.persistent.masters.values()))
         self.all_units = self.units + ([self.persistent] if self.persistent else [])
         return bindings
+
+    def _keep_masters_on_device(self, ratio: float) -> None:
+        """Partial optimizer offload (``offload_optimizer.ratio``, as DeepSpeed splits it):
+        of the n sub-group masters in build order, the first int((1 - ratio) * n) move to the
+        compute device and are stepped there; the rest stay on the host."""
+        homes = [(u, idx) for u in self.all_units for idx in u.masters]
+        self.masters_on_device = int((1.0 - ratio) * len(homes))
+        for unit, idx in homes[: self.masters_on_device]:
+            unit.move_master(idx, self.comm_device)
+
+    masters_on_device = 0
+    """Sub-group masters kept with the compute under partial optimizer offload."""
 
     def _masters_by_group(self, n_groups: int) -> list[list[torch.Tensor]]:
         """Each optimizer group's master tensors (one per unit segment of that group)."""

@@ -260,6 +260,15 @@ class ShardedUnit:
                 master[off : off + piece.length].copy_(self.flat_full[span])
         self.evict_shard()
 
+    @torch.no_grad()
+    def move_master(self, idx: int, device: torch.device) -> None:
+        """Places master `idx` (and its gradient) on `device`: a copy, never its shard (partial
+        optimizer offload keeps some masters with the compute)."""
+        old = self.masters[idx]
+        master = torch.nn.Parameter(old.detach().to(device, copy=True))
+        master.grad = torch.zeros_like(master)
+        self.masters[idx] = master
+
     @property
     def master_bytes(self) -> int:
         """Bytes of masters that are copies (a master that is the shard itself costs nothing)."""
