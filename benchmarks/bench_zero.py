@@ -167,6 +167,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--nvme_dir", default=tempfile.gettempdir(), help="nvme_path of the NVMe offload rows"
     )
+    p.add_argument(
+        "--bf16", action="store_true",
+        help="bf16 mixed precision (fp32 masters) for partita and DeepSpeed; the torch peers "
+        "stay fp32, so only partita and DeepSpeed rows may run (results get a _bf16 suffix)",
+    )  # fmt: skip
     p.add_argument("--nprocs_sweep", help="e.g. 1,2,4: memory of partita's stages per N")
     p.add_argument("--sweep_stages", default="1,2,3", help="partita stages in the sweep")
     p.add_argument("--job_timeout", type=float, default=1800.0, help="seconds per job")
@@ -251,6 +256,8 @@ def engine_config(args: argparse.Namespace, stage: int, offload: str = "") -> di
                 zero[block] = {"device": device, "nvme_path": args.nvme_dir}
         if offload == "nvme_pipelined":
             zero["offload_optimizer"].update(PIPELINED)
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
     return config
 
 
@@ -360,6 +367,7 @@ def shared_args(args: argparse.Namespace) -> list[str]:
         "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--seed", str(args.seed), "--persistence_threshold", str(args.persistence_threshold),
         "--zero_config", json.dumps(args.zero_config), "--nvme_dir", args.nvme_dir,
+        *(["--bf16"] if args.bf16 else []),
     ]  # fmt: skip
 
 
@@ -486,7 +494,8 @@ def suite_title(args: argparse.Namespace, suite: Suite, params: int | None) -> s
     shown = f"{params:,}" if params else "?"
     return (
         f"{suite.title}, GPT-2 {args.model} ({shown} parameters), {args.nprocs} CPU processes x "
-        f"{args.threads} threads, micro-batch {args.micro_batch} x {args.seq_len} tokens, fp32, "
+        f"{args.threads} threads, micro-batch {args.micro_batch} x {args.seq_len} tokens, "
+        f"{'bf16 (fp32 masters)' if args.bf16 else 'fp32'}, "
         f"median of {args.steps} steps after {args.warmup} warm-up"
         + (f", x {args.rounds} interleaved rounds" if args.rounds > 1 else "")
     )
@@ -532,7 +541,8 @@ def report_suite(
         "loss_reference": reference, "loss_gaps": gaps,
         "errors": {k: v for k, v in errors.items() if k.rsplit("@", 1)[0] in impls},
     }  # fmt: skip
-    paths = common.write_results(f"{name}_{args.model}", markdown, payload, args.results_dir)
+    stem = f"{name}_{args.model}" + ("_bf16" if args.bf16 else "")
+    paths = common.write_results(stem, markdown, payload, args.results_dir)
     print(f"wrote {paths[0]} and {paths[1]}")
 
 
@@ -632,6 +642,10 @@ def main() -> None:
     known = {i for s in SUITES.values() for i in s.impls}
     if wanted is not None and wanted - known:
         sys.exit(f"--impls: unknown {sorted(wanted - known)}; choose from {sorted(known)}")
+    if args.bf16:
+        peers = {i for name in suites for i in SUITES[name].impls if wanted is None or i in wanted}
+        if peers & {DDP, FSDP2}:
+            sys.exit(f"--bf16: the torch peers run fp32; choose --impls without {DDP}, {FSDP2}")
     runs: dict[str, list[dict[str, Any]]] = {}  # partita stage 0 runs once for both suites
     errors: dict[str, str] = {}
     for name in suites:

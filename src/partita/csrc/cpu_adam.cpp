@@ -27,6 +27,11 @@
 // hands torch the last n % W elements of each tensor (W = torch's vector width), which torch
 // computes in a scalar loop with different contractions.
 //
+// Optionally each row also stores the updated parameters converted to bfloat16, float16 or
+// float32 in the same pass (the weights an offloaded step must produce anyway: 2 more bytes
+// written per element instead of a second pass reading 4 and writing 2), rounded as torch's
+// vectorised conversions round (the caller checks this bitwise on first use too).
+//
 // Interface: plain C, called through ctypes (which releases the GIL while it runs).
 
 #include <immintrin.h>
@@ -282,6 +287,31 @@ __attribute__((target("avx2,fma,f16c"))) void step256(
   }
 }
 
+// Elements [lo, hi) of the concatenation of all rows.
+void step_range(const Consts* consts, int32_t isa, const int64_t (*table)[8], int64_t count,
+                int64_t lo, int64_t hi) {
+  int64_t start = 0;
+  for (int64_t j = 0; j < count && start < hi; start += table[j][5], ++j) {
+    const int64_t from = std::max(lo, start) - start;
+    const int64_t to = std::min(hi, start + table[j][5]) - start;
+    if (from >= to) continue;
+    float* p = reinterpret_cast<float*>(table[j][0]) + from;
+    float* g = reinterpret_cast<float*>(table[j][1]) + from;
+    float* m = reinterpret_cast<float*>(table[j][2]) + from;
+    float* v = reinterpret_cast<float*>(table[j][3]) + from;
+    const int64_t kind = table[j][6] == 0 ? kNone : table[j][7];
+    const Out out{kind == kNone ? nullptr
+                                : reinterpret_cast<unsigned char*>(table[j][6]) +
+                                      from * out_size(kind),
+                  kind};
+    if (isa >= 2) {
+      step512(consts[j], p, g, m, v, out, to - from);
+    } else {
+      step256(consts[j], p, g, m, v, out, to - from);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -320,9 +350,13 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
   }
   // Below this a fork/join costs about what the work does.
   const int32_t team = total >= (int64_t(1) << 15) ? threads : 1;
+  if (team == 1) {  // no parallel region at all: entering one costs even when it is serial
+    step_range(consts.data(), isa, table, count, 0, total);
+    return;
+  }
   // The calling thread's MXCSR (denormal flushing, as torch.set_flush_denormal left it).
   const uint32_t mxcsr = _mm_getcsr();
-#pragma omp parallel num_threads(team) if (team > 1)
+#pragma omp parallel num_threads(team)
   {
 #ifdef _OPENMP
     const int64_t rank = omp_get_thread_num(), ranks = omp_get_num_threads();
@@ -334,26 +368,7 @@ void partita_adam_step(const PartitaAdamArgs* args, int32_t isa, int32_t threads
     // Worker threads carry their own MXCSR; torch's denormal setting is the caller's.
     const uint32_t saved = _mm_getcsr();
     _mm_setcsr(mxcsr);
-    int64_t start = 0;
-    for (int64_t j = 0; j < count && start < hi; start += table[j][5], ++j) {
-      const int64_t from = std::max(lo, start) - start;
-      const int64_t to = std::min(hi, start + table[j][5]) - start;
-      if (from >= to) continue;
-      float* p = reinterpret_cast<float*>(table[j][0]) + from;
-      float* g = reinterpret_cast<float*>(table[j][1]) + from;
-      float* m = reinterpret_cast<float*>(table[j][2]) + from;
-      float* v = reinterpret_cast<float*>(table[j][3]) + from;
-      const int64_t kind = table[j][6] == 0 ? kNone : table[j][7];
-      const Out out{kind == kNone ? nullptr
-                                  : reinterpret_cast<unsigned char*>(table[j][6]) +
-                                        from * out_size(kind),
-                    kind};
-      if (isa >= 2) {
-        step512(consts[j], p, g, m, v, out, to - from);
-      } else {
-        step256(consts[j], p, g, m, v, out, to - from);
-      }
-    }
+    step_range(consts.data(), isa, table, count, lo, hi);
     _mm_setcsr(saved);
   }
 }

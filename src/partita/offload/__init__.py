@@ -8,7 +8,9 @@ never ``zero/`` or the engine. The pieces:
   (`BufferPool`);
 - `swapped`: a tensor kept in a swap file between uses (`SwappedTensor`);
 - `checks`: start-up checks of the NVMe paths (`check_offload_config`);
-- `cpu_adam`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`).
+- `cpu_adam`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`);
+- `copy_back`: where a host step's updated weights go, and their copies to the device
+  (`CopyBack`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .aio import (
     padded_nbytes,
 )
 from .checks import DirectoryProbe, check_offload_config, probe_directory
+from .copy_back import CopyBack
 from .cpu_adam import AdamHyper, cpu_adam_step, make_cpu_adam
 from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
 from .swapped import SwappedTensor, has_storage, release_storage, restore_storage
@@ -37,6 +40,7 @@ __all__ = [
     "AsyncIO",
     "AsyncIOError",
     "BufferPool",
+    "CopyBack",
     "DirectoryProbe",
     "FileHandle",
     "SwapSlot",

@@ -8,6 +8,11 @@ anything else (amsgrad, maximize, a gradient scaler's ``grad_scale``/``found_inf
 dtypes or devices, the kernel unavailable) takes torch's own fused step. `build_optimizer`
 uses them for Adam/AdamW when every parameter is an fp32 CPU tensor: the masters of CPU
 offload, and CPU training.
+
+`step_slices` is the step the ZeRO stages run on host masters: the same update, in slices
+(sub-groups), each slice's updated values also written to the module's weights (bf16, fp16 or
+fp32) by the kernel in the same pass, and handed to a `SliceSink` (`partita.offload.CopyBack`)
+that moves them to the device while the next slice steps.
 """
 
 from __future__ import annotations
