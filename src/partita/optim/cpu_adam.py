@@ -141,7 +141,9 @@ class _KernelStep:
         ``step`` once an instance exists: this ``step`` is wrapped already, and its hooks have
         run (they would run twice)."""
         step = torch_base(type(self)).step  # type: ignore[attr-defined]
-        return getattr(step, "__wrapped__", step)(self, closure)
+        if getattr(step, "hooked", False):  # torch.optim marks the wrappers it installs
+            step = step.__wrapped__
+        return step(self, closure)
 
     def step_slices(self, plan: Sequence[Sequence[Slice]], sink: SliceSink) -> None:
         """The same update as `step`, sub-group by sub-group: the slices of ``plan[k]`` are

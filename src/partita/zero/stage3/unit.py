@@ -87,12 +87,9 @@ class ShardedUnit:
                 mark_gathered(p, view)
         # Offload changes only placement: the shard (param offload) and the master with its
         # optimizer state (optimizer offload) may live on the host.
-        self.flat_shard = _pinned_if(
-            pin_memory[1],
-            torch.empty(
-                self.layout.shard_numel, dtype=like.dtype, device=shard_device or like.device
-            ),
-        )
+        shard_at = shard_device or like.device
+        shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=shard_at)
+        self.flat_shard = _pinned_if(pin_memory[1], shard)
         self.masters: dict[int, torch.nn.Parameter] = {}
         for seg_info, seg in zip(self.segments, self.layout.segments, strict=True):
             own = self._own(seg_info.index, self.flat_full)
@@ -104,14 +101,9 @@ class ShardedUnit:
                     # An fp32 module on the optimizer's device: the shard is the master (no copy).
                     master = torch.nn.Parameter(chunk)
                 else:
-                    master = torch.nn.Parameter(
-                        _pinned_if(
-                            pin_memory[0],
-                            own.detach().to(
-                                device=state_device or like.device, dtype=master_dtype, copy=True
-                            ),
-                        )
-                    )
+                    where = state_device or like.device
+                    copy = own.detach().to(device=where, dtype=master_dtype, copy=True)
+                    master = torch.nn.Parameter(_pinned_if(pin_memory[0], copy))
                 master.grad = torch.zeros_like(master)
                 self.masters[seg_info.index] = master
         self.state = UnitState.UNSHARDED
