@@ -14,6 +14,7 @@ import torch
 from engine_workers import base_config, train_grid
 from partita.offload.copy_back import CopyBack
 from partita.optim import CPUAdamW, adam_kernel
+from partita.optim.cpu_adam import Slice
 from partita.testing import run_distributed
 from partita.zero.shard_step import slice_plan, step_with_copy_back
 
@@ -145,3 +146,20 @@ def test_step_hooks_run_and_kernel_less_cases_still_copy() -> None:
         assert calls == ["pre", "post"]
         for p, q, w in zip(ours, theirs, weights, strict=True):
             assert torch.equal(p, q) and torch.equal(w, q.detach().to(torch.bfloat16))
+
+
+def test_step_planned_steps_only_its_parameters() -> None:
+    """NVMe offload steps one resident sub-group at a time: the others keep their values, step
+    counters and (absent) state although they have gradients."""
+    ours, theirs = _params(4), _params(4)
+    opt, ref = CPUAdamW(ours, lr=1e-2), torch.optim.AdamW(theirs[:1], lr=1e-2, fused=True)
+    before = [p.detach().clone() for p in ours]
+    weights = torch.empty(ours[0].numel(), dtype=torch.bfloat16)
+    assert opt.step_planned([[Slice(ours[0], 0, ours[0].numel())]], CopyBack([[weights]]))
+    ref.step()
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(weights, theirs[0].detach().bfloat16())
+    assert all(torch.equal(p, b) for p, b in zip(ours[1:], before[1:], strict=True))
+    assert set(opt.state) == {ours[0]}
+    amsgrad = CPUAdamW(ours, lr=1e-2, amsgrad=True)
+    assert not amsgrad.step_planned([[Slice(ours[0], 0, ours[0].numel())]], CopyBack([[weights]]))
+    assert not amsgrad.state  # nothing done: the caller steps another way

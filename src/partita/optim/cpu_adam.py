@@ -70,9 +70,10 @@ class _KernelStep:
     param_groups: list[dict[str, Any]]
     state: Any
 
-    def _collect(self) -> list[_Work] | None:
+    def _collect(self, only: set[int] | None = None) -> list[_Work] | None:
         """Per group: (group, params with a gradient, their gradients, their states, created
-        as torch creates them), or None when the kernel does not apply to every one."""
+        as torch creates them), or None when the kernel does not apply to every one. With
+        ``only`` (ids of parameters), the others are left out (and not looked at)."""
         if (
             getattr(self, "grad_scale", None) is not None
             or getattr(self, "found_inf", None) is not None
@@ -89,7 +90,7 @@ class _KernelStep:
             params, grads, states = [], [], []
             for p in group["params"]:
                 grad = p.grad
-                if grad is None:
+                if grad is None or (only is not None and id(p) not in only):
                     continue
                 if not plain_fp32(p) or not plain_fp32(grad) or grad.numel() != p.numel():
                     return None
@@ -107,25 +108,27 @@ class _KernelStep:
                 work.append((group, params, grads, states))
         return work
 
-    _slices: tuple[Sequence[Sequence[Slice]], SliceSink] | None = None
-    """The plan and sink of a `step_slices` call in progress."""
+    _slices: tuple[Sequence[Sequence[Slice]], SliceSink, set[int] | None] | None = None
+    """The plan and sink of a `step_slices` or `step_planned` call in progress, and (for the
+    latter) the ids of the parameters it steps."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient (see the module docstring)."""
         pending, self._slices = self._slices, None
-        work = self._collect()
+        work = self._collect(None if pending is None else pending[2])
         if work is None:
+            assert pending is None or pending[2] is None, "step_planned checked the kernel"
             loss = self._torch_step(closure)
             if pending is not None:
-                copy_after_step(*pending)
+                copy_after_step(pending[0], pending[1])
             return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if pending is not None:
-            self._step_slices(work, *pending)
+            self._step_slices(work, pending[0], pending[1])
             return loss
         for group, params, _, states in work:
             # The kernel adds one to each step counter and uses its value (parameters restored
@@ -153,11 +156,25 @@ class _KernelStep:
         elementwise, so the result is bitwise `step`'s). It runs inside `step` (so step hooks
         and profiler ranges behave as for `step`); where the kernel does not apply, torch's
         step runs and `copy_after_step` writes the sink."""
-        self._slices = (plan, sink)
+        self._slices = (plan, sink, None)
         try:
             self.step()
         finally:
             self._slices = None
+
+    def step_planned(self, plan: Sequence[Sequence[Slice]], sink: SliceSink) -> bool:
+        """`step_slices` for the parameters in ``plan`` only (whole ones); the others are not
+        touched, gradients or not (NVMe offload steps one resident sub-group at a time). Returns
+        False, doing nothing, where the kernel does not apply to them."""
+        only = {id(sl.param) for slices in plan for sl in slices}
+        if self._collect(only) is None:
+            return False
+        self._slices = (plan, sink, only)
+        try:
+            self.step()
+        finally:
+            self._slices = None
+        return True
 
     def _step_slices(
         self, work: list[_Work], plan: Sequence[Sequence[Slice]], sink: SliceSink

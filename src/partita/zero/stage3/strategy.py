@@ -18,7 +18,7 @@ import torch
 from partita import comm
 from partita.offload import SwapSpace
 from partita.offload.copy_back import CopyBack
-from partita.optim.cpu_adam import Slice
+from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
 from partita.partition import Piece, plan_buckets
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
@@ -401,8 +401,22 @@ class FullySharded:
         step_with_copy_back(self.optimizer, self._plan, self._copy_back)
 
     def _step_one(self, i: int) -> None:
-        """Steps master i alone (the optimizer skips parameters without a gradient), then
-        casts it into its unit's shard (resident until the unit's last master is done)."""
+        """Steps master i alone, then casts it into its unit's shard (resident until the
+        unit's last master is done). partita's CPU Adam steps it by itself and writes a shard
+        in host memory in the same pass; other optimizers step with the other masters'
+        gradients hidden (they skip parameters without one), then the cast follows."""
+        unit, idx = self._master_home[i]
+        master = unit.masters[idx]
+        if isinstance(self.optimizer, CPUAdamW | CPUAdam):
+            unit.ensure_shard()
+            chunk = unit.shard_chunk(idx)
+            if chunk.is_cpu and chunk.data_ptr() != master.data_ptr():
+                plan = [[Slice(master, 0, master.numel())]]
+                if self.optimizer.step_planned(plan, CopyBack([[chunk]])):
+                    unit.shard_modified()
+                    if i in self._unit_done:
+                        unit.evict_shard()
+                    return
         masters = self._masters()
         grads = [m.grad for m in masters]
         for j, m in enumerate(masters):
