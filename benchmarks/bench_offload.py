@@ -59,9 +59,8 @@ from partita.offload import (
     cpu_adam_step,
     probe_directory,
 )
-from partita.offload.copy_back import CopyBack
 from partita.optim import CPUAdamW, adam_kernel
-from partita.zero.shard_step import COPY_SLICE_NUMEL, slice_plan, step_with_copy_back
+from partita.zero.shard_step import COPY_SLICE_NUMEL, host_step
 
 MB = 1e6
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
@@ -313,9 +312,7 @@ def _partita_fused(n: int) -> Callable[[], None]:
     param.grad = torch.randn(n)
     weights = torch.empty(n, dtype=torch.bfloat16)
     opt = CPUAdamW([param], lr=HYPER.lr, weight_decay=HYPER.weight_decay)
-    plan, dsts = slice_plan([param], [[(0, weights)]], COPY_SLICE_NUMEL)
-    sink = CopyBack(dsts)
-    return lambda: step_with_copy_back(opt, plan, sink)
+    return host_step(opt, [param], [[(0, weights)]], COPY_SLICE_NUMEL)
 
 
 def _optimizer_on(

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from partita.optim import CPUAdam, CPUAdamW, adam_kernel
 from partita.optim.adam_kernel import AdamArgs, adam_step
+from partita.testing import run_python
 
 pytestmark = pytest.mark.skipif(
     not adam_kernel.available(), reason=f"kernel not usable here: {adam_kernel.why_not()}"
@@ -125,23 +124,11 @@ def test_other_cases_take_torchs_step():
     assert torch.equal(p, q)
 
 
-def _python(code: str, **env: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **env},
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
 def test_disabled_or_without_compiler_falls_back_to_torch(tmp_path: os.PathLike) -> None:
     code = "from partita.optim import adam_kernel as k; print(k.available(), k.why_not())"
-    assert _python(code, PARTITA_CPU_ADAM="0") == "False disabled by PARTITA_CPU_ADAM=0"
+    assert run_python(code, PARTITA_CPU_ADAM="0") == "False disabled by PARTITA_CPU_ADAM=0"
     # No compiler, and nothing built yet in an empty cache folder.
-    out = _python(code, PATH=str(tmp_path), CXX="", PARTITA_CACHE_DIR=str(tmp_path))
+    out = run_python(code, PATH=str(tmp_path), CXX="", PARTITA_CACHE_DIR=str(tmp_path))
     assert out == "False no C++ compiler found (set CXX)"
 
 
@@ -173,4 +160,4 @@ def test_avx2_path_when_torch_uses_avx2() -> None:
         "import torch; from partita.optim import adam_kernel as k; "
         "print(torch.backends.cpu.get_cpu_capability(), k.available(), k.why_not(), k._isa)"
     )
-    assert _python(code, ATEN_CPU_CAPABILITY="avx2") == "AVX2 True None 1"
+    assert run_python(code, ATEN_CPU_CAPABILITY="avx2") == "AVX2 True None 1"

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from partita.testing import run_python
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
@@ -20,15 +21,8 @@ def run_py(body: str, **env: str) -> dict:
     code = "import json, resource, torch\nfrom partita import host_cache as hc\n" + textwrap.dedent(
         body
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **env},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_python(code, timeout=240, **env)
+    return json.loads(out.splitlines()[-1])
 
 
 def test_freed_block_is_reused_and_small_ones_bypass() -> None:

@@ -110,6 +110,12 @@ class Accelerator:
             torch.cuda.reset_peak_memory_stats()
 
 
+def pin_if(pin: bool, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` page-locked (`Accelerator.pin_memory`) when ``pin`` is set and it is in host
+    memory; else ``tensor`` itself (offload blocks' ``pin_memory``)."""
+    return get_accelerator().pin_memory(tensor) if pin and tensor.device.type == "cpu" else tensor
+
+
 def host_rss() -> int:
     """Resident set size of this process, bytes."""
     return int(psutil.Process().memory_info().rss)

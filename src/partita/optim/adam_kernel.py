@@ -34,11 +34,10 @@ from partita import native
 __all__ = [
     "OUT_DTYPES",
     "AdamArgs",
+    "Rows",
     "adam_step",
     "available",
-    "out_kind",
     "plain_fp32",
-    "run_rows",
     "supports",
     "torch_tail",
     "vector_body",
@@ -151,13 +150,13 @@ _OUT_KINDS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 """The kernel's codes for the types it writes updated parameters in."""
 
 OUT_DTYPES = tuple(_OUT_KINDS)
-"""Types `adam_step` can also write the updated parameters in (``outs``)."""
+"""Types the kernel writes updated parameters in itself (``outs`` of `adam_step`, `Rows`)."""
 
 
 def vector_body(numel: int) -> int:
     """How many leading elements of a ``numel``-element tensor torch's fused kernel computes in
-    vectors; the rest (its scalar tail) round differently and go to torch's kernel. Slices of
-    one tensor stepped separately (``tails``) must keep this boundary."""
+    vectors; the rest (its scalar tail) round differently and go to torch's kernel, also when
+    the tensor is stepped in slices (`Rows`)."""
     return numel - numel % _vector_width
 
 
@@ -169,56 +168,92 @@ def adam_step(
     args: AdamArgs,
     steps: Sequence[torch.Tensor] | None = None,
     outs: Sequence[torch.Tensor | None] | None = None,
-    tails: Sequence[int] | None = None,
 ) -> None:
     """One Adam/AdamW update of ``params`` and their moments, in place; bitwise what torch's
     ``_fused_adamw_``/``_fused_adam_`` computes. Needs `available` and `supports` (every
     tensor); grads, moments and params match one to one in size. With ``steps`` (one float32
     0-dim CPU counter per parameter, as torch.optim's fused Adam keeps them) each counter is
     incremented and its new value is that parameter's step, as in ``torch.optim.AdamW.step``;
-    without, every parameter takes ``args.step``.
-
-    ``outs`` (optional, per parameter: None or a contiguous tensor of its size in one of
-    `OUT_DTYPES`) also receives the updated parameter, converted as ``out.copy_(param)`` would,
-    in the same pass over memory. ``tails`` (optional, per parameter) says where torch's
-    scalar tail starts in it, for a slice of a larger tensor (`vector_body` of the whole, minus
-    the slice's start, clipped to the slice); by default each tensor is whole."""
-    assert _lib is not None, "adam_step needs available()"
-    rows: list[int] = []  # per tensor: 4 addresses, its counter's (or 0), body length, out, kind
-    tail_rows: list[tuple[int, int]] = []  # (tensor index, tail start)
+    without, every parameter takes ``args.step``. ``outs`` (optional, per parameter: None or a
+    tensor of its size) also receives the updated parameter, converted as ``out.copy_(param)``
+    would (in the kernel's pass when it is a contiguous host tensor of one of `OUT_DTYPES`)."""
+    rows = Rows(args)
     for i, group in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         n = group[0].numel()
-        if any(t.numel() != n for t in group):
-            raise ValueError(f"adam_step: sizes differ: {[t.numel() for t in group]}")
         out = None if outs is None else outs[i]
-        if out is not None and (out.numel() != n or out.dtype not in _OUT_KINDS):
-            raise ValueError(f"adam_step: out {i} is {out.dtype}[{out.numel()}] for {n} floats")
-        cut = vector_body(n) if tails is None else max(0, min(n, tails[i]))
-        rows += [t.data_ptr() for t in group]
-        rows += [0 if steps is None else steps[i].data_ptr(), cut]
-        rows += [0, 0] if out is None else [out.data_ptr(), out_kind(out)]
-        if cut < n:
-            tail_rows.append((i, cut))
-    run_rows(rows, args)
-    if tail_rows:  # after the kernel: the counters hold this update's step now
-        _torch_tails(params, grads, exp_avgs, exp_avg_sqs, args, steps, outs, tail_rows)
+        if any(t.numel() != n for t in group) or (out is not None and out.numel() != n):
+            sizes = [t.numel() for t in group] + ([] if out is None else [out.numel()])
+            raise ValueError(f"adam_step: sizes differ: {sizes}")
+        rows.add(*group, counter=None if steps is None else steps[i], out=out)
+    rows.run()
 
 
-def out_kind(out: torch.Tensor) -> int:
-    """The kernel's code for writing updated parameters into ``out`` (its dtype must be one of
-    `OUT_DTYPES`): the last two fields of a `run_rows` row are ``out.data_ptr()`` and this."""
-    return _OUT_KINDS[out.dtype]
+class Rows:
+    """One kernel call under construction: rows of (slices of) whole parameters at one
+    `AdamArgs`, the scalar tails torch's kernel computes, and the copies the kernel cannot
+    write (see ``partita_adam_step`` in the C++ file for the row layout)."""
+
+    def __init__(self, args: AdamArgs) -> None:
+        assert _lib is not None, "Rows needs available()"
+        self.args = args
+        self.rows: list[int] = []
+        self.tails: list[tuple[torch.Tensor, ...]] = []  # torch's scalar tails: (p, g, m, v)
+        self.tail_steps: list[torch.Tensor | None] = []  # their counters (None: args.step)
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, source) afterwards
+
+    def add(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        start: int = 0,
+        stop: int | None = None,
+        counter: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """Elements ``[start, stop)`` of a parameter and its state: whole contiguous fp32 host
+        tensors (the caller checked), addressed directly, so a slice costs no tensor views.
+        ``counter`` (whole parameters only): the float32 step counter the kernel increments and
+        uses instead of ``args.step``. ``out`` (``stop - start`` elements) gets the values."""
+        tensors = (param.detach(), grad, exp_avg, exp_avg_sq)
+        stop = param.numel() if stop is None else stop
+        body = vector_body(param.numel())
+        end = min(stop, body)
+        direct = None  # the kernel writes host tensors of its types; others are copied after
+        if out is not None and out.is_cpu and out.dtype in _OUT_KINDS and out.is_contiguous():
+            direct = out
+        # A row with a counter is kept even when empty: the kernel increments the counter
+        # (a parameter smaller than one vector is all tail, and the tail reads the counter).
+        if start < end or counter is not None:
+            self.rows += [t.data_ptr() + 4 * start for t in tensors]
+            self.rows += [0 if counter is None else counter.data_ptr(), max(0, end - start)]
+            self.rows += [0, 0] if direct is None else [direct.data_ptr(), _OUT_KINDS[direct.dtype]]
+        if max(start, body) < stop:  # the slice ends in torch's scalar tail
+            cut = max(start, body)
+            self.tails.append(tuple(t.view(-1)[cut:stop] for t in tensors))
+            self.tail_steps.append(counter)
+            if direct is not None:
+                self.copies.append((direct.view(-1)[cut - start :], self.tails[-1][0]))
+        if out is not None and direct is None:
+            self.copies.append((out, tensors[0].view(-1)[start:stop]))
+
+    def run(self) -> None:
+        """The kernel on every row, torch's kernel on the tails (after: the counters hold this
+        update's step then), then the copies."""
+        if self.rows:
+            _run_table(self.rows, self.args)
+        if self.tails:
+            step = torch.tensor(self.args.step)
+            steps = [step if t is None else t for t in self.tail_steps]
+            torch_tail([list(t) for t in zip(*self.tails, strict=True)], self.args, steps)
+        for out, src in self.copies:
+            out.view(-1).copy_(src)
 
 
-def run_rows(rows: Sequence[int], args: AdamArgs) -> None:
-    """The kernel itself on rows of 8 integers each: the addresses of a parameter, its
-    gradient, exp_avg and exp_avg_sq (contiguous fp32), of its step counter (or 0: the row
-    uses ``args.step``), the number of elements, and the address (or 0) and `out_kind` of where
-    the updated values are also written. The caller keeps torch's scalar tails out of the rows
-    (`vector_body`) and the tensors alive; `adam_step` is the checked interface."""
-    assert _lib is not None, "run_rows needs available()"
-    if not rows:
-        return
+def _run_table(rows: list[int], args: AdamArgs) -> None:
+    """``partita_adam_step`` on rows of 8 integers."""
+    assert _lib is not None
     table = (ctypes.c_int64 * len(rows))(*rows)
     c_args = _CArgs(
         args.lr, args.beta1, args.beta2, args.eps, args.weight_decay, args.step,
@@ -233,37 +268,15 @@ def torch_tail(
     args: AdamArgs,
     steps: Sequence[torch.Tensor],
 ) -> None:
-    """torch's fused kernel on (params, grads, exp_avgs, exp_avg_sqs) slices: the scalar
-    tails `run_rows` leaves out, each at its step (a float32 0-dim tensor)."""
+    """torch's fused kernel on (params, grads, exp_avgs, exp_avg_sqs) lists, each at its step
+    (a float32 0-dim tensor): the scalar tails `Rows` leaves to torch, and the reference of
+    the self-check."""
     kernel = torch._fused_adamw_ if args.decoupled else torch._fused_adam_
     p, g, m, v = (list(t) for t in tensors)
     kernel(
         p, g, m, v, [], list(steps), lr=args.lr, beta1=args.beta1, beta2=args.beta2,
         weight_decay=args.weight_decay, eps=args.eps, amsgrad=False, maximize=False,
     )  # fmt: skip
-
-
-def _torch_tails(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    args: AdamArgs,
-    steps: Sequence[torch.Tensor] | None,
-    outs: Sequence[torch.Tensor | None] | None,
-    tail_rows: list[tuple[int, int]],
-) -> None:
-    """Torch's kernel on the elements ``[cut:]`` of each listed tensor (its scalar tail)."""
-    p, g, m, v = (
-        [t[i].view(-1)[cut:] for i, cut in tail_rows]
-        for t in (params, grads, exp_avgs, exp_avg_sqs)
-    )
-    one_step = torch.tensor(float(args.step))
-    torch_tail((p, g, m, v), args, [one_step if steps is None else steps[i] for i, _ in tail_rows])
-    for (i, cut), tail in zip(tail_rows, p, strict=True):
-        out = None if outs is None else outs[i]
-        if out is not None:
-            out.view(-1)[cut:].copy_(tail)
 
 
 def _self_check() -> str | None:
@@ -283,12 +296,8 @@ def _self_check() -> str | None:
                     # The counter path (torch.optim's state) in half of the cases.
                     counter = [torch.tensor(float(step - 1))] if beta1 == 0.3 else None
                     adam_step([ours[0]], [grad], [ours[1]], [ours[2]], args, counter)
-                    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-                    kernel(
-                        [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [],
-                        [torch.tensor(float(step))], lr=1e-2, beta1=beta1, beta2=0.999,
-                        weight_decay=weight_decay, eps=1e-8, amsgrad=False, maximize=False,
-                    )  # fmt: skip
+                    reference = ([theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]])
+                    torch_tail(reference, args, [torch.tensor(float(step))])
                     for name, a, b in zip(
                         ("param", "exp_avg", "exp_avg_sq"), ours, theirs, strict=True
                     ):
@@ -313,15 +322,13 @@ def _check_outs(gen: torch.Generator) -> str | None:
         grad = torch.randn(n, generator=gen)
         out = torch.empty(n, dtype=dtype)
         args = AdamArgs(1.0, 1e-3, 0.9, 0.999, 1e-8, 0.01, True)
-        pieces = list(itertools.pairwise(bounds))
-        p, g, m, v = ([t[a:b] for a, b in pieces] for t in (ours[0], grad, ours[1], ours[2]))
-        tails = [vector_body(n) - a for a, _ in pieces]
-        adam_step(p, g, m, v, args, outs=[out[a:b] for a, b in pieces], tails=tails)
-        torch._fused_adamw_(
-            [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [], [torch.tensor(1.0)],
-            lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
-            maximize=False,
-        )  # fmt: skip
+        rows = Rows(args)
+        for a, b in itertools.pairwise(bounds):
+            rows.add(ours[0], grad, ours[1], ours[2], a, b, out=out[a:b])
+        rows.run()
+        torch_tail(
+            ([theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]]), args, [torch.tensor(1.0)]
+        )
         if not torch.equal(ours[0].view(torch.int32), theirs[0].view(torch.int32)):
             return f"param stepped in slices (copies to {dtype})"
         expected = theirs[0].to(dtype)

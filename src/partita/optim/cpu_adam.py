@@ -108,17 +108,16 @@ class _KernelStep:
                 work.append((group, params, grads, states))
         return work
 
-    _slices: tuple[Sequence[Sequence[Slice]], SliceSink, set[int] | None] | None = None
+    _slices: tuple[Sequence[Sequence[Slice]], SliceSink, list[_Work] | None] | None = None
     """The plan and sink of a `step_slices` or `step_planned` call in progress, and (for the
-    latter) the ids of the parameters it steps."""
+    latter) the work `_collect` found for the planned parameters."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient (see the module docstring)."""
         pending, self._slices = self._slices, None
-        work = self._collect(None if pending is None else pending[2])
+        work = self._collect() if pending is None or pending[2] is None else pending[2]
         if work is None:
-            assert pending is None or pending[2] is None, "step_planned checked the kernel"
             loss = self._torch_step(closure)
             if pending is not None:
                 copy_after_step(pending[0], pending[1])
@@ -130,13 +129,13 @@ class _KernelStep:
         if pending is not None:
             self._step_slices(work, pending[0], pending[1])
             return loss
-        for group, params, _, states in work:
+        for group, params, grads, states in work:
             # The kernel adds one to each step counter and uses its value (parameters restored
             # from different checkpoints may be at different steps).
-            batch = _Batch(group, 0.0)
-            for p, state in zip(params, states, strict=True):
-                batch.add(Slice(p, 0, p.numel()), state, None, counter=True)
-            batch.run()
+            rows = adam_kernel.Rows(_kernel_args(group, 0.0))
+            for p, grad, state in zip(params, grads, states, strict=True):
+                rows.add(p, grad, state["exp_avg"], state["exp_avg_sq"], counter=state["step"])
+            rows.run()
         return loss
 
     def _torch_step(self, closure: Callable[[], Any] | None) -> Any:
@@ -166,10 +165,10 @@ class _KernelStep:
         """`step_slices` for the parameters in ``plan`` only (whole ones); the others are not
         touched, gradients or not (NVMe offload steps one resident sub-group at a time). Returns
         False, doing nothing, where the kernel does not apply to them."""
-        only = {id(sl.param) for slices in plan for sl in slices}
-        if self._collect(only) is None:
+        work = self._collect({id(sl.param) for slices in plan for sl in slices})
+        if work is None:
             return False
-        self._slices = (plan, sink, only)
+        self._slices = (plan, sink, work)
         try:
             self.step()
         finally:
@@ -179,25 +178,33 @@ class _KernelStep:
     def _step_slices(
         self, work: list[_Work], plan: Sequence[Sequence[Slice]], sink: SliceSink
     ) -> None:
-        where = {id(p): (g, s) for g, ps, _, ss in work for p, s in zip(ps, ss, strict=True)}
+        where = {
+            id(p): (g, grad, s)
+            for g, ps, grads, ss in work
+            for p, grad, s in zip(ps, grads, ss, strict=True)
+        }
         covered = dict.fromkeys(where, 0)
         for sl in (sl for slices in plan for sl in slices if id(sl.param) in where):
             covered[id(sl.param)] += sl.stop - sl.start
         if any(covered[i] != p.numel() for _, ps, _, _ in work for p in ps if (i := id(p))):
             raise ValueError("step_slices: the slices must cover each stepped parameter once")
-        steps = {i: _bump(state["step"]) for i, (_, state) in where.items()}  # once per update
+        steps = {i: _bump(state["step"]) for i, (_, _, state) in where.items()}  # once per update
         for k, slices in enumerate(plan):
             outs = sink.outs(k)
-            batches: dict[tuple[int, float], _Batch] = {}
+            batches: dict[tuple[int, float], adam_kernel.Rows] = {}
             for sl, out in zip(slices, outs, strict=True):
                 found = where.get(id(sl.param))
                 if found is None:  # no gradient: unchanged, still copied
                     if out is not None:
                         out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
                     continue
-                group, state = found
+                group, grad, state = found
                 key = (id(group), steps[id(sl.param)])
-                batches.setdefault(key, _Batch(group, key[1])).add(sl, state, out)
+                rows = batches.get(key)
+                if rows is None:
+                    rows = batches[key] = adam_kernel.Rows(_kernel_args(group, key[1]))
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                rows.add(sl.param, grad, m, v, sl.start, sl.stop, out=out)
             for batch in batches.values():
                 batch.run()
             sink.done(k)
@@ -212,62 +219,6 @@ def copy_after_step(plan: Sequence[Sequence[Slice]], sink: SliceSink) -> None:
             if out is not None:
                 out.copy_(sl.param.detach().view(-1)[sl.start : sl.stop])
         sink.done(k)
-
-
-class _Batch:
-    """Slices of one parameter group at one step, stepped in one kernel call (rows built from
-    addresses: no tensor views for the common case, a slice inside the vector body)."""
-
-    def __init__(self, group: dict[str, Any], step: float) -> None:
-        self.args = _kernel_args(group, step)
-        self.rows: list[int] = []
-        self.tails: list[tuple[torch.Tensor, ...]] = []  # torch's scalar tails: (p, g, m, v)
-        self.tail_steps: list[torch.Tensor | None] = []  # their counters (None: this step)
-        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (out, source) afterwards
-
-    def add(
-        self, sl: Slice, state: dict[str, Any], out: torch.Tensor | None, counter: bool = False
-    ) -> None:
-        """Adds ``sl`` of a parameter whose state is ``state``; ``out`` receives its values.
-        The parameter, its gradient and moments are contiguous fp32 (`_collect` checked).
-        With ``counter`` (a whole parameter) the kernel increments ``state["step"]`` and uses
-        it instead of the batch's step."""
-        p, grad = sl.param.detach(), sl.param.grad
-        assert grad is not None
-        tensors = (p, grad, state["exp_avg"], state["exp_avg_sq"])
-        body = adam_kernel.vector_body(p.numel())
-        # The kernel writes host tensors of its types; anything else is copied after it.
-        direct = None
-        if out is not None and out.is_cpu and out.dtype in adam_kernel.OUT_DTYPES:
-            direct = out if out.is_contiguous() else None
-        stop = min(sl.stop, body)
-        # A row with a counter is kept even when empty: the kernel increments the counter
-        # (a parameter smaller than one vector is all tail, and the tail reads the counter).
-        if sl.start < stop or counter:
-            self.rows += [t.data_ptr() + 4 * sl.start for t in tensors]
-            self.rows += [state["step"].data_ptr() if counter else 0, max(0, stop - sl.start)]
-            self.rows += (
-                [0, 0] if direct is None else [direct.data_ptr(), adam_kernel.out_kind(direct)]
-            )
-        if max(sl.start, body) < sl.stop:  # the slice ends in torch's scalar tail
-            cut = max(sl.start, body)
-            self.tails.append(tuple(t.view(-1)[cut : sl.stop] for t in tensors))
-            self.tail_steps.append(state["step"] if counter else None)
-            if direct is not None:
-                self.copies.append((direct.view(-1)[cut - sl.start :], self.tails[-1][0]))
-        if out is not None and direct is None:
-            self.copies.append((out, p.view(-1)[sl.start : sl.stop]))
-
-    def run(self) -> None:
-        """The kernel on every row, torch's kernel on the tails, then the copies."""
-        adam_kernel.run_rows(self.rows, self.args)
-        if self.tails:  # after the kernel: the counters hold this update's step now
-            step = torch.tensor(self.args.step)
-            tensors = [list(t) for t in zip(*self.tails, strict=True)]
-            steps = [step if t is None else t for t in self.tail_steps]
-            adam_kernel.torch_tail(tensors, self.args, steps)
-        for out, src in self.copies:
-            out.copy_(src)
 
 
 def _bump(counter: torch.Tensor) -> float:

@@ -5,6 +5,7 @@
   `DistributedTimeoutError` with every live rank's stack on a hang.
 - `run_distributed_grid(fn, world_size, cases)`: many `fn(**case)` sub-cases in one spawn.
 - `GridCache`: one spawn per grid shared by many pytest test ids (fixture `distributed_grid`).
+- `run_python(code, **env)`: ``code`` in a fresh interpreter, its stdout.
 
 Importing this package does not import torch (the ranks import it after start-up set-up).
 """
@@ -19,6 +20,7 @@ from partita.testing.distributed import (
     run_distributed,
 )
 from partita.testing.grid import GridCache, GridCaseError, run_distributed_grid
+from partita.testing.interpreter import run_python
 
 __all__ = [
     "FAIL_FAST_GRACE_S",
@@ -29,4 +31,5 @@ __all__ = [
     "GridCaseError",
     "run_distributed",
     "run_distributed_grid",
+    "run_python",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -119,3 +120,28 @@ def step_with_copy_back(
         optimizer.step()
         copy_after_step(plan, sink)
     sink.finish()
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """`step_with_copy_back` bound to a strategy's optimizer, plan and sink: the ``run`` of
+    `sharded_step` for masters in host memory."""
+
+    optimizer: torch.optim.Optimizer
+    plan: list[list[Slice]]
+    sink: CopyBack
+
+    def __call__(self) -> None:
+        step_with_copy_back(self.optimizer, self.plan, self.sink)
+
+
+def host_step(
+    optimizer: torch.optim.Optimizer,
+    masters: Sequence[torch.Tensor],
+    targets: Sequence[Sequence[tuple[int, torch.Tensor]]],
+    sub_group_size: int,
+) -> HostStep:
+    """The `HostStep` writing ``masters`` into ``targets`` (see `slice_plan`) in slices of at
+    most ``sub_group_size`` and `COPY_SLICE_NUMEL` elements."""
+    plan, dsts = slice_plan(masters, targets, min(sub_group_size, COPY_SLICE_NUMEL))
+    return HostStep(optimizer, plan, CopyBack(dsts))

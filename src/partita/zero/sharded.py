@@ -12,17 +12,11 @@ from __future__ import annotations
 import torch
 
 from partita import comm
-from partita.accelerator import get_accelerator
-from partita.offload.copy_back import CopyBack
+from partita.accelerator import pin_if
 from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
-from partita.zero.shard_step import (
-    COPY_SLICE_NUMEL,
-    sharded_step,
-    slice_plan,
-    step_with_copy_back,
-)
+from partita.zero.shard_step import COPY_SLICE_NUMEL, HostStep, host_step, sharded_step
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.strategy import (
     OptimizerFactory,
@@ -31,10 +25,6 @@ from partita.zero.strategy import (
     ensure_state,
     optimizer_state_bytes,
 )
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 class ShardedGroup:
@@ -67,10 +57,9 @@ class ShardedGroup:
         # GPU machines with offload_optimizer.pin_memory); the algorithm is the same, only
         # copies cross devices.
         where = state_device or device
-        pin = get_accelerator().pin_memory if pin_memory and where.type == "cpu" else _same
         master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=where)
-        self.master = torch.nn.Parameter(pin(master))
-        self.master.grad = pin(torch.zeros_like(self.master))
+        self.master = torch.nn.Parameter(pin_if(pin_memory, master))
+        self.master.grad = pin_if(pin_memory, torch.zeros_like(self.master))
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
@@ -153,14 +142,11 @@ class Sharded:
         self.optimizer = make_optimizer([[g.master] for g in self.groups])
         # Masters on the host (optimizer offload, CPU training): the step writes the updated
         # weights slice by slice (see `step_with_copy_back`).
-        self._plan, self._copy_back = None, None
+        self._host_step: HostStep | None = None
         if self.groups and self.groups[0].master.device.type == "cpu":
-            self._plan, dsts = slice_plan(
-                [g.master for g in self.groups],
-                [g.weight_targets() for g in self.groups],
-                min(sub_group_numel, COPY_SLICE_NUMEL),
-            )
-            self._copy_back = CopyBack(dsts)
+            masters = [g.master for g in self.groups]
+            targets = [g.weight_targets() for g in self.groups]
+            self._host_step = host_step(self.optimizer, masters, targets, sub_group_numel)
 
     def begin_backward(self, sync: bool) -> None:
         """Stage 1 reduces in the boundary backward only; stage 2 in every backward."""
@@ -173,8 +159,7 @@ class Sharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
         masters = [g.master for g in self.groups]
-        plan, sink = self._plan, self._copy_back
-        run = None if plan is None or sink is None else self._step_and_copy
+        run = self._host_step
         outcome = sharded_step(
             masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device, run
         )
@@ -182,10 +167,6 @@ class Sharded:
             return outcome
         self._all_gather(cast=run is None)
         return outcome
-
-    def _step_and_copy(self) -> None:
-        assert self._plan is not None and self._copy_back is not None
-        step_with_copy_back(self.optimizer, self._plan, self._copy_back)
 
     def zero_grad(self) -> None:
         """Zeroes full (stage 1) and sharded gradients."""
@@ -200,7 +181,7 @@ class Sharded:
             "master_params": sum(g.master.numel() * g.master.element_size() for g in self.groups),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.grads.peak_transient_bytes
-            + (0 if self._copy_back is None else self._copy_back.nbytes),
+            + (0 if self._host_step is None else self._host_step.sink.nbytes),
         }
 
     def close(self) -> None:

@@ -23,12 +23,7 @@ from partita.partition import Piece, plan_buckets
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
-from partita.zero.shard_step import (
-    COPY_SLICE_NUMEL,
-    sharded_step,
-    slice_plan,
-    step_with_copy_back,
-)
+from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.nvme import SwappedOptimizerState, optimizer_pipeline
 from partita.zero.stage3.schedule import UnitScheduler
@@ -275,29 +270,24 @@ class FullySharded:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
         self.param_space = param_swap_space
-        self._plan, self._copy_back = self._copy_back_plan(int(zero.sub_group_size))
+        self._host_step = self._make_host_step(int(zero.sub_group_size))
 
-    def _copy_back_plan(
-        self, sub_group_size: int
-    ) -> tuple[list[list[Slice]] | None, CopyBack | None]:
+    def _make_host_step(self, sub_group_size: int) -> HostStep | None:
         """Masters on the host that are copies of shards in memory (optimizer offload to CPU,
         16-bit CPU training): the step writes each sub-group into its shard as it goes (see
         `step_with_copy_back`). Swapped state or shards keep the per-sub-group path of
         `SwappedOptimizerState`; masters that are their shards need no copy."""
         homes = self._master_home
         if self.swapped is not None or self.param_space is not None or not homes:
-            return None, None
+            return None
         chunks = [u.shard_chunk(idx) for u, idx in homes]
         masters = [u.masters[idx] for u, idx in homes]
         if any(
             m.device.type != "cpu" or m.data_ptr() == c.data_ptr()
             for m, c in zip(masters, chunks, strict=True)
         ):
-            return None, None
-        plan, dsts = slice_plan(
-            masters, [[(0, c)] for c in chunks], min(sub_group_size, COPY_SLICE_NUMEL)
-        )
-        return plan, CopyBack(dsts)
+            return None
+        return host_step(self.optimizer, masters, [[(0, c)] for c in chunks], sub_group_size)
 
     def _build_units(
         self,
@@ -373,7 +363,7 @@ class FullySharded:
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
         swapped = self.swapped
-        copied = self._copy_back is not None
+        copied = self._host_step is not None
         if swapped is None:
             outcome = sharded_step(
                 self._masters(),
@@ -382,7 +372,7 @@ class FullySharded:
                 loss_scale,
                 self.process_group,
                 self.comm_device,
-                self._step_and_copy if copied else None,
+                self._host_step,
             )
         else:
             outcome = swapped.step(
@@ -395,10 +385,6 @@ class FullySharded:
                 for unit in self.all_units:
                     unit.regather_if_persistent()
         return outcome
-
-    def _step_and_copy(self) -> None:
-        assert self._plan is not None and self._copy_back is not None
-        step_with_copy_back(self.optimizer, self._plan, self._copy_back)
 
     def _step_one(self, i: int) -> None:
         """Steps master i alone, then casts it into its unit's shard (resident until the
@@ -461,7 +447,7 @@ class FullySharded:
             "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes
-            + (0 if self._copy_back is None else self._copy_back.nbytes),
+            + (0 if self._host_step is None else self._host_step.sink.nbytes),
             "persistent_params": 0
             if self.persistent is None
             else self.persistent.numel * self.persistent.flat_full.element_size(),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from partita import comm
-from partita.accelerator import get_accelerator
+from partita.accelerator import pin_if
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import mark_gathered, mark_sharded
@@ -89,7 +89,7 @@ class ShardedUnit:
         # optimizer state (optimizer offload) may live on the host.
         shard_at = shard_device or like.device
         shard = torch.empty(self.layout.shard_numel, dtype=like.dtype, device=shard_at)
-        self.flat_shard = _pinned_if(pin_memory[1], shard)
+        self.flat_shard = pin_if(pin_memory[1], shard)
         self.masters: dict[int, torch.nn.Parameter] = {}
         for seg_info, seg in zip(self.segments, self.layout.segments, strict=True):
             own = self._own(seg_info.index, self.flat_full)
@@ -103,7 +103,7 @@ class ShardedUnit:
                 else:
                     where = state_device or like.device
                     copy = own.detach().to(device=where, dtype=master_dtype, copy=True)
-                    master = torch.nn.Parameter(_pinned_if(pin_memory[0], copy))
+                    master = torch.nn.Parameter(pin_if(pin_memory[0], copy))
                 master.grad = torch.zeros_like(master)
                 self.masters[seg_info.index] = master
         self.state = UnitState.UNSHARDED
@@ -276,9 +276,3 @@ class ShardedUnit:
     def gathered_numel(self) -> int:
         """Elements currently gathered (0 when sharded)."""
         return 0 if self.state is UnitState.SHARDED else self.numel
-
-
-def _pinned_if(pin: bool, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` page-locked when asked and in host memory on a GPU machine (see
-    `Accelerator.pin_memory`), else itself."""
-    return get_accelerator().pin_memory(tensor) if pin and tensor.device.type == "cpu" else tensor
