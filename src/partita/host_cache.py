@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _SOURCE = native.CSRC / "host_cache.cpp"
+_SYMBOLS = ("partita_host_cache_install", "partita_host_cache_stats", "partita_host_cache_empty")
 MIN_BYTES = 1 << 20
 """Blocks at least this large go through the cache; smaller ones stay with glibc's heap."""
 HEADROOM = 0.05
@@ -80,14 +80,16 @@ def install_host_cache() -> bool:
         _why_not = "no C++ compiler found (set CXX)"
     else:
         try:
-            lib = ctypes.CDLL(str(native.build_library(_SOURCE, cxx, link_c10=True)))
+            lib = native.load_library(_SOURCE, cxx, _SYMBOLS, link_c10=True)
             lib.partita_host_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_double]
             lib.partita_host_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
             headroom = float(os.environ.get("PARTITA_HOST_CACHE_HEADROOM", str(HEADROOM)))
             lib.partita_host_cache_install(MIN_BYTES, headroom)
             _lib = lib
-        except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
-            _why_not = f"build or load failed: {exc}"
+        except native.LibraryError as exc:
+            _why_not = str(exc)
+        except ValueError as exc:  # PARTITA_HOST_CACHE_HEADROOM is not a number
+            _why_not = f"PARTITA_HOST_CACHE_HEADROOM: {exc}"
     if _why_not is not None:
         logger.info("partita host cache not installed: %s", _why_not)
     return _lib is not None

@@ -22,7 +22,6 @@ import ctypes
 import itertools
 import logging
 import os
-import subprocess
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,10 +111,11 @@ def _load() -> str | None:
         # No contraction beyond the fused multiply-adds the source writes: they are torch's.
         # -fopenmp: libgomp.so.1 resolves to the copy torch has loaded, so the kernel runs on
         # torch's own OpenMP threads.
-        path = native.build_library(_SOURCE, cxx, flags=["-ffp-contract=off", "-fopenmp"])
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return f"build or load failed: {exc}"
+        symbols = ("partita_adam_isa", "partita_adam_step")
+        flags = ["-ffp-contract=off", "-fopenmp"]
+        lib = native.load_library(_SOURCE, cxx, symbols, flags=flags)
+    except native.LibraryError as exc:
+        return str(exc)
     lib.partita_adam_isa.restype = ctypes.c_int
     # Plain addresses: ctypes' per-call type checks of pointer arguments cost microseconds.
     lib.partita_adam_step.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
