@@ -14,6 +14,8 @@ return value in rank order.
   rendezvous) has its own bound, `STARTUP_TIMEOUT_S`, so a slow import on a loaded machine
   never eats a test's time. On either timeout every live rank's Python stack is dumped
   (faulthandler on SIGUSR1) and the error carries all of them.
+- Under pytest-timeout both bounds together end before the test's own timeout would fire
+  (`partita.testing.deadline`): that one would kill the ranks without their stacks.
 - Every rank runs in its own session; at the end, whatever happened (including an interrupted
   test), each rank's process group and its process tree are killed and reaped. Ranks also
   die with the parent (PR_SET_PDEATHSIG).
@@ -42,6 +44,7 @@ from typing import Any
 
 import psutil
 
+from partita.testing import deadline
 from partita.testing._child import RUN_DIR_ENV, ChildSpec, RunFiles, child_main
 
 STARTUP_TIMEOUT_S = 120.0
@@ -131,6 +134,8 @@ def execute(
     if timeout <= 0:
         raise ValueError(f"run_distributed: timeout must be > 0 seconds, got {timeout}")
     label = f"{name or fn_name(fn)} on world_size={world_size}"
+    cap = deadline.budget()
+    limit = None if cap is None else time.monotonic() + cap
     payload = _pickle_payload(fn, args, kwargs, label)
     startup = STARTUP_TIMEOUT_S if startup_timeout is None else startup_timeout
     files = RunFiles(run_dir)
@@ -153,7 +158,7 @@ def execute(
             proc = ctx.Process(target=child_main, args=(spec,), name=f"partita-rank{rank}")
             proc.start()
             ranks.append(_RankState(proc))
-        _supervise(ranks, files, timeout, startup, label)
+        _supervise(ranks, files, (timeout, startup, limit), label)
         return [_load_result(files, rank, label) for rank in range(world_size)]
     finally:
         _kill_all(ranks)
@@ -189,9 +194,15 @@ def _rank_env(world_size: int, run_dir: str, env: dict[str, str] | None) -> dict
 
 
 def _supervise(
-    ranks: list[_RankState], files: RunFiles, timeout: float, startup: float, label: str
+    ranks: list[_RankState],
+    files: RunFiles,
+    bounds: tuple[float, float, float | None],
+    label: str,
 ) -> None:
-    """Waits until every rank exits cleanly; raises on the first failure or a timeout."""
+    """Waits until every rank exits cleanly; raises on the first failure or a timeout.
+    ``bounds``: the run's timeout, start-up's, and the monotonic time by which either must
+    have been reported to beat pytest's timeout (None: no such limit)."""
+    timeout, startup, limit = bounds
     started = time.monotonic()
     deadline: float | None = None
     first_failure: float | None = None
@@ -207,6 +218,10 @@ def _supervise(
         if first_failure is not None:
             if None not in codes or now - first_failure >= FAIL_FAST_GRACE_S:
                 raise _failure_error(ranks, files, label)
+        elif limit is not None and now > limit:
+            phase = "start-up" if deadline is None else f"the run (given {timeout:g} s)"
+            what = f"stopped in {phase} after {now - started:.1f} s, before pytest's timeout"
+            raise _timeout_error(ranks, files, label, what)
         elif deadline is None:
             if all(os.path.exists(files.ready(rank)) for rank in range(len(ranks))):
                 deadline = now + timeout
