@@ -17,3 +17,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install -q -e "$root[dev]" "torch==2.13.0"
   echo "$want" > "$stamp"
 fi
+# DeepSpeed itself, for the tests that load checkpoints it writes (tests/test_deepspeed_checkpoints.py;
+# they import it with DS_ACCELERATOR=cpu). Checked apart from the stamp so existing
+# environments get it too; torch pinned on the same command line so pip keeps the CPU build.
+if ! "$venv/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+  "$venv/bin/python" -m pip install -q "deepspeed==0.19.8" "torch==2.13.0"
+fi

@@ -442,12 +442,12 @@ def build_deepspeed_checkpoint(root: str, world: int = 2) -> dict[str, torch.Ten
 
 
 def load_deepspeed(root: str) -> dict[str, Any]:
-    """Loads the hand-made DeepSpeed checkpoint into a stage-1 engine (opt-in by env)."""
+    """Loads the hand-made DeepSpeed checkpoint into a stage-1 engine (opt-in per call: the
+    process environment is left as it was, so later cases see no trust)."""
     model = make_model(seed=9)
     engine, *_ = partita.initialize(model=model, config=reshard_config(1, comm.get_world_size()))
     refused = timed(engine.load_checkpoint, root)[0]
-    os.environ["PARTITA_TRUST_PICKLE"] = "1"
-    path, client = engine.load_checkpoint(root)
+    path, client = engine.load_checkpoint(root, trust_pickle=True)
     out = {"refused": (type(refused).__name__, str(refused)), "client": client}
     out.update(states=full_states(engine), steps=engine.global_steps, path=path)
     engine.destroy()

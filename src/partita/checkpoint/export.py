@@ -84,7 +84,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 ) -> dict[str, torch.Tensor]:
     """The consolidated state dict (floating tensors in fp32, tied names sharing one tensor) of
     the checkpoint in `checkpoint_dir`, whatever world size and stage saved it. DeepSpeed ZeRO
-    1/2 checkpoints need `trust_pickle=True`."""
+    1-3 checkpoints need `trust_pickle=True` (this call only)."""
     source = open_checkpoint(checkpoint_dir, tag, trust_pickle)
     out: dict[str, torch.Tensor] = {}
     try:
@@ -192,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="partita export",
         description="Write a checkpoint's weights as Hugging Face safetensors (any world size "
-        "and ZeRO stage; DeepSpeed ZeRO 1/2 folders with --trust-pickle).",
+        "and ZeRO stage; DeepSpeed ZeRO 1-3 folders with --trust-pickle).",
     )
     p.add_argument("checkpoint_dir", help="save directory (uses latest) or one checkpoint folder")
     p.add_argument("out_dir", help="output folder")
