@@ -3,9 +3,10 @@
 Training on the host allocates and frees the same large buffers every step; with glibc each
 of them is a fresh mapping that page-faults and is zeroed again. The cache (a ``c10``
 allocator installed as torch's CPU allocator) keeps freed blocks of 1 MiB and more and serves
-requests of nearly the same size from them; idle blocks are unmapped (most recently freed
-first) before a new mapping would take the total past `HEADROOM` above the peak of the bytes
-tensors asked for (see the C++ file's header).
+requests of nearly the same size from them (a block up to 1/8 larger than the request); idle
+blocks are unmapped (most recently freed first), then the unused tails of larger blocks in use,
+before a new mapping would take the total past `HEADROOM` above the peak of the bytes tensors
+asked for (page rounding aside; see the C++ file's header).
 
 The C++ file is compiled on first use against torch's ``c10`` headers by `partita.native`
 (about a second; cached, see there). Without a compiler, or with ``PARTITA_HOST_CACHE=0``,
