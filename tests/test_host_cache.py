@@ -89,13 +89,28 @@ def test_mapped_total_within_headroom_when_blocks_serve_smaller_requests() -> No
         # Every element still reads back (a trimmed block keeps what its tensor uses).
         ok = all(float(t.sum()) == t.numel() for t in second)
         total = sum(t.numel() * 4 for t in second)
+        del second
+        # Then random churn: sizes of 1-20 MiB (most not page multiples), up to 12 live.
+        gen = torch.Generator().manual_seed(0)
+        live = []
+        for _ in range(400):
+            if len(live) == 12 or (live and torch.rand(1, generator=gen).item() < 0.45):
+                live.pop(int(torch.randint(len(live), (1,), generator=gen)))
+            else:
+                live.append(torch.empty(int(torch.randint(1 << 18, 5 << 20, (1,), generator=gen))))
+        e = hc.host_cache_stats()
         print(json.dumps({"peak_mapped": s.peak_mapped_bytes, "ok": ok, "hits": s.hits,
-                          "peak_requested": s.peak_requested_bytes, "total": total}))
+                          "peak_requested": s.peak_requested_bytes, "total": total,
+                          "churn": [e.peak_mapped_bytes, e.peak_requested_bytes, e.hits,
+                                    e.released_bytes - s.released_bytes]}))
         """
     )
     assert out["hits"] == 10  # the 8 MiB blocks did serve the 7.2 MiB requests
     assert out["ok"] and out["peak_requested"] == out["total"]
     assert out["peak_mapped"] <= 1.05 * out["peak_requested"], out["peak_mapped"] / out["total"]
+    peak_mapped, peak_requested, hits, released = out["churn"]
+    assert hits > out["hits"] and released > 0, out["churn"]  # reuse and unmapping both ran
+    assert peak_mapped <= 1.05 * peak_requested, peak_mapped / peak_requested
 
 
 def test_repeated_step_does_not_page_fault_again() -> None:
