@@ -42,7 +42,11 @@ def test_zero_defaults(cfg: DeepSpeedConfig) -> None:
     assert zero.stage == 0
     assert zero.contiguous_gradients is True
     assert zero.reduce_scatter is True
-    assert zero.reduce_bucket_size == 500_000_000
+    # Departures from DeepSpeed's documented defaults, each the default partita runs with:
+    # 4M-element buckets (DeepSpeed: 5e8, see REDUCE_BUCKET_NUMEL) and no gather around
+    # nn.Module.apply (DeepSpeed: true; partita refuses true).
+    assert zero.reduce_bucket_size == 1 << 22
+    assert zero.override_module_apply is False
     assert zero.allgather_bucket_size == 500_000_000
     assert zero.allgather_partitions is True
     assert zero.overlap_comm is False
@@ -72,11 +76,8 @@ def test_overlap_comm_default_follows_stage(stage: int, overlap: bool) -> None:
 def test_offload_defaults() -> None:
     param = OffloadParamConfig()
     assert (param.device, param.nvme_path, param.pin_memory) == ("none", None, True)
-    assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (
-        5,
-        100_000_000,
-        1_000_000_000,
-    )
+    # max_in_cpu: DeepSpeed documents 1e9 but ignores the key, so every shard goes to NVMe.
+    assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (5, 100_000_000, 0)
     opt = OffloadOptimizerConfig()
     assert (opt.device, opt.buffer_count, opt.pin_memory, opt.ratio) == ("none", 4, True, 1.0)
     assert opt.fast_init is False and opt.pipeline_read is False and opt.pipeline_write is False

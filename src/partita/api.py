@@ -116,6 +116,7 @@ def initialize(
             rank=comm.get_rank(),
             world_size=comm.get_world_size(),
             collate_fn=collate_fn,
+            drop_last=cfg.dataloader_drop_last,
             seed=int(os.environ.get("PARTITA_DATA_SEED", "0")),
         )
         engine.training_dataloader = loader

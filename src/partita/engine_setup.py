@@ -11,7 +11,9 @@ import torch
 from partita import comm
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
 from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
-from partita.optim import build_optimizer, build_scheduler
+from partita.optim import OptimConfigError, build_optimizer, build_scheduler
+from partita.optim.optimizers import check_optimizer_config
+from partita.optim.schedulers import check_scheduler_config
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.sharded import Sharded
@@ -159,12 +161,32 @@ def check_supported(config: DeepSpeedConfig) -> None:
         problems.append(
             Problem(
                 "data_types.grad_accum_dtype",
-                "a separate accumulation dtype is not available; remove the key (stage 0 accumulates "
-                "in the training dtype, ZeRO 1-2 gradient shards are fp32)",
+                "a separate accumulation dtype is not supported by partita; remove the key "
+                "(stage 0 accumulates in the training dtype, ZeRO 1-2 gradient shards are fp32)",
             )
         )
+    problems += _optim_problems(config)
     if problems:
         raise ConfigError(problems)
+
+
+def _optim_problems(config: DeepSpeedConfig) -> list[Problem]:
+    """The ``optimizer`` / ``scheduler`` checks that need torch (names of torch classes, their
+    params) and so cannot run in ``partita.config``; run before the process group exists."""
+    problems: list[Problem] = []
+    sections = (
+        (config.optimizer, check_optimizer_config),
+        (config.scheduler, check_scheduler_config),
+    )
+    for section, check in sections:
+        if section is None:
+            continue
+        try:
+            check(section.type, dict(section.params))
+        except OptimConfigError as error:
+            key = error.key or ""
+            problems.append(Problem(key, str(error).removeprefix(f"{key}: ")))
+    return problems
 
 
 def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
@@ -174,20 +196,10 @@ def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     )
 
 
-DEFAULT_BUCKET_NUMEL = 1 << 22
-"""Gradient bucket size (elements) when the config does not set ``reduce_bucket_size``.
-
-DeepSpeed's default (5e8 elements) exceeds most models, which leaves one bucket that can only be
-reduced after backward ends: nothing overlaps, and under ZeRO-2 the one bucket is the whole
-gradient. 4M elements (16 MB in fp32, below DDP's 25 MB) keeps several buckets in flight while
-backward runs and bounds ZeRO-2's transient gradient memory to a few of them."""
-
-
 def bucket_numel(zero: Any) -> int:
-    """``reduce_bucket_size`` when the user set it, else `DEFAULT_BUCKET_NUMEL`."""
-    if "reduce_bucket_size" in zero.model_fields_set:
-        return int(zero.reduce_bucket_size)
-    return DEFAULT_BUCKET_NUMEL
+    """Gradient elements per reduction bucket: ``reduce_bucket_size``, whose schema default
+    (4M elements, not DeepSpeed's 5e8; see `partita.config.ZeroConfig`) is the one in force."""
+    return int(zero.reduce_bucket_size)
 
 
 def swap_space(config: DeepSpeedConfig, block: str = "offload_optimizer") -> SwapSpace | None:

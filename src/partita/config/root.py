@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import Field, model_validator
 
 from .errors import ConfigError
+from .ledger import refused_problems
 from .rules import check_rules
 from .sections.base import Bool, NonNegFloat, PositiveFloat, PositiveInt, Section
 from .sections.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
@@ -115,7 +116,7 @@ class DeepSpeedConfig(Section):
     @model_validator(mode="after")
     def _cross_field_rules(self) -> DeepSpeedConfig:
         # Raised as ConfigError so the loader can list each problem with its own path.
-        problems = check_rules(self)
+        problems = check_rules(self) + refused_problems(self)
         if problems:
             raise ConfigError(problems)
         return self

@@ -31,6 +31,7 @@ torch's class and state, with the step on partita's CPU kernel (bitwise torch's 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, torch_base
 from partita.optim.errors import OptimizerConfigError, check_call_params, did_you_mean
 
-__all__ = ["build_optimizer", "fused_supported"]
+__all__ = ["build_optimizer", "check_optimizer_config", "fused_supported"]
 
 _PREFIX = "optimizer.params"
 
@@ -86,21 +87,61 @@ def build_optimizer(
     Raises ``OptimizerConfigError`` (a ``ValueError``) naming ``optimizer.type`` for an unknown
     or unsupported name, ``optimizer.params.<key>`` for an unknown, missing or invalid param.
     """
+    kwargs = dict(params or {})
+    cls = _resolve(opt_type, kwargs)
+    groups = _materialize(param_groups)
+    if not groups:
+        raise ValueError("build_optimizer: param_groups is empty; there is nothing to optimize")
+    if cls is None:
+        return _build_adam(opt_type.lower(), kwargs, groups)
+    check_call_params(cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError)
+    return _construct(cls, groups, kwargs)
+
+
+def check_optimizer_config(opt_type: str, params: dict[str, Any] | None) -> None:
+    """Every check of `build_optimizer` that needs no tensors: the name, the params' names
+    and, for torch classes without a typed model in ``partita.config``, that a param whose
+    default is a number (a boolean) gets a number (a boolean). Run before the process group
+    exists, so a bad section fails every rank at once. Raises ``OptimizerConfigError``."""
+    kwargs = dict(params or {})
+    cls = _resolve(opt_type, kwargs)
+    if cls is None:
+        _adam_class(opt_type.lower(), kwargs)
+        return
+    check_call_params(cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError)
+    defaults = inspect.signature(cls).parameters
+    for key, value in kwargs.items():
+        default = defaults[key].default
+        if isinstance(default, bool) and not isinstance(value, bool):
+            expected = "true or false"
+        elif (
+            isinstance(default, int | float)
+            and not isinstance(default, bool)
+            and (isinstance(value, bool) or not isinstance(value, int | float))
+        ):
+            expected = "a number"
+        else:
+            continue
+        raise OptimizerConfigError(
+            f"{_PREFIX}.{key}: expected {expected}, got {type(value).__name__} {value!r}",
+            key=f"{_PREFIX}.{key}",
+        )
+
+
+def _resolve(opt_type: str, kwargs: dict[str, Any]) -> type[torch.optim.Optimizer] | None:
+    """The torch class for ``opt_type``, or None for DeepSpeed's Adam/AdamW (see
+    `_build_adam`); raises for a bad name and for ``max_grad_norm`` in the params."""
     if not isinstance(opt_type, str) or not opt_type:
         raise OptimizerConfigError(
             f"optimizer.type: expected an optimizer name such as 'AdamW', got {opt_type!r}",
             key="optimizer.type",
         )
-    kwargs = dict(params or {})
     if "max_grad_norm" in kwargs:
         raise OptimizerConfigError(
             f"{_PREFIX}.max_grad_norm: not an optimizer parameter; set the top-level "
             f"'gradient_clipping' key instead (got max_grad_norm={kwargs['max_grad_norm']!r})",
             key=f"{_PREFIX}.max_grad_norm",
         )
-    groups = _materialize(param_groups)
-    if not groups:
-        raise ValueError("build_optimizer: param_groups is empty; there is nothing to optimize")
     name = opt_type.lower()
     if name in _UNSUPPORTED:
         raise OptimizerConfigError(
@@ -109,7 +150,7 @@ def build_optimizer(
             key="optimizer.type",
         )
     if name in ("adam", "adamw"):
-        return _build_adam(name, kwargs, groups)
+        return None
     cls = _torch_optimizers().get(name)
     if cls is None:
         known = ["Adam", "AdamW", *(c.__name__ for c in _torch_optimizers().values())]
@@ -123,8 +164,7 @@ def build_optimizer(
             f"optimizer.type: {opt_type!r} is not supported: {_NOT_FROM_CONFIG[name]}",
             key="optimizer.type",
         )
-    check_call_params(cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError)
-    return _construct(cls, groups, kwargs)
+    return cls
 
 
 def fused_supported(param_groups: Iterable[Any]) -> bool:
@@ -143,31 +183,35 @@ def fused_supported(param_groups: Iterable[Any]) -> bool:
     )
 
 
-def _build_adam(name: str, kwargs: dict[str, Any], groups: list[Any]) -> torch.optim.Optimizer:
-    """DeepSpeed's Adam/AdamW: FusedAdam semantics, or plain torch with ``torch_adam``."""
+def _adam_class(name: str, kwargs: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], bool]:
+    """Pops and checks DeepSpeed's FusedAdam keys from ``kwargs``; returns the torch class
+    and whether ``torch_adam`` asked for torch's optimizer unchanged."""
     torch_adam = _pop_bool(kwargs, "torch_adam", False)
     adam_w_mode = _pop_bool(kwargs, "adam_w_mode", True)
     # DeepSpeed: the name AdamW forces decoupled decay; the name Adam follows adam_w_mode.
     cls: type[torch.optim.Optimizer] = (
         torch.optim.AdamW if name == "adamw" or adam_w_mode else torch.optim.Adam
     )
-    if torch_adam:
-        check_call_params(
-            cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError, extra=_FUSED_ADAM_KEYS
-        )
-        return _construct(cls, groups, kwargs)
-
-    if not _pop_bool(kwargs, "bias_correction", True):
-        raise OptimizerConfigError(
-            f"{_PREFIX}.bias_correction: false is not supported (torch's Adam always corrects "
-            "the moment bias); remove the key or set it to true",
-            key=f"{_PREFIX}.bias_correction",
-        )
-    # torch optimizers' zero_grad() already sets grads to None by default.
-    _pop_bool(kwargs, "set_grad_none", True)
+    if not torch_adam:
+        if not _pop_bool(kwargs, "bias_correction", True):
+            raise OptimizerConfigError(
+                f"{_PREFIX}.bias_correction: false is not supported (torch's Adam always "
+                "corrects the moment bias); remove the key or set it to true",
+                key=f"{_PREFIX}.bias_correction",
+            )
+        # torch optimizers' zero_grad() already sets grads to None by default.
+        _pop_bool(kwargs, "set_grad_none", True)
     check_call_params(
         cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError, extra=_FUSED_ADAM_KEYS
     )
+    return cls, torch_adam
+
+
+def _build_adam(name: str, kwargs: dict[str, Any], groups: list[Any]) -> torch.optim.Optimizer:
+    """DeepSpeed's Adam/AdamW: FusedAdam semantics, or plain torch with ``torch_adam``."""
+    cls, torch_adam = _adam_class(name, kwargs)
+    if torch_adam:
+        return _construct(cls, groups, kwargs)
     # FusedAdam's default weight decay is 0, torch.optim.AdamW's is 0.01.
     kwargs.setdefault("weight_decay", 0.0)
     user_chose = "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable")

@@ -42,6 +42,7 @@ __all__ = [
     "WarmupDecayLR",
     "WarmupLR",
     "build_scheduler",
+    "check_scheduler_config",
     "update_lr",
 ]
 
@@ -581,12 +582,35 @@ def build_scheduler(sched_type: str, params: dict[str, Any] | None, optimizer: A
     arguments after the optimizer. Raises ``SchedulerConfigError`` (a ``ValueError``) naming
     ``scheduler.type`` or ``scheduler.params.<key>`` with the value and what was expected.
     """
+    kwargs = dict(params or {})
+    cls = _checked_class(sched_type, kwargs)
+    try:
+        return cls(optimizer, **kwargs)
+    except SchedulerConfigError as exc:
+        raise SchedulerConfigError(f"{_PREFIX}.{exc}", key=f"{_PREFIX}.{exc.key}") from None
+    except (ValueError, TypeError) as exc:
+        if sched_type.lower() in _DEEPSPEED_SCHEDULES:
+            raise
+        raise SchedulerConfigError(
+            f"{_PREFIX}: torch.optim.lr_scheduler.{cls.__name__} rejected {kwargs!r}: {exc}",
+            key=_PREFIX,
+        ) from exc
+
+
+def check_scheduler_config(sched_type: str, params: dict[str, Any] | None) -> None:
+    """The checks of `build_scheduler` that need no optimizer (the name, the params' names
+    and required params), run before the process group exists. Value types of DeepSpeed's
+    schedules are checked by ``partita.config`` at load. Raises ``SchedulerConfigError``."""
+    _checked_class(sched_type, dict(params or {}))
+
+
+def _checked_class(sched_type: str, kwargs: dict[str, Any]) -> Any:
+    """The scheduler class for ``sched_type`` after checking the name and the params' names."""
     if not isinstance(sched_type, str) or not sched_type:
         raise SchedulerConfigError(
             f"scheduler.type: expected a scheduler name such as 'WarmupLR', got {sched_type!r}",
             key="scheduler.type",
         )
-    kwargs = dict(params or {})
     name = sched_type.lower()
     torch_schedulers = _torch_schedulers()
     cls: Any = _DEEPSPEED_SCHEDULES.get(name) or torch_schedulers.get(name)
@@ -604,17 +628,7 @@ def build_scheduler(sched_type: str, params: dict[str, Any] | None, optimizer: A
             key="scheduler.type",
         )
     check_call_params(cls, kwargs, prefix=_PREFIX, skip=1, error=SchedulerConfigError)
-    try:
-        return cls(optimizer, **kwargs)
-    except SchedulerConfigError as exc:
-        raise SchedulerConfigError(f"{_PREFIX}.{exc}", key=f"{_PREFIX}.{exc.key}") from None
-    except (ValueError, TypeError) as exc:
-        if name in _DEEPSPEED_SCHEDULES:
-            raise
-        raise SchedulerConfigError(
-            f"{_PREFIX}: torch.optim.lr_scheduler.{cls.__name__} rejected {kwargs!r}: {exc}",
-            key=_PREFIX,
-        ) from exc
+    return cls
 
 
 def _torch_schedulers() -> dict[str, type]:

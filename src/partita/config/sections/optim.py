@@ -1,14 +1,54 @@
-"""``optimizer`` and ``scheduler``: a type name and its keyword arguments."""
+"""``optimizer`` and ``scheduler``: a type name and its keyword arguments.
+
+For the types partita builds itself the params are checked against a typed model
+(``optim_params``) when the config is loaded, so ``"lr": "fast"`` fails with
+``optimizer.params.lr`` before any process group exists, not inside torch after it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, StrictStr
+from pydantic import BaseModel, Field, StrictStr, ValidationError, model_validator
 
+from ..errors import ConfigError, Problem, did_you_mean, join_path
 from .base import Section
+from .optim_params import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 
-__all__ = ["OptimizerConfig", "SchedulerConfig"]
+__all__ = ["OptimizerConfig", "SchedulerConfig", "params_problems"]
+
+
+def _problem(model: type[BaseModel], prefix: str, error: Any) -> Problem:
+    path = prefix
+    for part in error["loc"]:
+        path = join_path(path, part)
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        hint = did_you_mean(str(error["loc"][-1]), model.model_fields)
+        accepted = ", ".join(sorted(model.model_fields))
+        return Problem(path, f"unknown key{hint} (accepted: {accepted})")
+    if kind == "missing":
+        return Problem(path, "required key is missing")
+    message = error["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+    if "got" not in message:
+        message = f"{message} (got {error.get('input')!r})"
+    return Problem(path, message)
+
+
+def params_problems(
+    models: Mapping[str, type[BaseModel]], type_name: str, params: Mapping[str, Any], prefix: str
+) -> list[Problem]:
+    """Problems of ``params`` for ``type_name`` (matched ignoring case); none for a type
+    without a model here (checked by ``partita.optim`` before the process group)."""
+    model = models.get(type_name.lower())
+    if model is None:
+        return []
+    try:
+        model.model_validate(dict(params))
+    except ValidationError as error:
+        return [_problem(model, prefix, e) for e in error.errors(include_url=False)]
+    return []
 
 
 class OptimizerConfig(Section):
@@ -23,6 +63,13 @@ class OptimizerConfig(Section):
         description="Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...).",
     )
 
+    @model_validator(mode="after")
+    def _typed_params(self) -> OptimizerConfig:
+        problems = params_problems(OPTIMIZER_PARAMS, self.type, self.params, "optimizer.params")
+        if problems:
+            raise ConfigError(problems)
+        return self
+
 
 class SchedulerConfig(Section):
     """``scheduler``: the learning rate schedule the engine builds when the script passes none."""
@@ -35,3 +82,10 @@ class SchedulerConfig(Section):
         default_factory=dict,
         description="Keyword arguments of the scheduler (warmup_num_steps, total_num_steps, ...).",
     )
+
+    @model_validator(mode="after")
+    def _typed_params(self) -> SchedulerConfig:
+        problems = params_problems(SCHEDULER_PARAMS, self.type, self.params, "scheduler.params")
+        if problems:
+            raise ConfigError(problems)
+        return self

@@ -16,7 +16,23 @@ from pydantic import Field, model_validator
 
 from .base import Bool, Float, Int, NonNegInt, PositiveInt, Section, logger
 
-__all__ = ["OffloadDevice", "OffloadOptimizerConfig", "OffloadParamConfig", "ZeroConfig"]
+__all__ = [
+    "REDUCE_BUCKET_NUMEL",
+    "OffloadDevice",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "ZeroConfig",
+]
+
+REDUCE_BUCKET_NUMEL = 1 << 22
+"""Default ``reduce_bucket_size`` (elements): 4M, where DeepSpeed's is 5e8.
+
+5e8 elements exceeds most models, which leaves one bucket that can only be reduced after
+backward ends: nothing overlaps, and under ZeRO-2 the one bucket is the whole gradient. 4M
+elements (16 MB in fp32, below DDP's 25 MB) keeps several buckets in flight while backward runs
+and bounds ZeRO-2's transient gradient memory to a few of them. The bucket size changes when
+gradients are reduced, never their values, so a DeepSpeed config without the key trains the
+same; one that sets it (5e8 included) gets exactly that."""
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 """Where offloaded state lives: nowhere (no offload), pinned CPU memory, or NVMe files."""
@@ -40,10 +56,10 @@ class OffloadParamConfig(Section):
         "elements (beyond the next one).",
     )
     max_in_cpu: NonNegInt = Field(
-        default=1_000_000_000,
+        default=0,
         description="NVMe: shard elements (per rank) kept in CPU memory instead, units in "
-        "build order. Honoured only when given: DeepSpeed ignores it, so a config without it "
-        "keeps every shard on NVMe.",
+        "build order. DeepSpeed documents 1e9 but ignores the key (every shard goes to NVMe), "
+        "so partita's default is 0, the behaviour a DeepSpeed config without it gets.",
     )
     pin_memory: Bool = Field(default=True, description=_PIN)
 
@@ -147,7 +163,10 @@ class ZeroConfig(Section):
         default=True, description="Average gradients with reduce-scatter instead of all-reduce."
     )
     reduce_bucket_size: PositiveInt = Field(
-        default=500_000_000, description="Gradient elements reduced per collective."
+        default=REDUCE_BUCKET_NUMEL,
+        description="Gradient elements per reduction bucket (stages 0-2: bucket of one "
+        "collective; stage 3: gradient elements in flight in reduce-scatters, at least one "
+        "segment). Default 4M elements, not DeepSpeed's 5e8: see REDUCE_BUCKET_NUMEL.",
     )
     use_multi_rank_bucket_allreduce: Bool = Field(
         default=True,
@@ -254,7 +273,9 @@ class ZeroConfig(Section):
         default=False, description="Load checkpoints in pipeline mode (stage 3)."
     )
     override_module_apply: Bool = Field(
-        default=True, description="Gather parameters around nn.Module.apply (stage 3)."
+        default=False,
+        description="Gather parameters around nn.Module.apply (stage 3). DeepSpeed's default "
+        "is true; partita does not gather there, so its default is false and true is refused.",
     )
     log_trace_cache_warnings: Bool = Field(
         default=False, description="Log parameter trace cache invalidations (stage 3)."

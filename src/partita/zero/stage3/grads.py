@@ -3,7 +3,9 @@
 As soon as a parameter's gradient is accumulated it is copied into its unit's transient flat
 gradient buffer and ``.grad`` is freed. When the unit's backward is over (`reduce`), each
 trainable segment is reduce-scattered asynchronously; finished reductions (`retire`) add this
-rank's chunk into the fp32 master gradient. At most `max_in_flight` reductions are alive.
+rank's chunk into the fp32 master gradient. At most `max_in_flight` reductions, and at most
+`max_in_flight_numel` gradient elements (``reduce_bucket_size``; one segment always may), are
+alive.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class _Pending:
     handle: comm.Work | None
     release: torch.Tensor | None = None
     """The unit's gradient buffer, returned to the pool when this (its last) reduction ends."""
+    numel: int = 0
+    """Gradient elements this reduction reads (its segment, padded)."""
 
 
 @dataclass
@@ -37,10 +41,15 @@ class UnitGradReducer:
     reduce_dtype: torch.dtype
     max_in_flight: int = 4
     group: comm.ProcessGroup | None = None
+    max_in_flight_numel: int | None = None
+    """``reduce_bucket_size``: gradient elements in flight at once (at least one segment)."""
     sink: Callable[[ShardedUnit, int, torch.Tensor], None] | None = None
     """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
+    _in_flight_numel: int = field(default=0, init=False)
+    peak_in_flight_numel: int = field(default=0, init=False)
+    """Most gradient elements in flight in reduce-scatters at once."""
     _written: dict[int, set[int]] = field(default_factory=dict, init=False)
     """Per unit (by id) with a gradient buffer: the parameters whose gradient it holds."""
 
@@ -99,21 +108,31 @@ class UnitGradReducer:
             seg = unit.layout.segments[idx]
             if seg.padded_numel == 0:
                 continue
-            while len(self._in_flight) >= self.max_in_flight:
+            while self._in_flight and self._full(seg.padded_numel):
                 self._retire(self._in_flight.pop(0))
             data = buffer[seg.flat_start : seg.flat_end]
             if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
             handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
-            launched.append(_Pending(unit, idx, out, handle))
+            launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel))
             self._in_flight.append(launched[-1])
+            self._in_flight_numel += seg.padded_numel
+            self.peak_in_flight_numel = max(self.peak_in_flight_numel, self._in_flight_numel)
         if launched:
             launched[-1].release = buffer
         else:
             self._pool.release(buffer)
 
+    def _full(self, numel: int) -> bool:
+        """Whether a reduction of `numel` more elements must wait for the oldest one."""
+        if len(self._in_flight) >= self.max_in_flight:
+            return True
+        limit = self.max_in_flight_numel
+        return limit is not None and self._in_flight_numel + numel > limit
+
     def _retire(self, pending: _Pending) -> None:
+        self._in_flight_numel -= pending.numel
         if pending.handle is not None:
             pending.handle.wait()
         out = pending.output

@@ -240,7 +240,12 @@ class FullySharded:
         bindings = self._build_units(build, plan, persistent, module, modules)
         if state_device is not None and swap_space is None and offload_ratio < 1.0:
             self._keep_masters_on_device(offload_ratio)
-        self.reducer = UnitGradReducer(scaling, policy.reduce_dtype, group=group)
+        self.reducer = UnitGradReducer(
+            scaling,
+            policy.reduce_dtype,
+            group=group,
+            max_in_flight_numel=int(zero.reduce_bucket_size),
+        )
         self.scheduler = UnitScheduler(
             self.units,
             bindings,
