@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from partita import cluster_env, comm, engine_setup
-from partita.config import DeepSpeedConfig, config_error, load_config
+from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
+from partita.config.ranks import flatten, ranks_differ
 from partita.data import DistributedDataLoader
 from partita.engine import Engine
 
@@ -63,6 +64,17 @@ def _world_size() -> int:
     return cluster_env.detect().world_size
 
 
+def _check_same_config_on_every_rank(cfg: DeepSpeedConfig) -> None:
+    """Raises on every rank when the ranks' configs differ, naming the keys and the ranks'
+    values. The first collective of `initialize`, so nothing has yet been built on a config
+    that other ranks do not share."""
+    if not comm.is_initialized() or comm.get_world_size() == 1:
+        return
+    problems = ranks_differ(comm.all_gather_object(flatten(cfg.to_dict())))
+    if problems:
+        raise ConfigError(problems)
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -101,6 +113,7 @@ def initialize(
     engine_setup.check_offload_paths(cfg, model, rank, _world_size())
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
+    _check_same_config_on_every_rank(cfg)
     engine = Engine(
         model,
         cfg,
