@@ -18,7 +18,8 @@ from partita.optim.cpu_adam import Slice
 from partita.testing import run_distributed
 from partita.zero.shard_step import slice_plan, step_with_copy_back
 
-pytestmark = pytest.mark.skipif(
+# Only where the kernel's own path is asserted; elsewhere torch's step and a copy must agree too.
+needs_kernel = pytest.mark.skipif(
     not adam_kernel.available(), reason=f"kernel unavailable: {adam_kernel.why_not()}"
 )
 
@@ -89,6 +90,7 @@ def test_other_optimizers_step_whole_then_copy() -> None:
         assert torch.equal(w, q.detach().to(torch.bfloat16))
 
 
+@needs_kernel
 def test_slices_must_cover_every_stepped_parameter() -> None:
     params = _params(2)
     opt = _optimizer(CPUAdamW, params)
@@ -148,6 +150,7 @@ def test_step_hooks_run_and_kernel_less_cases_still_copy() -> None:
             assert torch.equal(p, q) and torch.equal(w, q.detach().to(torch.bfloat16))
 
 
+@needs_kernel
 def test_step_planned_steps_only_its_parameters() -> None:
     """NVMe offload steps one resident sub-group at a time: the others keep their values, step
     counters and (absent) state although they have gradients."""
