@@ -7,6 +7,9 @@
 - `GridCache`: one spawn per grid shared by many pytest test ids (fixture `distributed_grid`).
 - `run_python(code, **env)`: ``code`` in a fresh interpreter, its stdout.
 
+Under pytest-timeout every timeout here ends before the test's own (`deadline`), so the
+harness, not pytest, reports a hang, with the stacks.
+
 Importing this package does not import torch (the ranks import it after start-up set-up).
 """
 
