@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from partita import host_cache, native
 from partita.optim import adam_kernel
@@ -159,6 +160,8 @@ def test_library_without_its_symbols_falls_back(
     monkeypatch.setattr(native, "build_library", lambda *args, **kwargs: empty)
     for env in ("PARTITA_CPU_ADAM", "PARTITA_HOST_CACHE", "PARTITA_HOST_CACHE_HEADROOM"):
         monkeypatch.delenv(env, raising=False)
+    # The kernel checks the CPU before building: make any CPU pass that check here.
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(adam_kernel, "_lib", None)
     monkeypatch.setattr(adam_kernel, "_why_not", None)
     assert not adam_kernel.available()
