@@ -158,3 +158,42 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE")
         return _checked(cluster, names)
     return ClusterEnv(0, 1, 0, 1, addr or "127.0.0.1", port, "none")
+
+
+#: Directory the launcher gives each rank for its heartbeat file (unset: no heartbeat).
+HEARTBEAT_DIR_ENV = "PARTITA_HEARTBEAT_DIR"
+#: Seconds between two heartbeats of a rank, set by the launcher from its hang timeout.
+HEARTBEAT_INTERVAL_ENV = "PARTITA_HEARTBEAT_INTERVAL"
+_DEFAULT_HEARTBEAT_INTERVAL = 5.0
+
+
+@dataclass(frozen=True)
+class HeartbeatSettings:
+    """Where and how often this rank writes its heartbeat for the launcher's hang watchdog."""
+
+    directory: str
+    interval: float
+
+
+def heartbeat_settings(env: Mapping[str, str] | None = None) -> HeartbeatSettings | None:
+    """The heartbeat the ``partita`` launcher asked for, or None when it asked for none.
+
+    Raises ValueError naming the variable when the interval is not a positive number.
+    """
+    env = os.environ if env is None else env
+    directory = env.get(HEARTBEAT_DIR_ENV)
+    if not directory:
+        return None
+    raw = env.get(HEARTBEAT_INTERVAL_ENV)
+    if raw is None:
+        return HeartbeatSettings(directory, _DEFAULT_HEARTBEAT_INTERVAL)
+    try:
+        interval = float(raw)
+    except ValueError:
+        interval = float("nan")
+    if not interval > 0 or interval == float("inf"):  # `not >` also rejects NaN
+        raise ValueError(
+            f"environment variable {HEARTBEAT_INTERVAL_ENV}={raw!r} must be a positive number "
+            "of seconds"
+        )
+    return HeartbeatSettings(directory, interval)

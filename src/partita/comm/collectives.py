@@ -1,9 +1,12 @@
 """Collectives as plain functions: each records its payload in `COUNTERS` and can run async.
 
-Every function takes ``async_op``; when true it returns the torch ``Work`` handle (call
+Every function takes ``async_op``; when true it returns a ``Work``-like handle (call
 ``.wait()`` before reading the result), else None. ``tag`` labels the payload for accounting
 ("grad", "param", "overflow", "norm"...). With a single process and no process group, the
 collectives are identities, so the engine runs unchanged without ``torch.distributed``.
+With a process group, each collective also records itself in `LAST_COLLECTIVE` and marks the
+time this rank spends blocked in it, for the launcher's hang watchdog (see
+[Note: hang watchdog] in `partita.comm.heartbeat`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from partita.comm.counters import COUNTERS
+from partita.comm.heartbeat import LAST_COLLECTIVE
 from partita.comm.pairwise import pair_all_gather, pair_reduce_scatter
 from partita.comm.process_group import ProcessGroup, is_initialized
 
@@ -71,6 +75,31 @@ class _Then:
         return True
 
 
+class _Waited:
+    """A handle whose ``wait`` counts as time blocked in a collective (for the watchdog)."""
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        with LAST_COLLECTIVE.waiting():
+            return bool(self.work.wait())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def _tracked(op: str, tag: str, async_op: bool, run: Callable[[bool], Any]) -> Work | None:
+    """Runs ``run(async_op)``, a collective named `op`, recorded in `LAST_COLLECTIVE`."""
+    LAST_COLLECTIVE.issued(op, tag)
+    if not async_op:
+        with LAST_COLLECTIVE.waiting():
+            run(False)
+        return None
+    handle = run(True)
+    return None if handle is None else _Waited(handle)  # type: ignore[return-value]
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
@@ -82,7 +111,12 @@ def all_reduce(
     _record("all_reduce", tag, tensor)
     if _single_process(group):
         return None
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _tracked(
+        "all_reduce",
+        tag,
+        async_op,
+        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+    )
 
 
 def reduce_scatter(
@@ -99,6 +133,22 @@ def reduce_scatter(
         _record("reduce_scatter", tag, input)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
+    return _tracked(
+        "reduce_scatter",
+        tag,
+        async_op,
+        lambda a: _reduce_scatter(output, input, op, group, a, tag),
+    )
+
+
+def _reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: ProcessGroup | None,
+    async_op: bool,
+    tag: str,
+) -> Work | None:
     mode = _gloo_mode(group)
     if mode == "pair" and op == ReduceOp.SUM:  # see [Note: gloo collectives]
         _record("reduce_scatter", tag, input)
@@ -134,6 +184,18 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
+    return _tracked(
+        "all_gather", tag, async_op, lambda a: _all_gather(output, input, group, a, tag)
+    )
+
+
+def _all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None,
+    async_op: bool,
+    tag: str,
+) -> Work | None:
     mode = _gloo_mode(group)
     if mode == "pair":  # see [Note: gloo collectives]
         _record("all_gather", tag, output)
@@ -163,7 +225,12 @@ def broadcast(
     _record("broadcast", tag, tensor)
     if _single_process(group):
         return None
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _tracked(
+        "broadcast",
+        tag,
+        async_op,
+        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
+    )
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
@@ -171,7 +238,7 @@ def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     if _single_process(group):
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _tracked("all_gather_object", "", False, lambda a: dist.all_gather_object(out, obj, group))
     return out
 
 
@@ -180,11 +247,11 @@ def broadcast_object(obj: Any, src: int = 0, group: ProcessGroup | None = None) 
     if _single_process(group):
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    _tracked("broadcast_object", "", False, lambda a: dist.broadcast_object_list(box, src, group))
     return box[0]
 
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Blocks until every rank of `group` arrives."""
     if not _single_process(group):
-        dist.barrier(group=group)
+        _tracked("barrier", "", False, lambda a: dist.barrier(group=group))

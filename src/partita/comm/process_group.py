@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from partita import cluster_env
 from partita.accelerator import get_accelerator
+from partita.comm.heartbeat import start_heartbeat, stop_heartbeat
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 """Collective timeout when none is given (DeepSpeed's default is 30 minutes too)."""
@@ -41,10 +42,13 @@ def init_distributed(
     group, changes nothing. Rank and world size come from the arguments, else from the launcher
     environment (torchrun, SLURM, OpenMPI; see `partita.cluster_env`). The backend defaults to
     the accelerator's (NCCL on CUDA, gloo on CPU). `timeout` (seconds or timedelta) bounds every
-    collective, so a rank that never arrives fails the job instead of hanging it.
+    collective, so a rank that never arrives fails the job instead of hanging it. Under the
+    ``partita`` launcher the rank also starts its heartbeat for the hang watchdog
+    (`partita.comm.heartbeat`).
     """
     del auto_mpi_discovery, verbose, config  # accepted for DeepSpeed signature compatibility
     if is_initialized():
+        start_heartbeat(dist.get_rank())
         return
     if dist_init_required is False:
         raise RuntimeError(
@@ -69,6 +73,7 @@ def init_distributed(
     if device_id is not None:
         kwargs["device_id"] = device_id
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    start_heartbeat(dist.get_rank())
 
 
 def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
@@ -80,7 +85,9 @@ def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timede
 
 
 def destroy_process_group() -> None:
-    """Tears down the default group if one exists."""
+    """Tears down the default group if one exists (and stops this rank's heartbeat: a rank
+    outside the group cannot hang it)."""
+    stop_heartbeat()
     if is_initialized():
         dist.destroy_process_group()
 

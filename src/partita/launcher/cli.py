@@ -107,6 +107,16 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds (0 disables it), got {text}")
+    return value
+
+
 def _epilog() -> str:
     lines = [
         "Workers get --local_rank=<N> as their first argument (unless --no_local_rank) and the",
@@ -150,6 +160,12 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PORT",
         help=f"rendezvous port on node 0 (default: a free port; {DEFAULT_MASTER_PORT} when K > 1)",
     )
+    nodes.add_argument(
+        "--bind_addr",
+        metavar="ADDR",
+        help="address node 0's rendezvous store listens on (default: the address --master_addr "
+        "resolves to; 0.0.0.0 or :: for every interface)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="M",
         help="restart all workers up to M times after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--hang_timeout",
+        type=_seconds,
+        metavar="S",
+        help="end the job when a rank makes no progress for S seconds: its heartbeat stops, or "
+        "it leaves the others waiting in a collective (default: $PARTITA_HANG_TIMEOUT, else "
+        "300; 0 disables)",
     )
     parser.add_argument(
         "--module", action="store_true", help="run the script as a module, like 'python -m'"
@@ -249,6 +273,8 @@ def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
         node_rank=0 if ns.node_rank is None else ns.node_rank,
         master_addr="127.0.0.1" if ns.master_addr is None else ns.master_addr,
         master_port=ns.master_port,
+        bind_addr=ns.bind_addr,
+        hang_timeout=ns.hang_timeout,
         max_restarts=ns.max_restarts,
         module=ns.module,
         no_python=ns.no_python,

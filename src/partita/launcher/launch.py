@@ -13,22 +13,36 @@ with a per-rank summary. This module only decides *what* to launch:
   this launch meant; torchrun's agent adds ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
   ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
 
+It also keeps the job to itself (issue 13):
+
+- network: node 0 binds the rendezvous store's socket on the address the launch names (a
+  single-node job: 127.0.0.1; see `partita.launcher.rendezvous`), and a single-node job's
+  gloo/NCCL sockets use the loopback interface (``loopback_env``);
+- processes: every worker starts through `partita.launcher.worker_exec`, so it dies with the
+  launcher even when the launcher is SIGKILLed; SIGTERM/SIGINT stop the job through the agent;
+- hangs: `partita.launcher.watchdog` ends a job whose ranks stopped making progress for
+  ``--hang_timeout`` seconds, naming the rank and each rank's last collective.
+
 torch is imported only inside functions so that ``partita --help`` stays fast.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
+
+    from partita.launcher.watchdog import Watchdog
 
 __all__ = [
     "ACCELERATOR_ENV",
@@ -39,8 +53,12 @@ __all__ = [
     "build_launch_config",
     "find_free_port",
     "launch",
+    "listen_socket",
+    "loopback_env",
     "plan_workers",
+    "store_bind_address",
     "visible_gpu_count",
+    "with_parent_death_signal",
     "worker_command",
     "worker_env",
 ]
@@ -83,6 +101,9 @@ class LaunchOptions:
         no_python: execute ``script`` directly, not through the Python interpreter.
         no_local_rank: do not pass ``--local_rank=<N>`` to the script.
         monitor_interval: seconds between the agent's worker health checks.
+        bind_addr: address node 0's store listens on (``None``: what ``master_addr`` names).
+        hang_timeout: seconds without progress before the job counts as hung (``None``: from
+            ``PARTITA_HANG_TIMEOUT``, else 300; 0 disables the watchdog).
     """
 
     script: str
@@ -98,6 +119,8 @@ class LaunchOptions:
     no_python: bool = False
     no_local_rank: bool = False
     monitor_interval: float = 0.1
+    bind_addr: str | None = None
+    hang_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -187,13 +210,104 @@ def worker_env(plan: WorkerPlan, environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def find_free_port() -> int:
-    """A TCP port that is free right now (the kernel's choice for a bind to port 0)."""
-    # Bind on all interfaces: the rendezvous store listens on all of them, so the port must be
-    # free everywhere, not only on loopback.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
+def with_parent_death_signal(entrypoint: str, args: list[str]) -> tuple[str, list[str]]:
+    """The worker command started through `partita.launcher.worker_exec`, which makes the
+    worker die with the launcher and then execs ``entrypoint args``."""
+    shim = ["-m", "partita.launcher.worker_exec", _escape_macro(entrypoint)]
+    return sys.executable, [*shim, *args]
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port of `host` that is free right now (the kernel's choice for a bind to port 0)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _is_ip(addr: str) -> bool:
+    try:
+        ipaddress.ip_address(addr.strip("[]").split("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def store_bind_address(options: LaunchOptions) -> str:
+    """The address node 0's rendezvous store listens on: ``bind_addr`` if given, else
+    ``master_addr`` if it is an IP address (127.0.0.1 for a default single-node launch), else
+    the address that host name resolves to here.
+
+    Raises ``LaunchError`` when ``master_addr`` does not resolve, or, in a multi-node job, is a
+    host name that resolves to a loopback address here, which the other nodes cannot reach (a
+    hostname mapped to 127.0.1.1 in /etc/hosts is the common case).
+    """
+    if options.bind_addr is not None:
+        return options.bind_addr
+    if _is_ip(options.master_addr):
+        return options.master_addr.strip("[]")  # an address the user typed is what they meant
+    try:
+        infos = socket.getaddrinfo(options.master_addr, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as err:
+        raise LaunchError(
+            f"--master_addr {options.master_addr!r} does not resolve: {err}"
+        ) from None
+    resolved = str(infos[0][4][0])
+    if options.num_nodes > 1 and _is_loopback(resolved):
+        raise LaunchError(
+            f"--master_addr {options.master_addr!r} resolves to {resolved} on this node, which "
+            f"the other {options.num_nodes - 1} node(s) cannot reach; pass the IP address they "
+            "use (--master_addr <IP>), or the address to listen on (--bind_addr)"
+        )
+    return resolved
+
+
+def listen_socket(addr: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``addr:port`` (port 0: the kernel picks) for the store.
+
+    Raises ``LaunchError`` naming the address and port when the bind fails.
+    """
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As TCPStore does: a port left in TIME_WAIT by the last job can be reused at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and addr in ("::", "[::]"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # and IPv4 too
+        sock.bind((addr.strip("[]"), port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        raise LaunchError(
+            f"cannot listen on {_endpoint(addr, port)} for the rendezvous store: "
+            f"{err.strerror or err} (choose another --master_port, or the address to listen "
+            "on with --bind_addr)"
+        ) from None
+    return sock
+
+
+def loopback_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables that keep a single-node job's gloo and NCCL sockets on the loopback interface
+    (gloo otherwise binds the address the hostname resolves to); a user's own value wins."""
+    import psutil
+
+    names = [
+        name
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and _is_loopback(a.address) for a in addrs)
+    ]
+    if not names:
+        return {}
+    return {
+        var: names[0] for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var not in environ
+    }
 
 
 def _endpoint(addr: str, port: int) -> str:
@@ -202,12 +316,23 @@ def _endpoint(addr: str, port: int) -> str:
 
 
 def build_launch_config(
-    options: LaunchOptions, plan: WorkerPlan, master_port: int, log_dir: str
+    options: LaunchOptions,
+    plan: WorkerPlan,
+    master_port: int,
+    log_dir: str,
+    listen_fd: int | None = None,
 ) -> LaunchConfig:
-    """The torchelastic ``LaunchConfig`` for this node: static rendezvous at master_addr."""
+    """The torchelastic ``LaunchConfig`` for this node: static rendezvous at master_addr, whose
+    store (node 0) serves the listening socket ``listen_fd``."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    from partita.launcher import rendezvous
+
+    rendezvous.register()
+    configs: dict[str, int] = {"rank": options.node_rank}
+    if listen_fd is not None:
+        configs["listen_fd"] = listen_fd
     return LaunchConfig(
         min_nodes=options.num_nodes,
         max_nodes=options.num_nodes,
@@ -215,9 +340,9 @@ def build_launch_config(
         # Workers keep the launcher's stdout/stderr; the log dir only holds error files.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         run_id=_RUN_ID,
-        rdzv_backend="static",
+        rdzv_backend=rendezvous.BACKEND,
         rdzv_endpoint=_endpoint(options.master_addr, master_port),
-        rdzv_configs={"rank": options.node_rank},
+        rdzv_configs=configs,
         max_restarts=options.max_restarts,
         monitor_interval=options.monitor_interval,
     )
@@ -231,34 +356,96 @@ def _failure_headline(err: ChildFailedError, node_rank: int) -> str:
     )
 
 
+def _hang_timeout(options: LaunchOptions) -> float:
+    from partita.launcher.watchdog import hang_timeout_from_env
+
+    if options.hang_timeout is not None:
+        return options.hang_timeout
+    try:
+        return hang_timeout_from_env(os.environ)
+    except ValueError as err:
+        raise LaunchError(str(err)) from None
+
+
+def _start_watchdog(directory: Path, timeout: float) -> Watchdog | None:
+    """Starts the hang watchdog over ``directory`` and tells the workers to beat there."""
+    from partita.cluster_env import HEARTBEAT_DIR_ENV, HEARTBEAT_INTERVAL_ENV
+    from partita.launcher.watchdog import Watchdog, heartbeat_interval
+
+    if timeout == 0:
+        return None
+    interval = heartbeat_interval(timeout)
+    os.environ[HEARTBEAT_DIR_ENV] = str(directory)
+    os.environ[HEARTBEAT_INTERVAL_ENV] = str(interval)
+    watchdog = Watchdog(directory, timeout, poll=interval)
+    watchdog.start()
+    return watchdog
+
+
+def _prepare_environment(options: LaunchOptions, plan: WorkerPlan, bind_addr: str | None) -> None:
+    """What every worker inherits (the agent copies this process's environment)."""
+    from partita.launcher.worker_exec import LAUNCHER_PID_ENV
+
+    os.environ.update(worker_env(plan, os.environ))
+    if options.num_nodes == 1 and bind_addr is not None and _is_loopback(bind_addr):
+        os.environ.update(loopback_env(os.environ))
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
 def launch(options: LaunchOptions) -> int:
     """Start the workers of this node, wait for them, and return partita's exit status.
 
-    Returns 0 when every worker succeeded, 1 when one failed (after printing the agent's
-    failure summary, which names the failed ranks), 128 + signal number when partita itself
-    was interrupted. Raises ``LaunchError`` for requests this machine cannot satisfy.
+    Returns 0 when every worker succeeded, 1 when one failed or hung (after printing the
+    agent's failure summary, which names the failed ranks, and the watchdog's report),
+    128 + signal number when partita itself was interrupted. Raises ``LaunchError`` for
+    requests this machine cannot satisfy.
     """
+    plan = plan_workers(options.num_gpus, options.num_procs, visible_gpu_count())
+    hang_timeout = _hang_timeout(options)
+    listener, bind_addr = None, None
+    master_port = options.master_port or DEFAULT_MASTER_PORT
+    if options.node_rank == 0:
+        bind_addr = store_bind_address(options)
+        default_port = 0 if options.num_nodes == 1 else DEFAULT_MASTER_PORT
+        listener = listen_socket(bind_addr, options.master_port or default_port)
+        master_port = int(listener.getsockname()[1])
+    _prepare_environment(options, plan, bind_addr)
+    entrypoint, args = with_parent_death_signal(*worker_command(options))
+    with tempfile.TemporaryDirectory(prefix="partita_launch_") as log_dir:
+        watchdog = _start_watchdog(Path(log_dir) / "heartbeat", hang_timeout)
+        # The store takes the descriptor over; detach so this socket object does not close it.
+        listen_fd = None if listener is None else listener.detach()
+        config = build_launch_config(options, plan, master_port, log_dir, listen_fd)
+        try:
+            return _run_agent(config, entrypoint, args, options.node_rank, watchdog)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+
+
+def _run_agent(
+    config: LaunchConfig,
+    entrypoint: str,
+    args: list[str],
+    node_rank: int,
+    watchdog: Watchdog | None,
+) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    plan = plan_workers(options.num_gpus, options.num_procs, visible_gpu_count())
-    master_port = options.master_port
-    if master_port is None:
-        master_port = find_free_port() if options.num_nodes == 1 else DEFAULT_MASTER_PORT
-    # The agent gives each worker a copy of this process's environment plus its own variables.
-    os.environ.update(worker_env(plan, os.environ))
-    entrypoint, args = worker_command(options)
-    with tempfile.TemporaryDirectory(prefix="partita_launch_") as log_dir:
-        config = build_launch_config(options, plan, master_port, log_dir)
-        try:
-            elastic_launch(config, entrypoint)(*args)
-        except ChildFailedError as err:
-            # The agent has already stopped the surviving workers; the summary names each
-            # failed rank, its exit code and pid.
-            print(_failure_headline(err, options.node_rank), err, sep="\n", file=sys.stderr)
-            return 1
-        except SignalException as err:
-            print(f"partita: stopped by {err.sigval.name}; workers terminated", file=sys.stderr)
-            return 128 + int(err.sigval)
+    try:
+        elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as err:
+        # The agent has already stopped the surviving workers; the summary names each
+        # failed rank, its exit code and pid.
+        if watchdog is not None and watchdog.reports:
+            headline = "partita: the job hung and was stopped (the watchdog's report is above)."
+        else:
+            headline = _failure_headline(err, node_rank)
+        print(headline, err, sep="\n", file=sys.stderr)
+        return 1
+    except SignalException as err:
+        print(f"partita: stopped by {err.sigval.name}; workers terminated", file=sys.stderr)
+        return 128 + int(err.sigval)
     return 0

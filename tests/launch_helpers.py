@@ -1,0 +1,102 @@
+"""Helpers for tests that run the ``partita`` launcher as a real process and watch its workers."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+CLI = [sys.executable, "-m", "partita.launcher.cli"]
+
+
+def write_script(path: Path, text: str) -> Path:
+    """Writes a dedented script and returns its path."""
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def start_launcher(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Starts ``partita <args>`` with captured output (read it with ``communicate``)."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.Popen(
+        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
+    )
+
+
+def wait_for_files(paths: Iterable[Path], proc: subprocess.Popen[str], guard_s: float) -> None:
+    """Waits until every path exists; fails (with the launcher's output) if the launcher exits
+    first or the hang guard runs out."""
+    paths = list(paths)
+    deadline = time.monotonic() + guard_s
+    while not all(p.exists() for p in paths):
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"launcher exited {proc.returncode} early:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: {[str(p) for p in paths if not p.exists()]} missing")
+        time.sleep(0.05)
+
+
+def running(pid: int) -> bool:
+    """True while `pid` is a live process (a zombie has finished running)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: Iterable[int], bound_s: float) -> list[int]:
+    """Waits up to `bound_s` for every pid to stop running; returns those still running."""
+    pids = list(pids)
+    deadline = time.monotonic() + bound_s
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if running(p)]
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    """SIGKILLs the given test-started processes that are still there (clean-up after a
+    failed assertion, so a broken launcher does not leave sleeping workers behind)."""
+    for pid in pids:
+        if running(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def is_loopback(ip: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.0.0.1)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped.is_loopback
+    return addr.is_loopback
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """Local (address, port) of every listening TCP socket and bound UDP socket of `pid`."""
+    found = []
+    for conn in psutil.Process(pid).net_connections(kind="inet"):
+        tcp_listen = conn.status == psutil.CONN_LISTEN
+        udp_bound = conn.type == 2 and conn.laddr and not conn.raddr  # SOCK_DGRAM
+        if tcp_listen or udp_bound:
+            found.append((conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def finish(proc: subprocess.Popen[str], guard_s: float) -> tuple[str, str]:
+    """The launcher's (stdout, stderr) once it exits; kills it and fails past the hang guard."""
+    try:
+        return proc.communicate(timeout=guard_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=60)
+        message = f"hang guard: launcher still running after {guard_s} s\n{out}\n{err}"
+        raise AssertionError(message) from None
