@@ -4,7 +4,9 @@ sockets), failures, bad flags."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,11 @@ from partita.launcher.launch import (
     LaunchOptions,
     WorkerPlan,
     find_free_port,
+    listen_socket,
+    loopback_env,
     plan_workers,
+    store_bind_address,
+    with_parent_death_signal,
     worker_command,
     worker_env,
 )
@@ -239,6 +245,8 @@ def script(tmp_path: Path) -> str:
         (["--module", "--no_python", "pkg.train"], "--module and --no_python cannot be used"),
         (["--no_python", "no-such-binary-xyz"], "executable 'no-such-binary-xyz' not found"),
         (["--num_proc", "2", "{s}"], "unrecognized arguments"),  # no prefix matching
+        (["--hang_timeout", "-1", "{s}"], "--hang_timeout: must be >= 0 seconds"),
+        (["--hang_timeout", "x", "{s}"], "expected a number of seconds, got 'x'"),
     ],
 )
 def test_bad_flags_exit_2_with_clear_message(
@@ -309,3 +317,74 @@ def test_worker_env_sets_accelerator_and_keeps_user_threads() -> None:
     assert worker_env(WorkerPlan("cuda", 2), {"OMP_NUM_THREADS": "8"}) == {
         "PARTITA_ACCELERATOR": "cuda"
     }
+
+
+def test_store_bind_address_follows_the_launch() -> None:
+    assert store_bind_address(LaunchOptions(script="t.py")) == "127.0.0.1"
+    two = {"script": "t.py", "num_nodes": 2}
+    # An address the user typed is bound as typed, loopback included (two "nodes" on one host).
+    assert store_bind_address(LaunchOptions(**two, master_addr="127.0.0.1")) == "127.0.0.1"
+    assert store_bind_address(LaunchOptions(**two, master_addr="10.1.2.3")) == "10.1.2.3"
+    assert store_bind_address(LaunchOptions(**two, master_addr="h", bind_addr="0.0.0.0")) == (
+        "0.0.0.0"
+    )
+    # A host name that resolves to loopback here would leave the other nodes unable to join.
+    with pytest.raises(LaunchError, match=r"--master_addr 'localhost' resolves to .* cannot reach"):
+        store_bind_address(LaunchOptions(**two, master_addr="localhost"))
+    with pytest.raises(
+        LaunchError, match=r"--master_addr 'no-such-host\.invalid' does not resolve"
+    ):
+        store_bind_address(LaunchOptions(**two, master_addr="no-such-host.invalid"))
+
+
+def test_listen_socket_names_address_and_port_when_taken() -> None:
+    taken = listen_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(
+            LaunchError, match=f"cannot listen on 127.0.0.1:{port} .* --master_port"
+        ):
+            listen_socket("127.0.0.1", port)
+    finally:
+        taken.close()
+
+
+def test_loopback_env_pins_gloo_and_nccl_to_loopback_unless_set() -> None:
+    env = loopback_env({})
+    assert set(env) == {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}
+    addrs = psutil.net_if_addrs()[env["GLOO_SOCKET_IFNAME"]]
+    assert any(is_loopback(a.address) for a in addrs if a.family.name == "AF_INET")
+    assert loopback_env({"GLOO_SOCKET_IFNAME": "eth9"}) == {
+        "NCCL_SOCKET_IFNAME": env["NCCL_SOCKET_IFNAME"]
+    }
+
+
+# Prints the parent-death signal the kernel holds for this process (PR_GET_PDEATHSIG = 2).
+PDEATHSIG_PROBE = (
+    "import ctypes; v = ctypes.c_int(); "
+    "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_worker_exec_arms_parent_death_signal_and_refuses_orphans() -> None:
+    entry, args = with_parent_death_signal(sys.executable, ["-c", PDEATHSIG_PROBE])
+    assert (entry, args[:2]) == (sys.executable, ["-m", "partita.launcher.worker_exec"])
+    env = {**os.environ, "PARTITA_LAUNCHER_PID": str(os.getpid())}
+    result = subprocess.run([entry, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == signal.SIGKILL  # survives exec into the worker program
+    # A shim whose launcher is already gone (its parent is not the named pid) starts nothing.
+    env["PARTITA_LAUNCHER_PID"] = str(os.getpid() + 1_000_000)
+    result = subprocess.run([entry, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "is gone; not starting" in result.stderr
+
+
+def test_bad_hang_timeout_variable_fails_before_any_worker_starts(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PARTITA_HANG_TIMEOUT", "soon")
+    assert cli.main(["--num_procs", "2", script]) == 2
+    err = capsys.readouterr().err
+    assert "environment variable PARTITA_HANG_TIMEOUT='soon' must be a number of seconds" in err

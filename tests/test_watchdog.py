@@ -156,3 +156,48 @@ def test_bad_hang_timeout_is_refused_naming_the_variable(value: str) -> None:
 
     with pytest.raises(ValueError, match=f"PARTITA_HANG_TIMEOUT={value!r}"):
         hang_timeout_from_env({"PARTITA_HANG_TIMEOUT": value})
+
+
+def _collectives_are_recorded(directory: str) -> dict[str, object]:
+    import torch
+
+    from partita import comm
+    from partita.comm.heartbeat import LAST_COLLECTIVE, read_beats
+
+    log = LAST_COLLECTIVE
+    start = log.last[0]
+    t = torch.ones(4)
+    comm.all_reduce(t, tag="a")
+    after_sync = (log.last[0] - start, log.last[1:], log.waiting_since, log.done_at is not None)
+    handle = comm.reduce_scatter(torch.empty(2), torch.ones(4), async_op=True, tag="rs")
+    issued = (log.last[0] - start, log.last[1:], log.waiting_since)
+    assert handle is not None
+    handle.wait()
+    comm.barrier()
+    comm.broadcast_object("x")
+    last = (log.last[0] - start, log.last[1:])
+    beats = {b.rank: b for b in read_beats(directory)}
+    mine = beats[comm.get_rank()]
+    return {
+        "after_sync": after_sync,
+        "issued": issued,
+        "last": last,
+        "beat_pid_is_mine": mine.pid == os.getpid(),
+        "beat_seq_counts_collectives": mine.seq >= start,
+    }
+
+
+def test_collectives_record_last_op_and_heartbeat_is_written(tmp_path: Path) -> None:
+    from partita.testing import run_distributed
+
+    beats = str(tmp_path / "beats")
+    env = {"PARTITA_HEARTBEAT_DIR": beats, "PARTITA_HEARTBEAT_INTERVAL": "0.2"}
+    results = run_distributed(_collectives_are_recorded, 2, beats, env=env, timeout=120)
+    for result in results:
+        # A blocking collective is done when it returns; an async one is issued, not waited on.
+        assert result["after_sync"] == (1, ("all_reduce", "a"), None, True)
+        assert result["issued"] == (2, ("reduce_scatter", "rs"), None)
+        assert result["last"] == (4, ("broadcast_object", ""))
+        assert result["beat_pid_is_mine"] and result["beat_seq_counts_collectives"]
+    # destroy_process_group stopped each heartbeat and removed its file.
+    assert not list(Path(beats).glob("rank*.json"))
