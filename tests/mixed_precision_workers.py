@@ -21,19 +21,27 @@ MICRO = 2
 BUCKET = 3000
 """reduce_bucket_size: several gradient buckets / reduction units for the tiny model."""
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def engine_config(precision: str, stage: int, fp16: dict[str, Any] | None) -> dict[str, Any]:
-    """The ds_config of a case: AdamW, micro batch 2, no accumulation, no clipping."""
+def engine_config(
+    precision: str,
+    stage: int,
+    fp16: dict[str, Any] | None,
+    gas: int = 1,
+    comm_dtype: str | None = None,
+) -> dict[str, Any]:
+    """The ds_config of a case: AdamW, micro batch 2, `gas` micro steps, no clipping."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "steps_per_print": 1000,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
         "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
     }
+    if comm_dtype is not None:
+        config["communication_data_type"] = comm_dtype
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     else:
@@ -62,12 +70,16 @@ def mixed_case(
     steps: int,
     fp16: dict[str, Any] | None = None,
     inject: tuple[int, tuple[int, ...]] | None = None,
+    gas: int = 1,
+    comm_dtype: str | None = None,
 ) -> dict[str, Any]:
-    """Trains the engine `steps` steps; returns this rank's per-step losses, the loss scale each
-    step used, whether each step was applied, and the final 16-bit weights and fp32 masters.
+    """Trains the engine `steps` steps of `gas` micro steps; returns this rank's micro-step
+    losses, the loss scale each step used, whether each step was applied, and the final 16-bit
+    weights and fp32 masters.
 
     `inject=(rank, steps)`: that rank's gradient of the first parameter gets an inf in element
-    0 at those steps. Rank 0 also returns the plain-torch reference under ``"reference"``.
+    0 at those steps. `comm_dtype` sets ``communication_data_type``. Rank 0 also returns the
+    plain-torch reference under ``"reference"``.
     """
     import partita
     from partita import comm
@@ -79,7 +91,7 @@ def mixed_case(
     torch.set_num_threads(1)
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make_model()
-    config = engine_config(precision, stage, fp16)
+    config = engine_config(precision, stage, fp16, gas, comm_dtype)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -87,13 +99,14 @@ def mixed_case(
     if inject is not None and inject[0] == rank:
         next(engine.module.parameters()).register_hook(_inf_hook(armed))
     losses, scales, applied = [], [], []
-    for step, batch in enumerate(global_batches(steps, MICRO * world)):
+    for step, batch in enumerate(global_batches(steps, MICRO * gas * world)):
         armed[0] = inject is not None and step in inject[1]
         scales.append(engine.cur_scale)
-        loss = engine(*rank_micro_batch(batch, rank, world, MICRO, 0))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        for m in range(gas):
+            loss = engine(*rank_micro_batch(batch, rank, world, MICRO, m))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
         applied.append(engine.was_step_applied())
     params = list(engine.module.parameters())
     with partita.zero.GatheredParameters(params):
@@ -109,8 +122,17 @@ def mixed_case(
     }
     engine.destroy()
     if rank == 0:
+        dtype = DTYPES[precision]
+        setup = RefSetup(
+            dtype=dtype,
+            world=world,
+            gas=gas,
+            comm_dtype=None if comm_dtype is None else DTYPES[comm_dtype],
+            reduce_every_micro_step=stage >= 2,
+            fp32_landing=stage >= 1,
+        )
         scaler = None if precision == "bf16" else RefScaler.from_config(config["fp16"])
-        result["reference"] = reference_run16(DTYPES[precision], world, steps, scaler, inject)
+        result["reference"] = reference_run16(setup, steps, scaler, inject)
     return result
 
 
@@ -164,69 +186,119 @@ class RefScaler:
             self.hysteresis_left = self.hysteresis
 
 
-def _rank_grads(
+@dataclass(frozen=True)
+class RefSetup:
+    """How the reference computes and averages gradients (what a partita stage does)."""
+
+    dtype: torch.dtype
+    """The model's 16-bit dtype."""
+    world: int
+    """Data-parallel ranks simulated."""
+    gas: int = 1
+    """Micro steps per optimizer step."""
+    comm_dtype: torch.dtype | None = None
+    """dtype the sum over ranks is taken in (None: the model's dtype)."""
+    reduce_every_micro_step: bool = False
+    """Stages 2-3: every micro step's gradients are averaged over ranks and accumulated in
+    fp32. Stages 0-1: 16-bit gradients accumulate locally and are averaged once per step."""
+    fp32_landing: bool = False
+    """Stages 1-3: the averaged gradient goes into an fp32 gradient shard (the 1/world factor
+    applied in `comm_dtype`). Stage 0: it goes back into the 16-bit gradient buffer (then the
+    1/world factor is applied in 16-bit)."""
+
+
+def _backward(
     model: torch.nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
     rank: int,
-    world: int,
+    setup: RefSetup,
+    micro: int,
     scale: float,
-) -> tuple[float, list[torch.Tensor]]:
-    """One rank's loss and 16-bit gradients: forward and backward of the 16-bit model on that
-    rank's micro-batch, the fp32 loss multiplied by the loss scale before backward."""
-    for p in model.parameters():
-        p.grad = None
-    loss = model(*rank_micro_batch(batch, rank, world, MICRO, 0))
-    (loss.float() * scale if scale != 1.0 else loss).backward()
-    return loss.item(), [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+) -> float:
+    """Forward and backward of the 16-bit model on one micro-batch of one rank (gradients
+    accumulate in the model's 16-bit ``.grad``): the fp32 loss is divided by the accumulation
+    steps, then multiplied by the loss scale. Returns the loss."""
+    loss = model(*rank_micro_batch(batch, rank, setup.world, MICRO, micro))
+    scaled = loss / setup.gas if setup.gas > 1 else loss
+    if scale != 1.0:
+        scaled = scaled.float() * scale
+    scaled.backward()
+    return loss.item()
 
 
-def _average(per_rank: list[list[torch.Tensor]], world: int) -> list[torch.Tensor]:
-    """Sum over ranks in 16-bit (each addition rounded to 16 bits, as a 16-bit all-reduce or
-    two-rank exchange does), then the 1/world factor applied in 16-bit after the sum
-    (DeepSpeed's default: no pre-division)."""
+def _average(per_rank: list[list[torch.Tensor]], setup: RefSetup) -> list[torch.Tensor]:
+    """Every rank's gradients summed in `comm_dtype` (each addition rounded to it, as an
+    all-reduce or the two-rank exchange does), then multiplied by 1/world (DeepSpeed's default:
+    no pre-division), in fp32 for stages 1-3, in 16-bit for stage 0 (see `RefSetup`)."""
+    comm_dtype = setup.comm_dtype or setup.dtype
     out = []
-    for i in range(len(per_rank[0])):
-        total = per_rank[0][i].clone()
-        for r in range(1, world):
-            total.add_(per_rank[r][i])
-        if world > 1:
-            total.mul_(1.0 / world)
-        out.append(total)
+    for grads in zip(*per_rank, strict=True):
+        total = grads[0].to(comm_dtype, copy=True)
+        for g in grads[1:]:
+            total.add_(g.to(comm_dtype))
+        if not setup.fp32_landing:
+            total = total.to(setup.dtype)
+        if setup.world > 1:
+            total.mul_(1.0 / setup.world)
+        out.append(total.float())
     return out
 
 
+def _step_grads(
+    model: torch.nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    setup: RefSetup,
+    scale: float,
+    poison: int | None,
+    losses: list[list[float]],
+) -> list[torch.Tensor]:
+    """One optimizer step's averaged fp32 gradients (still scaled). `poison`: the rank whose
+    first gradient gets an inf in element 0."""
+    micro_rounds = range(setup.gas) if setup.reduce_every_micro_step else [None]
+    acc = [torch.zeros(p.shape) for p in model.parameters()]
+    for round_ in micro_rounds:
+        per_rank = []
+        for r in range(setup.world):
+            for p in model.parameters():
+                p.grad = None
+            for m in range(setup.gas) if round_ is None else [round_]:
+                losses[r].append(_backward(model, batch, r, setup, m, scale))
+            grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            if r == poison:
+                grads[0].view(-1)[0] = float("inf")
+            per_rank.append(grads)
+        for a, g in zip(acc, _average(per_rank, setup), strict=True):
+            a.add_(g)
+    return acc
+
+
 def reference_run16(
-    dtype: torch.dtype,
-    world: int,
+    setup: RefSetup,
     steps: int,
     scaler: RefScaler | None,
     inject: tuple[int, tuple[int, ...]] | None = None,
 ) -> dict[str, Any]:
     """Mixed-precision data-parallel training written with torch alone.
 
-    A 16-bit model computes each rank's gradients; they are averaged over ranks in 16-bit,
-    upcast to fp32 and divided by the loss scale; a step with any non-finite gradient is
-    skipped; otherwise fused ``torch.optim.AdamW`` updates fp32 master weights, which are cast
-    back into the 16-bit model (round to nearest even).
+    A 16-bit model computes each rank's gradients; they are averaged over ranks (see
+    `_average`), upcast to fp32 and divided by the loss scale; a step with any non-finite
+    gradient is skipped; otherwise fused ``torch.optim.AdamW`` updates fp32 master weights,
+    which are cast back into the 16-bit model (round to nearest even).
     """
-    model = make_model().to(dtype)
+    model = make_model().to(setup.dtype)
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    losses: list[list[float]] = [[] for _ in range(world)]
+    losses: list[list[float]] = [[] for _ in range(setup.world)]
     scales, applied = [], []
-    for step, batch in enumerate(global_batches(steps, MICRO * world)):
+    batches = global_batches(steps, MICRO * setup.gas * setup.world)
+    for step, batch in enumerate(batches):
         scale = 1.0 if scaler is None else scaler.scale
         scales.append(scale)
-        per_rank = []
-        for r in range(world):
-            loss, grads = _rank_grads(model, batch, r, world, scale)
-            if inject is not None and inject[0] == r and step in inject[1]:
-                grads[0].view(-1)[0] = float("inf")
-            losses[r].append(loss)
-            per_rank.append(grads)
-        for m, g in zip(masters, _average(per_rank, world), strict=True):
-            m.grad = g.float().mul_(1.0 / scale) if scale != 1.0 else g.float()
-        finite = all(bool(torch.isfinite(m.grad).all()) for m in masters)  # type: ignore[arg-type]
+        poison = inject[0] if inject is not None and step in inject[1] else None
+        grads = _step_grads(model, batch, setup, scale, poison, losses)
+        for m, g in zip(masters, grads, strict=True):
+            m.grad = g.mul_(1.0 / scale) if scale != 1.0 else g
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
         applied.append(finite)
         if finite:
             opt.step()

@@ -40,6 +40,7 @@ from mixed_precision_workers import mixed_case
 from partita.testing import GridCache
 
 STEPS = 8
+GAS_STEPS = 4
 DYNAMIC = {
     "loss_scale": 0,
     "initial_scale_power": 16,  # DeepSpeed's default: the tiny model overflows at times
@@ -76,6 +77,20 @@ def _cases(world: int) -> list[dict[str, Any]]:
                 "inject": (last, (2,)),
             },
             {"precision": "bf16", "stage": stage, "steps": STEPS, "inject": (0, (5,))},
+            # Accumulation: stages 0-1 sum micro steps' 16-bit gradients locally and reduce
+            # once, stages 2-3 reduce every micro step and sum in fp32.
+            {"precision": "bf16", "stage": stage, "steps": GAS_STEPS, "gas": 2},
+            {"precision": "fp16", "stage": stage, "steps": GAS_STEPS, "gas": 2, "fp16": DYNAMIC},
+            # fp32 communication: stage 0 rounds the fp32 sum back into its 16-bit gradients,
+            # stages 1-3 keep it in fp32.
+            {"precision": "bf16", "stage": stage, "steps": STEPS, "comm_dtype": "fp32"},
+            {
+                "precision": "fp16",
+                "stage": stage,
+                "steps": STEPS,
+                "fp16": DYNAMIC,
+                "comm_dtype": "fp32",
+            },
         ]
     return cases
 
@@ -84,7 +99,9 @@ def _case_id(case: dict[str, Any]) -> str:
     scaling = {id(DYNAMIC): "-dynamic", id(INJECTED): "-dynamic", id(STATIC): "-static"}
     kind = case["precision"] + scaling.get(id(case.get("fp16")), "")
     inject = "-inf" if "inject" in case else ""
-    return f"stage{case['stage']}-{kind}{inject}"
+    gas = f"-gas{case['gas']}" if "gas" in case else ""
+    comm = f"-comm_{case['comm_dtype']}" if "comm_dtype" in case else ""
+    return f"stage{case['stage']}-{kind}{inject}{gas}{comm}"
 
 
 GRID = [(world, i, case) for world in (1, 2) for i, case in enumerate(_cases(world))]
@@ -126,5 +143,5 @@ def _check_case_exercises_what_it_claims(case: dict[str, Any], ref: dict[str, An
         assert ref["final_scale"] == scales[first]
     if case.get("fp16") is STATIC:
         assert set(scales) == {1024.0} and ref["final_scale"] == 1024.0
-    if case.get("fp16") is DYNAMIC:
+    if case.get("fp16") is DYNAMIC and case["steps"] >= 2 * DYNAMIC["loss_scale_window"]:
         assert max(scales) > scales[0]  # the window grew the scale at least once
