@@ -15,6 +15,7 @@ import partita
 from partita import engine_setup
 from partita.config import ConfigError, DeepSpeedConfig, ZeroConfig, load_config
 from partita.config.ledger import LEDGER, Status, schema_paths
+from partita.testing import run_distributed
 
 SRC = Path(partita.__file__).parent
 BASE: dict[str, Any] = {"train_batch_size": 2, "zero_optimization": {"stage": 1}}
@@ -147,6 +148,39 @@ def test_stage3_honours_reduce_bucket_size() -> None:
     assert bounded.max_in_flight_numel == 5000
     # One 64x64 layer (4160 elements) fits in 5000, two do not: at most one at a time.
     assert 0 < bounded.peak_in_flight_numel <= max(5000, *segments)
+
+
+def _stage3_losses(buckets: list[int | None]) -> list[list[float]]:
+    """Per-step losses of the same stage-3 run, once per reduce_bucket_size (None: default)."""
+    out = []
+    for bucket in buckets:
+        zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if bucket is not None:
+            zero["reduce_bucket_size"] = bucket
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": zero,
+        }
+        engine, *_ = partita.initialize(model=model, config=config)
+        generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+        losses = []
+        for _ in range(3):
+            loss = engine(torch.randn(2, 32, generator=generator)).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        out.append(losses)
+    return out
+
+
+def test_stage3_bucket_bound_changes_no_value_on_two_ranks() -> None:
+    """One reduction in flight at a time (a bucket smaller than any segment) pairs the ranks'
+    collectives as the default does and trains bit for bit the same."""
+    for default, one_at_a_time in run_distributed(_stage3_losses, 2, [None, 64], timeout=240):
+        assert default == one_at_a_time
 
 
 def test_dataloader_drop_last_reaches_the_loader() -> None:

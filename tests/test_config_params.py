@@ -157,7 +157,13 @@ def test_scheduler_models_match_the_schedule_classes(name: str) -> None:
     assert set(SCHEDULER_PARAMS[name].model_fields) == _kwargs_of(cls)
 
 
-FUSED_ADAM_KEYS = {"torch_adam", "adam_w_mode", "bias_correction", "set_grad_none"}
+FUSED_ADAM_KEYS = {
+    "torch_adam",
+    "adam_w_mode",
+    "bias_correction",
+    "set_grad_none",
+    "fp32_optimizer_states",
+}
 
 
 @pytest.mark.parametrize(
@@ -171,6 +177,22 @@ FUSED_ADAM_KEYS = {"torch_adam", "adam_w_mode", "bias_correction", "set_grad_non
 )
 def test_optimizer_models_match_what_the_factory_accepts(name: str, expected: set[str]) -> None:
     assert set(OPTIMIZER_PARAMS[name].model_fields) == expected
+
+
+def test_every_deepspeed_name_is_accepted() -> None:
+    """DeepSpeed's own parameter names (the installed deepspeed) are all in the models, so a
+    valid DeepSpeed section never fails on a name."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+    from deepspeed.runtime import lr_schedules
+
+    for name, model in SCHEDULER_PARAMS.items():
+        cls = {c.lower(): getattr(lr_schedules, c) for c in lr_schedules.VALID_LR_SCHEDULES}[name]
+        assert _kwargs_of(cls.__init__, skip=2) <= set(model.model_fields), name
+    # DeepSpeed builds FusedAdam, or DeepSpeedCPUAdam under optimizer offload (adamw_mode is
+    # set by DeepSpeed itself from adam_w_mode, so a config cannot hold it).
+    adam = set(OPTIMIZER_PARAMS["adam"].model_fields)
+    assert _kwargs_of(FusedAdam.__init__, skip=2) <= adam
+    assert _kwargs_of(DeepSpeedCPUAdam.__init__, skip=2) - {"adamw_mode"} <= adam
 
 
 _INITIALIZE_CODE = """

@@ -127,6 +127,7 @@ def test_torch_optimizers_by_name(name: str, params: dict, cls: type) -> None:
         ("SGD", {"torch_adam": True}, r"optimizer\.params\.torch_adam: unknown"),
         ("AdamW", {"max_grad_norm": 1.0}, r"optimizer\.params\.max_grad_norm: .*'gradient_clipping'"),
         ("Adam", {"bias_correction": False}, r"optimizer\.params\.bias_correction: false is not supported"),
+        ("Adam", {"fp32_optimizer_states": False}, r"optimizer\.params\.fp32_optimizer_states: false is not supported"),
         ("Adam", {"torch_adam": "yes"}, r"optimizer\.params\.torch_adam: expected true or false, got 'yes'"),
         ("AdamW", {"lr": -1.0}, r"optimizer\.params: torch\.optim\.AdamW rejected .*Invalid learning rate"),
         ("AdamW", {"fused": True, "foreach": True}, r"optimizer\.params: .*cannot be `True` together"),

@@ -66,8 +66,15 @@ _NOT_FROM_CONFIG: dict[str, str] = {
     "lbfgs": "LBFGS needs a loss closure at every step(), which the engine does not pass",
 }
 
-# Keys of DeepSpeed's FusedAdam that torch's Adam/AdamW do not take; handled here.
-_FUSED_ADAM_KEYS = ("torch_adam", "adam_w_mode", "bias_correction", "set_grad_none")
+# Keys of DeepSpeed's FusedAdam (and, with optimizer offload, DeepSpeedCPUAdam's
+# fp32_optimizer_states) that torch's Adam/AdamW do not take; handled here.
+_FUSED_ADAM_KEYS = (
+    "torch_adam",
+    "adam_w_mode",
+    "bias_correction",
+    "set_grad_none",
+    "fp32_optimizer_states",
+)
 
 # Fallback when torch's private list is unavailable (it has existed since torch 2.0).
 _FUSED_DEVICES_FALLBACK = ("cuda", "cpu", "xpu", "mps", "hpu")
@@ -201,6 +208,12 @@ def _adam_class(name: str, kwargs: dict[str, Any]) -> tuple[type[torch.optim.Opt
             )
         # torch optimizers' zero_grad() already sets grads to None by default.
         _pop_bool(kwargs, "set_grad_none", True)
+        if not _pop_bool(kwargs, "fp32_optimizer_states", True):
+            raise OptimizerConfigError(
+                f"{_PREFIX}.fp32_optimizer_states: false is not supported by partita (it keeps "
+                "optimizer states in fp32); remove the key or set it to true",
+                key=f"{_PREFIX}.fp32_optimizer_states",
+            )
     check_call_params(
         cls, kwargs, prefix=_PREFIX, skip=1, error=OptimizerConfigError, extra=_FUSED_ADAM_KEYS
     )

@@ -99,6 +99,10 @@ class AdamParams(_TorchFlags):
         default=True, description="Correct the moment bias (false is refused)."
     )
     set_grad_none: Bool = Field(default=True, description="zero_grad sets grads to None.")
+    fp32_optimizer_states: Bool = Field(
+        default=True,
+        description="DeepSpeedCPUAdam's (optimizer offload) fp32 states (false is refused).",
+    )
 
 
 class AdagradParams(_TorchFlags):
