@@ -30,8 +30,10 @@ def engine_config(
     fp16: dict[str, Any] | None,
     gas: int = 1,
     comm_dtype: str | None = None,
+    averaging: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ds_config of a case: AdamW, micro batch 2, `gas` micro steps, no clipping."""
+    """The ds_config of a case: AdamW, micro batch 2, `gas` micro steps, no clipping;
+    `averaging` adds ``prescale_gradients`` / ``gradient_predivide_factor``."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -39,6 +41,7 @@ def engine_config(
         "steps_per_print": 1000,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
         "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
+        **(averaging or {}),
     }
     if comm_dtype is not None:
         config["communication_data_type"] = comm_dtype
@@ -72,13 +75,15 @@ def mixed_case(
     inject: tuple[int, tuple[int, ...]] | None = None,
     gas: int = 1,
     comm_dtype: str | None = None,
+    averaging: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains the engine `steps` steps of `gas` micro steps; returns this rank's micro-step
     losses, the loss scale each step used, whether each step was applied, and the final 16-bit
     weights and fp32 masters.
 
     `inject=(rank, steps)`: that rank's gradient of the first parameter gets an inf in element
-    0 at those steps. `comm_dtype` sets ``communication_data_type``. Rank 0 also returns the
+    0 at those steps. `comm_dtype` sets ``communication_data_type``, `averaging` the
+    pre-/post-division keys (see `engine_config`). Rank 0 also returns the
     plain-torch reference under ``"reference"``.
     """
     import partita
@@ -91,7 +96,7 @@ def mixed_case(
     torch.set_num_threads(1)
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make_model()
-    config = engine_config(precision, stage, fp16, gas, comm_dtype)
+    config = engine_config(precision, stage, fp16, gas, comm_dtype, averaging)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -130,6 +135,8 @@ def mixed_case(
             comm_dtype=None if comm_dtype is None else DTYPES[comm_dtype],
             reduce_every_micro_step=stage >= 2,
             fp32_landing=stage >= 1,
+            prescale=bool(config.get("prescale_gradients", False)),
+            predivide=float(config.get("gradient_predivide_factor", 1.0)),
         )
         scaler = None if precision == "bf16" else RefScaler.from_config(config["fp16"])
         result["reference"] = reference_run16(setup, steps, scaler, inject)
@@ -144,7 +151,8 @@ class RefScaler:
     it starts at ``2**initial_scale_power``; an overflow first spends one unit of
     ``hysteresis`` and, once one unit is left, halves the scale (not below
     ``min_loss_scale``); every ``loss_scale_window`` consecutive clean steps double the scale
-    and refill the hysteresis.
+    and refill the hysteresis. With ``consecutive_hysteresis`` every clean step refills it, so
+    only overflows in a row halve the scale.
     """
 
     scale: float
@@ -154,6 +162,7 @@ class RefScaler:
     min_scale: float = 1.0
     hysteresis_left: int = 2
     clean_steps: int = 0
+    consecutive: bool = False
 
     @classmethod
     def from_config(cls, fp16: dict[str, Any]) -> RefScaler:
@@ -167,6 +176,7 @@ class RefScaler:
             hysteresis=fp16["hysteresis"],
             min_scale=float(fp16["min_loss_scale"]),
             hysteresis_left=fp16["hysteresis"],
+            consecutive=bool(fp16.get("consecutive_hysteresis", False)),
         )
 
     def update(self, overflow: bool) -> None:
@@ -181,6 +191,8 @@ class RefScaler:
                 self.scale = max(self.scale / 2, self.min_scale)
             return
         self.clean_steps += 1
+        if self.consecutive:
+            self.hysteresis_left = self.hysteresis
         if self.clean_steps % self.window == 0:
             self.scale *= 2
             self.hysteresis_left = self.hysteresis
@@ -202,9 +214,21 @@ class RefSetup:
     """Stages 2-3: every micro step's gradients are averaged over ranks and accumulated in
     fp32. Stages 0-1: 16-bit gradients accumulate locally and are averaged once per step."""
     fp32_landing: bool = False
-    """Stages 1-3: the averaged gradient goes into an fp32 gradient shard (the 1/world factor
-    applied in `comm_dtype`). Stage 0: it goes back into the 16-bit gradient buffer (then the
-    1/world factor is applied in 16-bit)."""
+    """Stages 1-3: the averaged gradient goes into an fp32 gradient shard (the factor after the
+    sum applied in `comm_dtype`). Stage 0: it goes back into the 16-bit gradient buffer (then
+    the factor after the sum is applied in 16-bit)."""
+    prescale: bool = False
+    """DeepSpeed's ``prescale_gradients``: divide by world before the sum, nothing after."""
+    predivide: float = 1.0
+    """DeepSpeed's ``gradient_predivide_factor`` f: divide by f before the sum, multiply by
+    f/world after it (ignored when `prescale`)."""
+
+    @property
+    def factors(self) -> tuple[float, float]:
+        """(before, after): what the gradients are multiplied by around the sum."""
+        if self.prescale:
+            return 1.0 / self.world, 1.0
+        return 1.0 / self.predivide, self.predivide / self.world
 
 
 def _backward(
@@ -227,19 +251,24 @@ def _backward(
 
 
 def _average(per_rank: list[list[torch.Tensor]], setup: RefSetup) -> list[torch.Tensor]:
-    """Every rank's gradients summed in `comm_dtype` (each addition rounded to it, as an
-    all-reduce or the two-rank exchange does), then multiplied by 1/world (DeepSpeed's default:
-    no pre-division), in fp32 for stages 1-3, in 16-bit for stage 0 (see `RefSetup`)."""
+    """Every rank's gradients, each multiplied by the `before` factor in `comm_dtype`, summed in
+    `comm_dtype` (each addition rounded to it, as an all-reduce or the two-rank exchange does),
+    then multiplied by the `after` factor: in fp32 for stages 1-3, in 16-bit for stage 0 (see
+    `RefSetup`). A factor of 1 is not applied."""
     comm_dtype = setup.comm_dtype or setup.dtype
+    before, after = setup.factors
     out = []
     for grads in zip(*per_rank, strict=True):
-        total = grads[0].to(comm_dtype, copy=True)
-        for g in grads[1:]:
-            total.add_(g.to(comm_dtype))
+        sent = [g.to(comm_dtype, copy=True) for g in grads]
+        if before != 1.0:
+            sent = [g.mul_(before) for g in sent]
+        total = sent[0]
+        for g in sent[1:]:
+            total.add_(g)
         if not setup.fp32_landing:
             total = total.to(setup.dtype)
-        if setup.world > 1:
-            total.mul_(1.0 / setup.world)
+        if after != 1.0:
+            total.mul_(after)
         out.append(total.float())
     return out
 

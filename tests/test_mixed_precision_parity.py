@@ -53,11 +53,22 @@ DYNAMIC = {
 INJECTED = {**DYNAMIC, "initial_scale_power": 8}
 INJECT_STEPS = (3, 4)
 STATIC = {"loss_scale": 1024}
+# Overflows two steps apart with hysteresis 2 (no growth within the run): DeepSpeed's default
+# halves the scale at the second; with consecutive_hysteresis the clean step between refills
+# the hysteresis and the scale stays.
+APART_STEPS = (2, 4)
+APART = {**INJECTED, "loss_scale_window": 100}
+APART_CONSECUTIVE = {**APART, "consecutive_hysteresis": True}
 
 
 def _cases(world: int) -> list[dict[str, Any]]:
     last = world - 1  # the inf enters on the last rank (the other rank(s) must skip too)
     cases: list[dict[str, Any]] = []
+    # The loss scaler is the engine's, not a stage's: its hysteresis variants run on stage 0.
+    cases += [
+        {"precision": "fp16", "stage": 0, "steps": 6, "fp16": f, "inject": (last, APART_STEPS)}
+        for f in (APART, APART_CONSECUTIVE)
+    ]
     for stage in (0, 1, 2, 3):
         cases += [
             {"precision": "bf16", "stage": stage, "steps": STEPS},
@@ -91,17 +102,38 @@ def _cases(world: int) -> list[dict[str, Any]]:
                 "fp16": DYNAMIC,
                 "comm_dtype": "fp32",
             },
+            # Averaging around the sum: 1/f before and f/world after, or 1/world before.
+            {
+                "precision": "bf16",
+                "stage": stage,
+                "steps": STEPS,
+                "averaging": {"gradient_predivide_factor": 2.0},
+            },
+            {
+                "precision": "fp16",
+                "stage": stage,
+                "steps": STEPS,
+                "fp16": DYNAMIC,
+                "averaging": {"prescale_gradients": True},
+            },
         ]
     return cases
 
 
 def _case_id(case: dict[str, Any]) -> str:
-    scaling = {id(DYNAMIC): "-dynamic", id(INJECTED): "-dynamic", id(STATIC): "-static"}
+    scaling = {
+        id(DYNAMIC): "-dynamic",
+        id(INJECTED): "-dynamic",
+        id(STATIC): "-static",
+        id(APART): "-hysteresis",
+        id(APART_CONSECUTIVE): "-consecutive_hysteresis",
+    }
     kind = case["precision"] + scaling.get(id(case.get("fp16")), "")
     inject = "-inf" if "inject" in case else ""
     gas = f"-gas{case['gas']}" if "gas" in case else ""
     comm = f"-comm_{case['comm_dtype']}" if "comm_dtype" in case else ""
-    return f"stage{case['stage']}-{kind}{inject}{gas}{comm}"
+    averaging = "".join(f"-{k}" for k in case.get("averaging", {}))
+    return f"stage{case['stage']}-{kind}{inject}{gas}{comm}{averaging}"
 
 
 GRID = [(world, i, case) for world in (1, 2) for i, case in enumerate(_cases(world))]
@@ -141,6 +173,10 @@ def _check_case_exercises_what_it_claims(case: dict[str, Any], ref: dict[str, An
         assert scales[second + 1] == scales[first] / 2  # the second halves the scale
         # three clean steps after the last overflow double it again
         assert ref["final_scale"] == scales[first]
+    if case.get("fp16") is APART:
+        assert skipped == list(APART_STEPS) and scales[-1] == scales[0] / 2
+    if case.get("fp16") is APART_CONSECUTIVE:
+        assert skipped == list(APART_STEPS) and set(scales) == {scales[0]}
     if case.get("fp16") is STATIC:
         assert set(scales) == {1024.0} and ref["final_scale"] == 1024.0
     if case.get("fp16") is DYNAMIC and case["steps"] >= 2 * DYNAMIC["loss_scale_window"]:
