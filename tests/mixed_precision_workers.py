@@ -30,10 +30,11 @@ def engine_config(
     fp16: dict[str, Any] | None,
     gas: int = 1,
     comm_dtype: str | None = None,
-    averaging: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ds_config of a case: AdamW, micro batch 2, `gas` micro steps, no clipping;
-    `averaging` adds ``prescale_gradients`` / ``gradient_predivide_factor``."""
+    """The ds_config of a case: AdamW, micro batch 2, `gas` micro steps, no clipping; `extra`
+    adds or overrides top-level keys (``prescale_gradients``, ``gradient_predivide_factor``,
+    ``gradient_clipping``)."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -41,7 +42,7 @@ def engine_config(
         "steps_per_print": 1000,
         "gradient_clipping": 0.0,  # DeepSpeed's default is 1.0
         "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET},
-        **(averaging or {}),
+        **(extra or {}),
     }
     if comm_dtype is not None:
         config["communication_data_type"] = comm_dtype
@@ -75,15 +76,15 @@ def mixed_case(
     inject: tuple[int, tuple[int, ...]] | None = None,
     gas: int = 1,
     comm_dtype: str | None = None,
-    averaging: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains the engine `steps` steps of `gas` micro steps; returns this rank's micro-step
     losses, the loss scale each step used, whether each step was applied, and the final 16-bit
     weights and fp32 masters.
 
     `inject=(rank, steps)`: that rank's gradient of the first parameter gets an inf in element
-    0 at those steps. `comm_dtype` sets ``communication_data_type``, `averaging` the
-    pre-/post-division keys (see `engine_config`). Rank 0 also returns the
+    0 at those steps. `comm_dtype` sets ``communication_data_type``, `extra` more
+    top-level keys (see `engine_config`). Rank 0 also returns the
     plain-torch reference under ``"reference"``.
     """
     import partita
@@ -96,14 +97,14 @@ def mixed_case(
     torch.set_num_threads(1)
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make_model()
-    config = engine_config(precision, stage, fp16, gas, comm_dtype, averaging)
+    config = engine_config(precision, stage, fp16, gas, comm_dtype, extra)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
     armed = [False]
     if inject is not None and inject[0] == rank:
         next(engine.module.parameters()).register_hook(_inf_hook(armed))
-    losses, scales, applied = [], [], []
+    losses, scales, applied, norms = [], [], [], []
     for step, batch in enumerate(global_batches(steps, MICRO * gas * world)):
         armed[0] = inject is not None and step in inject[1]
         scales.append(engine.cur_scale)
@@ -113,6 +114,7 @@ def mixed_case(
             engine.step()
             losses.append(loss.item())
         applied.append(engine.was_step_applied())
+        norms.append(engine.get_global_grad_norm())
     params = list(engine.module.parameters())
     with partita.zero.GatheredParameters(params):
         weights = [p.detach().clone() for p in params]
@@ -122,6 +124,7 @@ def mixed_case(
         "scales": scales,
         "final_scale": engine.cur_scale,
         "applied": applied,
+        "norms": norms,
         "weights": weights,
         "masters": masters,
     }
@@ -137,6 +140,7 @@ def mixed_case(
             fp32_landing=stage >= 1,
             prescale=bool(config.get("prescale_gradients", False)),
             predivide=float(config.get("gradient_predivide_factor", 1.0)),
+            clip=float(config["gradient_clipping"]),
         )
         scaler = None if precision == "bf16" else RefScaler.from_config(config["fp16"])
         result["reference"] = reference_run16(setup, steps, scaler, inject)
@@ -222,6 +226,8 @@ class RefSetup:
     predivide: float = 1.0
     """DeepSpeed's ``gradient_predivide_factor`` f: divide by f before the sum, multiply by
     f/world after it (ignored when `prescale`)."""
+    clip: float = 0.0
+    """Max global norm of the unscaled gradients (0: no clipping)."""
 
     @property
     def factors(self) -> tuple[float, float]:
@@ -311,14 +317,15 @@ def reference_run16(
 
     A 16-bit model computes each rank's gradients; they are averaged over ranks (see
     `_average`), upcast to fp32 and divided by the loss scale; a step with any non-finite
-    gradient is skipped; otherwise fused ``torch.optim.AdamW`` updates fp32 master weights,
+    gradient is skipped; otherwise the gradients are clipped (``clip_grad_norm_``, when
+    `RefSetup.clip` is set) and fused ``torch.optim.AdamW`` updates fp32 master weights,
     which are cast back into the 16-bit model (round to nearest even).
     """
     model = make_model().to(setup.dtype)
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     losses: list[list[float]] = [[] for _ in range(setup.world)]
-    scales, applied = [], []
+    scales, applied, norms = [], [], []
     batches = global_batches(steps, MICRO * setup.gas * setup.world)
     for step, batch in enumerate(batches):
         scale = 1.0 if scaler is None else scaler.scale
@@ -327,9 +334,12 @@ def reference_run16(
         grads = _step_grads(model, batch, setup, scale, poison, losses)
         for m, g in zip(masters, grads, strict=True):
             m.grad = g.mul_(1.0 / scale) if scale != 1.0 else g
+        norms.append(float(torch.nn.utils.get_total_norm(grads)))
         finite = all(bool(torch.isfinite(g).all()) for g in grads)
         applied.append(finite)
         if finite:
+            if setup.clip > 0.0:
+                torch.nn.utils.clip_grad_norm_(masters, setup.clip)
             opt.step()
             with torch.no_grad():
                 for p, m in zip(model.parameters(), masters, strict=True):
@@ -341,6 +351,7 @@ def reference_run16(
         "scales": scales,
         "final_scale": 1.0 if scaler is None else scaler.scale,
         "applied": applied,
+        "norms": norms,
         "weights": [p.detach().clone() for p in model.parameters()],
         "masters": masters,
     }
