@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU check (benchmarks/gpu_check.py): one run of at most 8 minutes on one GPU that writes
+# gpu_check.json and gpu_check.md into $OUT (or the folder given with --out) and exits non-zero
+# when any correctness case fails. Arguments go to benchmarks/gpu_check.py (--dry-run,
+# --sections 1,1r,2,3,4, --perturb parity, --budget-s S).
+#
+# Which Python runs it (the GPU machine has no internet, so nothing may need downloading):
+#   1. An existing CUDA-capable Python: $PYTHON if set, else python3, else python, the first
+#      for which `import torch; torch.cuda.is_available()` is true. A virtual environment
+#      ($GPU_CHECK_VENV, default /tmp/partita-gpu-venv, outside the work tree) is made from it with --system-site-packages (it sees that torch, and
+#      deepspeed/transformers where installed) and partita is installed into it with
+#      `pip install -e . --no-deps --no-build-isolation` (no index needed). Should pip fail,
+#      src/ on PYTHONPATH stands in. partita's own dependencies (pydantic, hjson, psutil,
+#      safetensors, tqdm, numpy) must then be importable; if one is not, pip is asked for the
+#      missing ones (it works where an index or PIP_FIND_LINKS wheelhouse is reachable) and
+#      the script stops with the module's name otherwise.
+#   2. No CUDA anywhere: scripts/setup_env.sh's .venv (CPU torch), and the dry run: every case
+#      on CPU at tiny sizes, without a time box (what CI runs through tests/test_gpu_check.py).
+#
+# Time: GPU_CHECK_LIMIT_S (default 480) bounds the whole run from this script's start. The
+# check is told the time left after set-up minus a margin (--budget-s: no case starts after
+# it; the speed section's remaining rows become "not run (time)"); past the limit itself it
+# gets SIGINT, still writes its report, and is killed 15 s later if it has not.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+start=$(date +%s)
+limit="${GPU_CHECK_LIMIT_S:-480}"
+
+cuda_python=""
+for cand in "${PYTHON:-}" python3 python; do
+  if [ -n "$cand" ] && command -v "$cand" >/dev/null 2>&1 &&
+    "$cand" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    cuda_python="$(command -v "$cand")"
+    break
+  fi
+done
+
+extra=()
+if [ -n "$cuda_python" ]; then
+  venv="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/partita-gpu-venv}"
+  if [ ! -x "$venv/bin/python" ]; then
+    "$cuda_python" -m venv --system-site-packages "$venv"
+  fi
+  py="$venv/bin/python"
+  if ! "$py" -c 'import partita' >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" ||
+      echo "gpu_check.sh: pip install -e . failed; using src/ on PYTHONPATH" >&2
+  fi
+  export PYTHONPATH="$root/src${PYTHONPATH:+:$PYTHONPATH}"
+  missing="$("$py" - <<'PY'
+import importlib.util
+mods = ["pydantic", "hjson", "psutil", "safetensors", "tqdm", "numpy"]
+print(" ".join(m for m in mods if importlib.util.find_spec(m) is None))
+PY
+)"
+  if [ -n "$missing" ]; then
+    echo "gpu_check.sh: missing $missing; trying pip" >&2
+    # shellcheck disable=SC2086
+    "$py" -m pip install -q $missing || {
+      echo "gpu_check.sh: cannot import $missing with $cuda_python and pip cannot fetch them" >&2
+      exit 2
+    }
+  fi
+  echo "gpu_check.sh: $py (torch from $cuda_python)"
+else
+  bash "$root/scripts/setup_env.sh"
+  py="$root/.venv/bin/python"
+  extra=(--dry-run)
+  echo "gpu_check.sh: no CUDA-capable python found; dry run with $py"
+fi
+
+cd "$root"
+if [ "${#extra[@]}" -gt 0 ]; then  # the dry run: every case, no time box
+  exec "$py" benchmarks/gpu_check.py "${extra[@]}" "$@"
+fi
+left=$((limit - ($(date +%s) - start)))
+budget=$((left - 40))  # margin: the last case may overrun its estimate, then the report
+if [ "$budget" -lt 30 ]; then
+  echo "gpu_check.sh: set-up took $((limit - left)) s of the ${limit} s limit" >&2
+  exit 2
+fi
+exec timeout --signal=INT --kill-after=15 "$left" \
+  "$py" benchmarks/gpu_check.py --budget-s "$budget" "$@"
