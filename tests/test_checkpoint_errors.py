@@ -33,7 +33,6 @@ CORRUPTIONS = {
     "flipped": ("rank00000-of-00002.safetensors", "sha256 check failed"),
     "missing": ("rank00001-of-00002.safetensors", "missing"),
     "empty_latest": ("latest", "empty"),
-    "latest_missing_tag": ("latest", "names tag 'global_step99'"),
     "no_manifest": ("manifest.json", "manifest missing"),
 }
 
@@ -42,12 +41,20 @@ CORRUPTIONS = {
 def test_corruption_fails_every_rank_naming_file_and_check(
     spawn: dict[str, Any], variant: str
 ) -> None:
+    # Every rank raises (none waits in a collective: the spawn's timeout is the hang guard).
     fname, check = CORRUPTIONS[variant]
     for rank, result in enumerate(spawn["ranks"]):
-        kind, message, seconds = result["errors"]["corrupt"][variant]
+        kind, message, _ = result["errors"]["corrupt"][variant]
         assert kind == "CheckpointError", (rank, kind, message)
         assert fname in message and check in message, (rank, message)
-        assert seconds < 10.0, (rank, seconds)
+
+
+def test_latest_naming_a_missing_tag_falls_back(spawn: dict[str, Any]) -> None:
+    # `latest` names global_step99, which does not exist: the newest complete checkpoint
+    # (the only one, TAG) loads on every rank (the warning is checked in test_checkpoint_hostile).
+    for rank, result in enumerate(spawn["ranks"]):
+        kind, message, _ = result["errors"]["corrupt"]["latest_missing_tag"]
+        assert kind == "tuple" and f"/{TAG}'" in message, (rank, kind, message)
 
 
 def test_client_state_must_be_json(spawn: dict[str, Any]) -> None:
@@ -60,9 +67,15 @@ def test_client_state_must_be_json(spawn: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("op", ["partial_save", "partial_load"])
 def test_call_from_some_ranks_names_the_missing_ones(spawn: dict[str, Any], op: str) -> None:
-    message, seconds = spawn["ranks"][0]["errors"][op]
-    assert "rank(s) [1] of 2 did not call" in message, message
-    assert 2.0 <= seconds < 8.0
+    # Rank 0 alone calls; it must give up by itself (the spawn's timeout is the hang guard)
+    # after the configured wait (PARTITA_CHECKPOINT_TIMEOUT_S=2), naming rank 1.
+    message, _ = spawn["ranks"][0]["errors"][op]
+    name = op.removeprefix("partial_")
+    assert f"rank(s) [1] of 2 did not call {name}_checkpoint within 2 s" in message, message
+    assert "PARTITA_CHECKPOINT_TIMEOUT_S" in message
+    if op == "partial_save":  # nothing was written: no checkpoint, no `latest`, no staging
+        partial = os.path.join(spawn["root"], "partial")
+        assert [n for n in os.listdir(partial) if n != ".partita-calls"] == []
 
 
 def test_export_equals_gathered_state(spawn: dict[str, Any]) -> None:

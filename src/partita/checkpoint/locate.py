@@ -6,7 +6,14 @@ import os
 from typing import Any
 
 from partita.checkpoint.deepspeed_format import DeepSpeedSource, is_deepspeed_folder
-from partita.checkpoint.manifest import MANIFEST_NAME, read_latest, read_manifest, resolve_tag
+from partita.checkpoint.manifest import (
+    LATEST_NAME,
+    MANIFEST_NAME,
+    read_latest,
+    read_manifest,
+    resolve_tag,
+    tag_folder,
+)
 from partita.checkpoint.reader import PartitaSource, StateSource
 
 PARTITA = "partita"
@@ -22,7 +29,8 @@ def locate(load_dir: str, tag: str | None) -> tuple[str, str] | None:
 
     `load_dir` may be a save directory (then `tag`, else `latest`, else the newest complete
     checkpoint, see `resolve_tag`) or, with no tag, one checkpoint folder itself. Raises
-    `CheckpointError` naming the file when `latest` or the tag's folder is broken.
+    `CheckpointError` naming the file when `latest` or the tag's folder is broken, or naming
+    the value when the tag (or `latest`) leads outside `load_dir`.
     """
     if tag is None:
         if _is_partita(load_dir):
@@ -31,12 +39,13 @@ def locate(load_dir: str, tag: str | None) -> tuple[str, str] | None:
             return load_dir, DEEPSPEED
         named = read_latest(load_dir)
         if named is not None:
-            folder = os.path.join(load_dir, named)
+            what = f"{os.path.join(load_dir, LATEST_NAME)}: holds tag"
+            folder = tag_folder(load_dir, named, what)
             if is_deepspeed_folder(folder) and not _is_partita(folder):
                 return folder, DEEPSPEED
         resolved = resolve_tag(load_dir, None)
         return None if resolved is None else (os.path.join(load_dir, resolved), PARTITA)
-    folder = os.path.join(load_dir, tag)
+    folder = tag_folder(load_dir, tag, "tag")
     if is_deepspeed_folder(folder) and not _is_partita(folder):
         return folder, DEEPSPEED
     resolve_tag(load_dir, tag)

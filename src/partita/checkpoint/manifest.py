@@ -73,7 +73,112 @@ def read_manifest(folder: str) -> dict[str, Any]:
     for key in ("tensors", "files", "world_size", "zero_stage", "counters"):
         if key not in data:
             raise CheckpointError(f"{path}: manifest has no {key!r} entry")
+    _check_structure(data, path)
     return data
+
+
+def _fail(path: str, where: str, value: Any, expected: str) -> CheckpointError:
+    return CheckpointError(f"{path}: manifest entry {where} is {value!r}; expected {expected}")
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def _check_structure(data: dict[str, Any], path: str) -> None:
+    """The types and ranges load and fallback rely on, so a hand-edited or foreign manifest
+    fails here, naming the file and the entry, instead of deep inside a load."""
+    if not isinstance(data.get("saved_at", 0.0), (int, float)):
+        raise _fail(path, "'saved_at'", data["saved_at"], "a number (seconds since the epoch)")
+    for key in ("world_size", "zero_stage"):
+        if not _is_int(data[key]):
+            raise _fail(path, repr(key), data[key], "a non-negative integer")
+    counters = data["counters"]
+    if not isinstance(counters, dict) or not all(_is_int(v) for v in counters.values()):
+        raise _fail(path, "'counters'", counters, "a mapping of non-negative integers")
+    tensors = data["tensors"]
+    if not isinstance(tensors, dict):
+        raise _fail(path, "'tensors'", tensors, "a mapping")
+    for name, info in tensors.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(_is_int(n) for n in shape):
+            raise _fail(path, f"'tensors'[{name!r}]", info, "kind, shape (integers), dtype")
+    files = data["files"]
+    if not isinstance(files, dict):
+        raise _fail(path, "'files'", files, "a mapping")
+    for fname, info in files.items():
+        check_file_name(fname, path)
+        where = f"'files'[{fname!r}]"
+        if not isinstance(info, dict) or not _is_int(info.get("rank")):
+            raise _fail(path, where, info, "rank, bytes, sha256 and ranges")
+        if not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
+            raise _fail(path, where, info, "rank, bytes, sha256 and ranges")
+        ranges = info.get("ranges")
+        if not isinstance(ranges, dict):
+            raise _fail(path, f"{where}['ranges']", ranges, "a mapping")
+        for name, pairs in ranges.items():
+            ok = isinstance(pairs, list) and all(
+                isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_int(p[1])
+                for p in pairs
+            )
+            if not ok:
+                raise _fail(path, f"{where}['ranges'][{name!r}]", pairs,
+                            "a list of [offset, length] pairs of non-negative integers")  # fmt: skip
+
+
+def check_file_name(name: Any, manifest_path: str) -> str:
+    """`name` if it is a plain file name (the manifest lists files inside its own folder);
+    else `CheckpointError` naming the manifest and the value."""
+    if not isinstance(name, str) or not name:
+        reason = "is not a file name"
+    elif os.path.isabs(name) or name.startswith(("/", "\\")):
+        reason = "is an absolute path"
+    elif "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        reason = "contains '..' or a path separator"
+    else:
+        return name
+    raise CheckpointError(
+        f"{manifest_path}: file name {name!r} in 'files' {reason}; a checkpoint's files must "
+        "lie directly in its folder (refused: it would read data from outside the checkpoint)"
+    )
+
+
+def check_tag(tag: Any, what: str) -> str:
+    """`tag` if it names one folder directly inside a save directory; else `CheckpointError`
+    starting with `what` (e.g. ``"tag"`` or the path of `latest`) and naming the value."""
+    if not isinstance(tag, str) or not tag or "\0" in tag:
+        reason = "is not a folder name"
+    elif os.path.isabs(tag) or tag.startswith(("/", "\\")):
+        reason = "is an absolute path"
+    elif "/" in tag or "\\" in tag or tag in (".", ".."):
+        reason = "contains '..' or a path separator"
+    elif tag.startswith(".partita-"):
+        reason = "names one of partita's own in-progress folders"
+    else:
+        return tag
+    raise CheckpointError(
+        f"{what} {tag!r} {reason}; a checkpoint tag must name a folder directly inside the "
+        "save directory (refused: it would read data from outside the checkpoint directory)"
+    )
+
+
+def inside(root: str, path: str, what: str) -> str:
+    """`path` if it resolves (symlinks followed) inside `root`; else `CheckpointError`
+    starting with `what` and naming both resolved paths."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise CheckpointError(
+            f"{what}: {path} resolves to {real}, outside {real_root} (a symbolic link leading "
+            "out of the checkpoint directory; refused)"
+        )
+    return path
+
+
+def tag_folder(load_dir: str, tag: Any, what: str) -> str:
+    """``load_dir/tag``, checked with `check_tag` and `inside`."""
+    folder = os.path.join(load_dir, check_tag(tag, what))
+    return inside(load_dir, folder, f"{what} {tag!r}")
 
 
 @dataclass(frozen=True)
@@ -95,10 +200,11 @@ def complete_checkpoints(load_dir: str) -> list[Candidate]:
         return []
     for name in names:
         folder = os.path.join(load_dir, name)
-        if not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+        # Hidden folders are in-progress saves (`atomic.Staging`), never candidates.
+        if name.startswith(".") or not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
             continue
         try:
-            m = read_manifest(folder)
+            m = read_manifest(inside(load_dir, folder, "checkpoint folder"))
         except CheckpointError as e:
             logger.warning("ignoring %s: %s", folder, e)
             continue
@@ -115,7 +221,7 @@ def complete_checkpoints(load_dir: str) -> list[Candidate]:
 
 def read_latest(load_dir: str) -> str | None:
     """The tag in `load_dir/latest`; None when there is no such file; `CheckpointError` when it
-    is empty or unreadable."""
+    is empty, unreadable or not a folder name inside `load_dir` (see `check_tag`)."""
     path = os.path.join(load_dir, LATEST_NAME)
     try:
         with open(path, encoding="utf-8") as f:
@@ -126,20 +232,23 @@ def read_latest(load_dir: str) -> str | None:
         raise CheckpointError(f"{path}: unreadable ({e})") from e
     if not tag:
         raise CheckpointError(f"{path}: empty; expected the tag of a checkpoint folder")
-    return tag
+    return check_tag(tag, f"{path}: holds tag")
 
 
 def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     """The checkpoint folder name to load.
 
-    With `tag`, that folder (its manifest must exist). Without, the tag in `latest`, checked
-    to be complete; if a complete checkpoint saved with ``save_latest`` is newer than it (a
-    crash between the manifest and `latest`), that one. None when `load_dir` holds no
+    With `tag`, that folder (inside `load_dir`; its manifest must exist and be valid).
+    Without, the tag in `latest` when that checkpoint is complete; if a complete checkpoint
+    saved with ``save_latest`` is newer (a crash between the manifest and `latest`), that one.
+    When `latest` names a missing folder or one without a manifest (an interrupted save), the
+    newest complete checkpoint, with a warning naming both. None when `load_dir` holds no
     checkpoint and no `latest` at all (a first run).
     """
     if tag is not None:
-        read_manifest(os.path.join(load_dir, tag))
+        read_manifest(tag_folder(load_dir, tag, "tag"))
         return tag
+    latest_path = os.path.join(load_dir, LATEST_NAME)
     named = read_latest(load_dir)
     candidates = [c for c in complete_checkpoints(load_dir) if c.save_latest]
     if named is None:
@@ -152,12 +261,9 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
             )
             return candidates[-1].tag
         return None
-    folder = os.path.join(load_dir, named)
-    if not os.path.isdir(folder):
-        raise CheckpointError(
-            f"{os.path.join(load_dir, LATEST_NAME)}: names tag {named!r} but {folder} does not "
-            "exist"
-        )
+    folder = tag_folder(load_dir, named, f"{latest_path}: holds tag")
+    if not os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+        return _fall_back(latest_path, named, folder, candidates)
     named_manifest = read_manifest(folder)
     newest = candidates[-1] if candidates else None
     if (
@@ -178,6 +284,29 @@ def resolve_tag(load_dir: str, tag: str | None) -> str | None:
     return named
 
 
+def _fall_back(latest_path: str, named: str, folder: str, candidates: list[Candidate]) -> str:
+    """The newest complete checkpoint when `latest` names an incomplete or missing one."""
+    state = (
+        f"{folder} has no {MANIFEST_NAME} (manifest missing: an interrupted save)"
+        if os.path.isdir(folder)
+        else f"{folder} does not exist"
+    )
+    if not candidates:
+        raise CheckpointError(
+            f"{latest_path}: names tag {named!r} but {state}, and no complete checkpoint is "
+            "left to fall back to"
+        )
+    chosen = candidates[-1].tag
+    logger.warning(
+        "%s names tag %r but %s; loading the newest complete checkpoint %r instead",
+        latest_path,
+        named,
+        state,
+        chosen,
+    )
+    return chosen
+
+
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -186,10 +315,14 @@ __all__ = [
     "MODULE_PREFIX",
     "Candidate",
     "CheckpointError",
+    "check_file_name",
+    "check_tag",
     "complete_checkpoints",
+    "inside",
     "read_latest",
     "read_manifest",
     "resolve_tag",
     "shard_file_name",
     "state_key",
+    "tag_folder",
 ]

@@ -18,8 +18,29 @@ from typing import Any
 
 import torch
 
-from partita.checkpoint.manifest import MODULE_PREFIX, CheckpointError, state_key
+from partita.checkpoint.manifest import (
+    MANIFEST_NAME,
+    MODULE_PREFIX,
+    CheckpointError,
+    check_file_name,
+    inside,
+    state_key,
+)
 from partita.checkpoint.stfile import file_sha256
+
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+"""safetensors dtype codes -> the dtype names manifests use."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +138,7 @@ class PartitaSource(StateSource):
         self._open: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
         for fname, info in manifest["files"].items():
+            check_file_name(fname, os.path.join(folder, MANIFEST_NAME))
             for name, ranges in info["ranges"].items():
                 position = 0  # each parameter is its own tensor in the file
                 for offset, length in ranges:
@@ -124,19 +146,58 @@ class PartitaSource(StateSource):
                     self.segments.setdefault(name, []).append(seg)
                     position += int(length)
 
+    def _path(self, fname: str) -> str:
+        """Path of listed file `fname`, refused if a symbolic link leads it out of the folder."""
+        path = os.path.join(self.folder, fname)
+        return inside(self.folder, path, path)
+
     def _file(self, fname: str) -> Any:
         handle = self._open.get(fname)
         if handle is None:
             from safetensors import safe_open
 
-            path = os.path.join(self.folder, fname)
+            path = self._path(fname)
             try:
                 handle = safe_open(path, framework="pt")
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot be opened as safetensors ({e})") from e
+            self._check_header(fname, handle)
             self._open[fname] = handle
             self._keys[fname] = set(handle.keys())
         return handle
+
+    def _expected(self, fname: str, key: str) -> tuple[str | None, list[int]] | None:
+        """(dtype name or None for any, shape) the manifest implies for tensor `key` of
+        `fname`; None when the manifest does not describe such a tensor."""
+        if key.startswith(MODULE_PREFIX):
+            info = self.tensors.get(key[len(MODULE_PREFIX) :])
+            return None if info is None else (info.get("dtype"), list(info["shape"]))
+        what, _, name = key.partition("::")
+        ranges = self.meta["files"][fname]["ranges"].get(name)
+        if ranges is None:
+            return None
+        if what in (self.meta.get("scalar_state_keys") or []):
+            return None, []
+        info = self.tensors.get(name) or {}
+        dtype = info.get("state_dtype", self.meta.get("state_dtype", "float32"))
+        return dtype, [sum(int(n) for _, n in ranges)]
+
+    def _check_header(self, fname: str, handle: Any) -> None:
+        """Every stored tensor's dtype and shape against the manifest, before any value is
+        read (a copy into the fp32 result would otherwise cast or truncate silently)."""
+        path = os.path.join(self.folder, fname)
+        for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+            want = self._expected(fname, key)
+            if want is None:
+                raise CheckpointError(f"{path}: holds tensor {key!r}, which the manifest does "
+                                      "not describe for this file")  # fmt: skip
+            sl = handle.get_slice(key)
+            dtype, shape = _ST_DTYPES.get(sl.get_dtype(), sl.get_dtype()), list(sl.get_shape())
+            if (want[0] is not None and dtype != want[0]) or shape != want[1]:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is stored as {dtype} of shape {shape}, the "
+                    f"manifest says {want[0] or 'any dtype'} of shape {want[1]}"
+                )
 
     def has_state(self, source: str, name: str, what: str) -> bool:
         """True when shard `source` stores `what` of `name`."""
@@ -165,7 +226,7 @@ class PartitaSource(StateSource):
         for i, (fname, info) in enumerate(sorted(self.meta["files"].items())):
             if i % world != rank:
                 continue
-            path = os.path.join(self.folder, fname)
+            path = self._path(fname)
             if not os.path.isfile(path):
                 raise CheckpointError(
                     f"{path}: missing (the manifest lists it: rank {info['rank']}'s shard)"

@@ -3,12 +3,16 @@
 Phases (each ends in a collective that fails every rank if one failed, see `rendezvous`):
 
 1. arrival: every rank has called save (else the missing ranks are named);
-2. agree on the tag and the client state; rank 0 removes leftovers of interrupted saves and
-   prepares the folder (an existing checkpoint under the same tag loses its manifest first, so
-   it is never half old, half new);
-3. each rank writes its shard file (temporary name, fsync, rename) and reports its size,
-   sha256, ranges, RNG and data loader states;
-4. rank 0 writes the manifest (atomically), then `latest` (atomically).
+2. agree on the tag and the client state; rank 0 removes the leftovers of dead saves (only
+   those: another live job's save is left alone) and opens a staging folder beside the tag
+   folders (`atomic.Staging`), whose path every rank receives;
+3. each rank writes its shard file there (temporary name, fsync, rename) and reports its size,
+   sha256, ranges, stored dtypes, RNG and data loader states;
+4. rank 0 writes the manifest into the staging folder, swaps it in for ``save_dir/tag`` (an
+   existing checkpoint under that tag stays complete and loadable until the atomic swap), then
+   writes `latest` (atomically) and removes the old content.
+
+A save that fails or is killed at any point leaves ``save_dir/tag`` as it was.
 """
 
 from __future__ import annotations
@@ -16,14 +20,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import time
 from typing import Any
 
 import torch
 
 from partita import comm
-from partita.checkpoint.atomic import fsync_dir, is_temp_name, remove_quietly, write_atomic
+from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -49,7 +52,6 @@ from partita.checkpoint.stfile import CHECKSUM, write_safetensors
 from partita.optim.cpu_adam import torch_class_name
 
 logger = logging.getLogger("partita")
-SHARD_PATTERN = re.compile(r"^rank\d{5}-of-\d{5}\.safetensors$")
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 
 
@@ -74,19 +76,17 @@ def save_checkpoint(
     agreed = _agreed_tag(engine, tags)
     folder = os.path.join(save_dir, agreed)
     rank = comm.get_rank()
-    gather_agreed(lambda: _prepare_folder(save_dir, folder) if rank == 0 else None)
-    reports = gather_agreed(lambda: _write_shard(engine, folder, exclude_frozen_parameters))
-
-    def commit() -> None:
-        if rank == 0:
-            manifest = _manifest(
-                engine, agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters
-            )
-            write_atomic(os.path.join(folder, MANIFEST_NAME), _json_bytes(manifest))
-            if save_latest:
-                write_atomic(os.path.join(save_dir, LATEST_NAME), agreed.encode())
-
-    gather_agreed(commit)
+    staging = Staging(save_dir, agreed)
+    try:
+        opened = gather_agreed(lambda: _open_staging(staging) if rank == 0 else "")
+        staged = opened[0]  # rank 0's staging folder: every rank writes its shard there
+        reports = gather_agreed(lambda: _write_shard(engine, staged, exclude_frozen_parameters))
+        manifest = (agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters)
+        gather_agreed(lambda: _commit(engine, staging, *manifest) if rank == 0 else None)
+    finally:
+        # Every rank has left the phase that failed (each phase ends in a collective), so
+        # nobody writes into the staging folder any more.
+        staging.close()
     if rank == 0:
         total = sum(r["bytes"] for r in reports if r["file"])
         logger.info(
@@ -121,37 +121,23 @@ def _agreed_tag(engine: Any, tags: list[str]) -> str:
     return tags[0]
 
 
-def _prepare_folder(save_dir: str, folder: str) -> None:
-    """Rank 0, before any rank writes: clean leftovers, make `folder` ready for new files."""
-    remove_stale_markers(save_dir)
-    for name in os.listdir(save_dir):
-        path = os.path.join(save_dir, name)
-        if is_temp_name(name):
-            remove_quietly(path)
-        elif os.path.isdir(path) and not name.startswith("."):
-            _clean_checkpoint_folder(path, current=path == folder)
-    os.makedirs(folder, exist_ok=True)
-    fsync_dir(save_dir)
+def _commit(engine: Any, staging: Staging, tag: str, *manifest_args: Any) -> None:
+    """Rank 0: the manifest into the staging folder, the folder in place, then `latest`."""
+    manifest = _manifest(engine, tag, *manifest_args)
+    write_atomic(os.path.join(staging.path, MANIFEST_NAME), _json_bytes(manifest))
+    staging.commit()
+    if manifest["save_latest"]:
+        latest = os.path.join(staging.save_dir, LATEST_NAME)
+        write_atomic(latest, tag.encode(), tmp=staging.latest_temp())
 
 
-def _clean_checkpoint_folder(path: str, current: bool) -> None:
-    """Removes temporary files anywhere, and the shard files of folders without a manifest
-    (an interrupted save). The folder being saved into loses its manifest first, then its old
-    shards: it is never a checkpoint mixing old and new files. Other files are left alone."""
-    names = os.listdir(path)
-    complete = MANIFEST_NAME in names
-    if current and complete:
-        remove_quietly(os.path.join(path, MANIFEST_NAME))
-        fsync_dir(path)
-        complete = False
-    removed = 0
-    for name in names:
-        if is_temp_name(name) or (not complete and SHARD_PATTERN.match(name)):
-            removed += remove_quietly(os.path.join(path, name))
-    if removed and not complete:
-        logger.info("removed %d files of an interrupted save in %s", removed, path)
-    if removed and not current and not complete and not os.listdir(path):
-        shutil.rmtree(path, ignore_errors=True)
+def _open_staging(staging: Staging) -> str:
+    """Rank 0: removes dead saves' leftovers and stale call markers, opens `staging`."""
+    remove_stale_markers(staging.save_dir)
+    removed = remove_dead_saves(staging.save_dir)
+    if removed:
+        logger.info("removed leftovers of interrupted saves in %s: %s", staging.save_dir, removed)
+    return staging.open()
 
 
 def _shard_tensors(
@@ -196,6 +182,11 @@ def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, An
         report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
     report["ranges"] = ranges
     report["scalar_keys"] = sorted(scalars)
+    report["state_dtypes"] = {
+        key.partition("::")[2]: dtype_name(t.dtype)
+        for key, t in tensors.items()
+        if key.startswith("param::")
+    }
     report["rng"] = rng_state()
     loader = engine.training_dataloader
     report["data_loader"] = (
@@ -204,7 +195,11 @@ def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, An
     return report
 
 
-def _tensor_table(engine: Any, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
+def _tensor_table(
+    engine: Any, exclude_frozen: bool, state_dtypes: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Every tensor's kind, shape and dtype; with `state_dtypes` (only when the stored masters
+    do not share one dtype), each trainable one's stored state dtype."""
     table = {}
     for e in inventory(engine):
         info: dict[str, Any] = {
@@ -216,6 +211,8 @@ def _tensor_table(engine: Any, exclude_frozen: bool) -> dict[str, dict[str, Any]
             info["alias_of"] = e.alias_of
         if e.kind == "frozen" and exclude_frozen:
             info["stored"] = False
+        if e.name in state_dtypes:
+            info["state_dtype"] = state_dtypes[e.name]
         table[e.name] = info
     return table
 
@@ -231,6 +228,10 @@ def _manifest(
     from partita import __version__
 
     scheduler = engine.lr_scheduler
+    stored = {n: d for r in reports for n, d in r["state_dtypes"].items()}
+    # One dtype for all stored states (the usual case) is recorded once; else per tensor.
+    common = set(stored.values())
+    state_dtype = next(iter(common)) if len(common) == 1 else "float32"
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -243,11 +244,11 @@ def _manifest(
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.strategy.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),
-        "state_dtype": "float32",
+        "state_dtype": state_dtype,
         "sharding": "per file and trainable parameter: the (offset, length) ranges of the "
         "flattened parameter it holds, concatenated in order; padding is never stored",
         "checksum": CHECKSUM,
-        "tensors": _tensor_table(engine, exclude_frozen),
+        "tensors": _tensor_table(engine, exclude_frozen, stored if len(common) > 1 else {}),
         "optimizer": torch_class_name(engine.optimizer),
         "optimizer_state_keys": engine.strategy.optimizer_state_keys(),
         "scalar_state_keys": sorted({k for r in reports for k in r["scalar_keys"]}),
@@ -286,4 +287,4 @@ def _json_bytes(data: Any) -> bytes:
     return json.dumps(data, indent=1).encode()
 
 
-__all__ = ["SHARD_PATTERN", "save_checkpoint"]
+__all__ = ["save_checkpoint"]
