@@ -1,10 +1,13 @@
-"""Crash safety: SIGKILL one rank at a random moment of save_checkpoint, 24 times in a row on
-the same checkpoint directory (see `checkpoint_crash`). Each next trial must load the newest
-complete checkpoint (never a partial one), continue bitwise like an uninterrupted run, and find
-no leftovers of the interrupted save once it has saved."""
+"""Crash safety: one rank SIGKILLs itself at a random point inside save_checkpoint, 24 trials in
+a row on the same checkpoint directory (see `checkpoint_crash`), during new saves and during
+re-saves of an existing tag (right after loading it, and a tag re-saved every other step).
+Each next trial must load the newest complete checkpoint (never a partial one, and a re-saved
+tag with its previous content intact), continue bitwise like an uninterrupted run, and find no
+leftovers of the interrupted save once it has saved."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -17,7 +20,7 @@ SEED = 20240605
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_crash_trials(str(tmp_path_factory.mktemp("crash")), TRIALS, SEED, timeout=170)
+    return run_crash_trials(str(tmp_path_factory.mktemp("crash")), TRIALS, SEED, timeout=400)
 
 
 def _check_resume(report: dict[str, Any], ref: dict[str, Any]) -> None:
@@ -34,10 +37,21 @@ def _check_resume(report: dict[str, Any], ref: dict[str, Any]) -> None:
             assert values == ref[rank][step], (report["trial"], rank, step)
 
 
-def test_kills_land_during_saves(reports: dict[str, Any]) -> None:
-    killed = [t["killed"] for t in reports["trials"] if t["killed"] is not None]
-    assert len(killed) >= 20
-    assert {k[0] for k in killed} == {0, 1}  # both ranks were victims
+def test_kills_land_inside_saves(reports: dict[str, Any]) -> None:
+    # Only kills the victim announced from inside save_checkpoint count (see the module note
+    # of checkpoint_crash); the victim must then have died of SIGKILL.
+    landed = [t for t in reports["trials"] if t["killed"] is not None]
+    sites = Counter(f"{t['killed'][2]}:{t['killed'][3]}" for t in landed)
+    print(f"\nkills landed inside a save: {len(landed)} of {TRIALS}; sites: {dict(sites)}")
+    assert len(landed) >= 20
+    io = [t for t in landed if t["killed"][2] == "io"]
+    assert len(io) >= 5, "too few kills between filesystem calls"
+    for t in landed:
+        assert t["exitcodes"][t["killed"][0]] == -9, (t["trial"], t["exitcodes"])
+    assert {t["killed"][0] for t in landed} == {0, 1}  # both ranks were victims
+    resaves = [t for t in landed if t["killed"][4]]
+    assert len(resaves) >= 5, "too few kills during re-saves of an existing tag"
+    assert len(landed) - len(resaves) >= 5, "too few kills during saves of a new tag"
 
 
 def test_newest_complete_checkpoint_loads_and_resumes_bitwise(reports: dict[str, Any]) -> None:
