@@ -28,7 +28,9 @@ import resource
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("1", "1r", "2", "3", "4")
@@ -128,19 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run_sections(ctx: object, chosen: set[str]) -> None:
+def _run_sections(ctx: Any, chosen: set[str]) -> None:
+    """The chosen sections in order; one whose set-up (outside its cases) raises is recorded
+    as an ``error`` case and the next section still runs."""
     from gpu_check import correctness, offload, speed, two_ranks
 
-    if "1" in chosen:
-        correctness.run_section1(ctx)  # type: ignore[arg-type]
-    if "1r" in chosen:
-        two_ranks.run_two_ranks(ctx)  # type: ignore[arg-type]
-    if "2" in chosen:
-        offload.run_section2(ctx)  # type: ignore[arg-type]
-    if "3" in chosen:
-        correctness.run_section3(ctx)  # type: ignore[arg-type]
-    if "4" in chosen:
-        speed.run_section4(ctx)  # type: ignore[arg-type]
+    sections: list[tuple[str, str, Callable[[Any], None]]] = [
+        ("1", "1 correctness", correctness.run_section1),
+        ("1r", "1 correctness", two_ranks.run_two_ranks),
+        ("2", "2 offload", offload.run_section2),
+        ("3", "3 checkpoints", correctness.run_section3),
+        ("4", "4 speed", speed.run_section4),
+    ]
+    for key, section, run in sections:
+        if key not in chosen:
+            continue
+        try:
+            run(ctx)
+        except Exception as exc:
+            ctx.run(section, f"section {key} set-up", lambda e=exc: _raise(e))
+
+
+def _raise(exc: Exception) -> None:
+    raise exc
 
 
 def _init_world(mode: object) -> None:

@@ -76,3 +76,15 @@ def test_unknown_section_is_refused(tmp_path: Path) -> None:
     proc = run_check(tmp_path, "--sections", "1,5")
     assert proc.returncode == 2
     assert "--sections: unknown ['5']" in proc.stderr
+
+
+def test_hidden_fraction_counts_copy_time_inside_cpu_steps() -> None:
+    """The overlap figure: the share of copy time that lies inside some slice's CPU step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check.offload import hidden_fraction
+
+    steps = [(0.0, 1.0), (1.5, 2.5)]
+    assert hidden_fraction([(0.5, 1.5)], steps) == 0.5  # half inside the first step
+    assert hidden_fraction([(1.6, 2.0), (3.0, 3.4)], steps) == 0.5  # one hidden, one exposed
+    assert hidden_fraction([(1.0, 1.5)], steps) == 0.0  # between steps: nothing hidden
+    assert hidden_fraction([], steps) == 0.0
