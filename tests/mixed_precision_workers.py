@@ -78,57 +78,21 @@ def mixed_case(
     comm_dtype: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Trains the engine `steps` steps of `gas` micro steps; returns this rank's micro-step
-    losses, the loss scale each step used, whether each step was applied, and the final 16-bit
-    weights and fp32 masters.
+    """Trains the engine `steps` steps of `gas` micro steps (see `_train`); rank 0 also returns
+    the plain-torch reference of the same run under ``"reference"``.
 
     `inject=(rank, steps)`: that rank's gradient of the first parameter gets an inf in element
-    0 at those steps. `comm_dtype` sets ``communication_data_type``, `extra` more
-    top-level keys (see `engine_config`). Rank 0 also returns the
-    plain-torch reference under ``"reference"``.
+    0 at those steps (only with ``gas=1``). `comm_dtype` sets ``communication_data_type``,
+    `extra` more top-level keys (see `engine_config`).
     """
-    import partita
-    from partita import comm
-    from partita.utils import safe_get_full_fp32_param
-
+    if inject is not None and gas != 1:
+        raise ValueError(f"inject={inject!r} needs gas=1, got gas={gas}")
     # One intra-op thread: these models are far too small to gain from more, and on a busy
     # machine idle-spinning threads cost seconds per case. The reference runs in this process
     # too, so it computes with the same thread count as the engine either way.
     torch.set_num_threads(1)
-    rank, world = comm.get_rank(), comm.get_world_size()
-    model = make_model()
     config = engine_config(precision, stage, fp16, gas, comm_dtype, extra)
-    engine, _, _, _ = partita.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-    armed = [False]
-    if inject is not None and inject[0] == rank:
-        next(engine.module.parameters()).register_hook(_inf_hook(armed))
-    losses, scales, applied, norms = [], [], [], []
-    for step, batch in enumerate(global_batches(steps, MICRO * gas * world)):
-        armed[0] = inject is not None and step in inject[1]
-        scales.append(engine.cur_scale)
-        for m in range(gas):
-            loss = engine(*rank_micro_batch(batch, rank, world, MICRO, m))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        applied.append(engine.was_step_applied())
-        norms.append(engine.get_global_grad_norm())
-    params = list(engine.module.parameters())
-    with partita.zero.GatheredParameters(params):
-        weights = [p.detach().clone() for p in params]
-    masters = [safe_get_full_fp32_param(p) for p in params]
-    result: dict[str, Any] = {
-        "losses": losses,
-        "scales": scales,
-        "final_scale": engine.cur_scale,
-        "applied": applied,
-        "norms": norms,
-        "weights": weights,
-        "masters": masters,
-    }
-    engine.destroy()
+    result, rank, world = _train(config, steps, inject)
     if rank == 0:
         dtype = DTYPES[precision]
         setup = RefSetup(
@@ -145,6 +109,47 @@ def mixed_case(
         scaler = None if precision == "bf16" else RefScaler.from_config(config["fp16"])
         result["reference"] = reference_run16(setup, steps, scaler, inject)
     return result
+
+
+def _train(
+    config: dict[str, Any], steps: int, inject: tuple[int, tuple[int, ...]] | None
+) -> tuple[dict[str, Any], int, int]:
+    """The engine run: this rank's micro-step losses, the loss scale each step used, whether
+    each step was applied, the reported gradient norms, and the final 16-bit weights and fp32
+    masters (full, on every rank). Returns (result, rank, world size)."""
+    # partita is imported here, not at the top, so that this module's reference half visibly
+    # runs on torch alone.
+    import partita
+    from partita import comm
+    from partita.utils import safe_get_full_fp32_param
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    gas = config["gradient_accumulation_steps"]
+    model = make_model()
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    armed = [False]
+    if inject is not None and inject[0] == rank:
+        next(engine.module.parameters()).register_hook(_inf_hook(armed))
+    out: dict[str, list[Any]] = {"losses": [], "scales": [], "applied": [], "norms": []}
+    for step, batch in enumerate(global_batches(steps, MICRO * gas * world)):
+        armed[0] = inject is not None and step in inject[1]
+        out["scales"].append(engine.cur_scale)
+        for m in range(gas):
+            loss = engine(*rank_micro_batch(batch, rank, world, MICRO, m))
+            engine.backward(loss)
+            engine.step()
+            out["losses"].append(loss.item())
+        out["applied"].append(engine.was_step_applied())
+        out["norms"].append(engine.get_global_grad_norm())
+    params = list(engine.module.parameters())
+    with partita.zero.GatheredParameters(params):
+        weights = [p.detach().clone() for p in params]
+    masters = [safe_get_full_fp32_param(p) for p in params]
+    result = {**out, "final_scale": engine.cur_scale, "weights": weights, "masters": masters}
+    engine.destroy()
+    return result, rank, world
 
 
 @dataclass
