@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import subprocess
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -346,6 +348,13 @@ def hostile_cases(root: str, base: str, weights: dict[str, torch.Tensor]) -> dic
 
 
 # --- clean-up next to another job ---------------------------------------------------------
+def _dead_pid() -> int:
+    """The pid of a child process that has exited and been reaped."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
 def sharing_cases(root: str) -> dict[str, Any]:
     """Another job's in-flight save (its lock held) and a manifest-less folder with shard
     names survive this job's save; a killed job's staging folder (lock free) is removed."""
@@ -362,6 +371,13 @@ def sharing_cases(root: str) -> dict[str, Any]:
             os.makedirs(staging)
             _write(os.path.join(staging, "rank00001-of-00002.safetensors"), "in flight")
             _write(atomic.lock_path(save_dir, nonce), "")
+        # Arrival markers of an earlier call: one of a live process of another job (this
+        # rank's parent, the test harness), one of a process that has exited.
+        calls = os.path.join(save_dir, ".partita-calls")
+        os.makedirs(calls)
+        host = socket.gethostname()
+        _write(os.path.join(calls, "save-00000099-rank00000"), f"{host} pid {os.getppid()}\n")
+        _write(os.path.join(calls, "save-00000099-rank00001"), f"{host} pid {_dead_pid()}\n")
         # A separate open file description: flock conflicts with it even in this process.
         held = open(atomic.lock_path(save_dir, live), "a")  # noqa: SIM115
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -371,11 +387,76 @@ def sharing_cases(root: str) -> dict[str, Any]:
     out["listing"] = sorted(os.listdir(save_dir))
     other = os.path.join(save_dir, "other_job_step3")
     out["other_job_files"] = sorted(os.listdir(other)) if os.path.isdir(other) else None
+    out["markers"] = sorted(os.listdir(os.path.join(save_dir, ".partita-calls")))
     out["live"] = os.path.basename(atomic.staging_path(save_dir, live, "global_step1"))
     out["dead"] = os.path.basename(atomic.staging_path(save_dir, dead, "global_step1"))
     engine.destroy()
     if held is not None:
         held.close()
+    return out
+
+
+# --- the two-rename fallback (no renameat2) -------------------------------------------------
+@contextlib.contextmanager
+def _no_exchange(fail_second_rename: bool = False) -> Iterator[None]:
+    """Rank 0's commit as on a platform without ``renameat2``; optionally the rename of the
+    staging folder to the tag fails (after the old folder was renamed aside)."""
+    from partita.checkpoint import atomic
+
+    real_exchange, real_rename = atomic.exchange_dirs, os.rename
+
+    def rename(src: Any, dst: Any) -> None:
+        if fail_second_rename and ".new." in os.path.basename(str(src)):
+            raise OSError(errno.EIO, "injected failure between the two renames")
+        real_rename(src, dst)
+
+    if comm.get_rank() == 0:
+        atomic.exchange_dirs = lambda a, b: False  # type: ignore[assignment]
+        os.rename = rename  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        atomic.exchange_dirs, os.rename = real_exchange, real_rename  # type: ignore[assignment]
+
+
+def two_rename_cases(root: str, base: str) -> dict[str, Any]:
+    """Without the atomic exchange: a re-save that succeeds replaces the tag; one that fails
+    between the two renames puts the old folder back; a save killed there (its leftovers
+    built by hand: the old folder set aside, the lock free) is repaired by the next save."""
+    from partita.checkpoint import atomic
+
+    out: dict[str, Any] = {}
+    engine = _engine(seed=0)
+    save_dir = os.path.join(root, "two_rename")
+    engine.save_checkpoint(save_dir, tag=TAG)
+    _train(engine, 1, seed=4)
+    with _no_exchange():
+        out["ok:save"] = _outcome(lambda: engine.save_checkpoint(save_dir, tag=TAG))
+    current = _weights(engine)
+    loaded, weights = _load_fresh(save_dir, tag=TAG)
+    out["ok:load"] = (loaded, weights is not None and _same(weights, current))
+    _train(engine, 1, seed=5)
+    with _no_exchange(fail_second_rename=True):
+        out["failed:save"] = _outcome(lambda: engine.save_checkpoint(save_dir, tag=TAG))
+    loaded, weights = _load_fresh(save_dir, tag=TAG)
+    out["failed:load"] = (loaded, weights is not None and _same(weights, current))
+    out["failed:listing"] = sorted(os.listdir(save_dir))
+    nonce = "c" * 16
+
+    def killed_between_renames() -> None:
+        aside = os.path.join(save_dir, f"{atomic.SAVE_PREFIX}{nonce}.old.{TAG}")
+        os.rename(os.path.join(save_dir, TAG), aside)
+        # The staged folder holds other weights: promoting it instead would show.
+        shutil.copytree(os.path.join(base, TAG), atomic.staging_path(save_dir, nonce, TAG))
+        _write(atomic.lock_path(save_dir, nonce), "")
+
+    _on_rank0(killed_between_renames)
+    out["killed:load_before"] = _load_fresh(save_dir, tag=TAG)[0]
+    engine.save_checkpoint(save_dir, tag="other")
+    loaded, weights = _load_fresh(save_dir, tag=TAG)
+    out["killed:load_after"] = (loaded, weights is not None and _same(weights, current))
+    out["killed:listing"] = sorted(os.listdir(save_dir))
+    engine.destroy()
     return out
 
 
@@ -391,4 +472,5 @@ def all_cases(root: str) -> dict[str, Any]:
     out["fallback"] = fallback_cases(root, base, weights)
     out["hostile"] = hostile_cases(root, base, weights)
     out["sharing"] = sharing_cases(root)
+    out["two_rename"] = two_rename_cases(root, base)
     return out

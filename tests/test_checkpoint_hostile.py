@@ -115,7 +115,26 @@ def test_broken_manifest_elsewhere_does_not_block(ranks: list[dict[str, Any]]) -
 def test_cleanup_spares_other_jobs(ranks: list[dict[str, Any]]) -> None:
     out = ranks[0]["sharing"]
     assert out["save"][0] == "ok", out["save"]
+    # The other job's files and its live arrival marker survive; the dead process's goes.
+    assert out["other_job_files"] == [SHARD0]
+    assert out["markers"] == ["save-00000099-rank00000"], out["markers"]
     assert out["live"] in out["listing"], out["listing"]
     assert out["dead"] not in out["listing"], out["listing"]
     assert out["other_job_files"] == [SHARD0]
     assert TAG in out["listing"]
+
+
+def test_two_rename_fallback(ranks: list[dict[str, Any]]) -> None:
+    # Without renameat2: the same guarantees, through the set-aside folder and its repair.
+    for rank, result in enumerate(ranks):
+        out = result["two_rename"]
+        assert out["ok:save"][0] == "ok", (rank, out["ok:save"])
+        assert out["ok:load"] == (("ok", out["ok:load"][0][1]), True), (rank, out["ok:load"])
+        kind, message = out["failed:save"]
+        assert kind == "CheckpointError" and "injected failure" in message, (rank, message)
+        assert out["failed:load"][0][0] == "ok" and out["failed:load"][1], (rank, out)
+        assert out["killed:load_before"][0] == "CheckpointError", out["killed:load_before"]
+        (loaded, message), same = out["killed:load_after"]
+        assert loaded == "ok" and same, (rank, message)
+    for key in ("failed:listing", "killed:listing"):
+        assert _no_staging(ranks[0]["two_rename"][key]), ranks[0]["two_rename"][key]

@@ -171,7 +171,10 @@ class Staging:
             nonce = os.urandom(_NONCE_LEN // 2).hex()
             lock = lock_path(self.save_dir, nonce)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(OSError):
+                # Where locks are unsupported (some network filesystems) a cleaner cannot take
+                # the lock either, so it leaves this save alone: leftovers stay, data is safe.
+                fcntl.flock(fd, fcntl.LOCK_EX)
             # A cleaner that saw the file before we locked it may have removed it: then our
             # lock guards nothing and we start over with another nonce.
             if _same_file(lock, fd):
@@ -197,10 +200,11 @@ class Staging:
         return os.path.join(self.save_dir, f"{SAVE_PREFIX}{self.nonce}.latest")
 
     def close(self) -> None:
-        """Removes this save's leftovers, then the lock file; releases the lock."""
+        """Removes this save's leftovers, then the lock file; releases the lock. If the save
+        failed between the fallback's two renames, the old folder goes back under its tag."""
         if self._fd is None:
             return
-        _remove_group(self.save_dir, self.nonce, repair=False)
+        _remove_group(self.save_dir, self.nonce, repair=True)
         os.close(self._fd)
         self._fd = None
 

@@ -8,7 +8,8 @@ process's checkpoint calls, so it agrees across ranks of one job) and waits, pol
 folder, until every rank's marker for the same call is there. After `timeout_s()` it removes its
 own marker and raises `CheckpointError` naming the missing ranks; no collective was entered, so
 nothing hangs. Each rank removes its marker once a later collective proves every rank has seen
-it (`Arrival.depart`). Markers left by a killed job are removed by the next save. The folder is
+it (`Arrival.depart`). Markers left by a killed job (its process is gone) or by this job's
+earlier calls are removed by the next save; another live job's markers are left alone. The folder is
 the checkpoint directory itself, which every rank must reach anyway; where it cannot be written
 (a read-only load directory) the check is skipped and the process group's timeout applies.
 
@@ -78,7 +79,7 @@ def arrive(folder: str, op: str) -> Arrival:
     try:
         os.makedirs(os.path.dirname(mine), exist_ok=True)
         with open(mine, "w", encoding="utf-8") as f:
-            f.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+            f.write("{} pid {}\n".format(*job_member()))
     except OSError:
         return Arrival(None)
     limit = timeout_s()
@@ -100,9 +101,16 @@ def arrive(folder: str, op: str) -> Arrival:
         delay = min(delay * 1.5, 0.1)
 
 
-def remove_stale_markers(folder: str) -> None:
-    """Removes markers of earlier calls (left by killed jobs); rank 0 calls it during a save
-    after every rank has arrived, so the markers of the current call are all known."""
+def job_member() -> tuple[str, int]:
+    """(host, pid) of this process, as its arrival markers record it."""
+    return socket.gethostname(), os.getpid()
+
+
+def remove_stale_markers(folder: str, members: list[tuple[str, int]]) -> None:
+    """Removes markers of earlier calls written by this job's ranks (`members`, see
+    `job_member`) or by dead processes (killed jobs); rank 0 calls it during a save after every
+    rank has arrived. A marker of another live job sharing the folder, or of a process on
+    another host that is not one of `members` (liveness unknown), is left alone."""
     calls = os.path.join(folder, CALLS_DIR)
     current = f"-{_state['seq']:08d}-"
     try:
@@ -110,9 +118,33 @@ def remove_stale_markers(folder: str) -> None:
     except OSError:
         return
     for name in names:
-        if current not in name:
+        path = os.path.join(calls, name)
+        if current not in name and _removable(path, members):
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(calls, name))
+                os.unlink(path)
+
+
+def _removable(marker: str, members: list[tuple[str, int]]) -> bool:
+    """True when `marker` ("<host> pid <pid>") was written by one of `members` or by a
+    process of this host that no longer exists."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            host, _, pid = f.read().split()
+    except (OSError, ValueError):
+        return False
+    if not pid.isdigit():
+        return False
+    if (host, int(pid)) in members:
+        return True
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def gather_agreed(fn: Callable[[], T]) -> list[T]:
@@ -146,6 +178,7 @@ __all__ = [
     "Arrival",
     "arrive",
     "gather_agreed",
+    "job_member",
     "remove_stale_markers",
     "run_agreed",
     "timeout_s",

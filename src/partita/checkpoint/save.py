@@ -37,7 +37,12 @@ from partita.checkpoint.manifest import (
     shard_file_name,
     state_key,
 )
-from partita.checkpoint.rendezvous import arrive, gather_agreed, remove_stale_markers
+from partita.checkpoint.rendezvous import (
+    arrive,
+    gather_agreed,
+    job_member,
+    remove_stale_markers,
+)
 from partita.checkpoint.state import (
     Entry,
     check_client_state,
@@ -73,12 +78,13 @@ def save_checkpoint(
     start = time.perf_counter()
     tags = gather_agreed(lambda: _check_call(wanted, client_state or {}))
     arrival.depart()
+    members = gather_agreed(job_member)
     agreed = _agreed_tag(engine, tags)
     folder = os.path.join(save_dir, agreed)
     rank = comm.get_rank()
     staging = Staging(save_dir, agreed)
     try:
-        opened = gather_agreed(lambda: _open_staging(staging) if rank == 0 else "")
+        opened = gather_agreed(lambda: _open_staging(staging, members) if rank == 0 else "")
         staged = opened[0]  # rank 0's staging folder: every rank writes its shard there
         reports = gather_agreed(lambda: _write_shard(engine, staged, exclude_frozen_parameters))
         manifest = (agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters)
@@ -131,9 +137,9 @@ def _commit(engine: Any, staging: Staging, tag: str, *manifest_args: Any) -> Non
         write_atomic(latest, tag.encode(), tmp=staging.latest_temp())
 
 
-def _open_staging(staging: Staging) -> str:
+def _open_staging(staging: Staging, members: list[tuple[str, int]]) -> str:
     """Rank 0: removes dead saves' leftovers and stale call markers, opens `staging`."""
-    remove_stale_markers(staging.save_dir)
+    remove_stale_markers(staging.save_dir, members)
     removed = remove_dead_saves(staging.save_dir)
     if removed:
         logger.info("removed leftovers of interrupted saves in %s: %s", staging.save_dir, removed)
