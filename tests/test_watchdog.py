@@ -201,3 +201,12 @@ def test_collectives_record_last_op_and_heartbeat_is_written(tmp_path: Path) -> 
         assert result["beat_pid_is_mine"] and result["beat_seq_counts_collectives"]
     # destroy_process_group stopped each heartbeat and removed its file.
     assert not list(Path(beats).glob("rank*.json"))
+
+
+def test_hang_timeout_from_env_default_and_values() -> None:
+    from partita.launcher.watchdog import DEFAULT_HANG_TIMEOUT, hang_timeout_from_env
+
+    # The bound: by default a hung job ends within 5 minutes (detection slack included).
+    assert hang_timeout_from_env({}) == DEFAULT_HANG_TIMEOUT <= 300 - 10
+    assert hang_timeout_from_env({"PARTITA_HANG_TIMEOUT": "2.5"}) == 2.5
+    assert hang_timeout_from_env({"PARTITA_HANG_TIMEOUT": "0"}) == 0  # disabled

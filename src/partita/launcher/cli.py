@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="end the job when a rank makes no progress for S seconds: its heartbeat stops, or "
         "it leaves the others waiting in a collective (default: $PARTITA_HANG_TIMEOUT, else "
-        "300; 0 disables)",
+        "240; 0 disables)",
     )
     parser.add_argument(
         "--module", action="store_true", help="run the script as a module, like 'python -m'"

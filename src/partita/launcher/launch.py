@@ -103,7 +103,7 @@ class LaunchOptions:
         monitor_interval: seconds between the agent's worker health checks.
         bind_addr: address node 0's store listens on (``None``: what ``master_addr`` names).
         hang_timeout: seconds without progress before the job counts as hung (``None``: from
-            ``PARTITA_HANG_TIMEOUT``, else 300; 0 disables the watchdog).
+            ``PARTITA_HANG_TIMEOUT``, else 240; 0 disables the watchdog).
     """
 
     script: str
