@@ -10,6 +10,7 @@ import torch
 import partita
 from models import global_batches, make_model, rank_micro_batch, two_groups
 from partita import comm
+from partita.precision import full_dtype
 
 
 class _Capture(logging.Handler):
@@ -71,13 +72,13 @@ def train(
     for step, batch in enumerate(global_batches(steps, micro * gas * world)):
         armed[0] = inject_inf is not None and step in inject_inf[1]
         before = _full_params(engine)
-        step_loss = torch.zeros(())
+        step_loss = torch.zeros((), dtype=full_dtype(next(engine.module.parameters())))
         for m in range(gas):
             tokens, targets = rank_micro_batch(batch, rank, world, micro, m)
             loss = engine(tokens, targets)
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach().float() / gas
+            step_loss += loss.detach().to(step_loss.dtype) / gas
         comm_bytes.append(engine.last_step_comm_bytes)
         comm.all_reduce(step_loss, tag="test")
         losses.append(step_loss.item() / world)
@@ -188,10 +189,10 @@ def generate_after_training(config: dict, kind: str) -> list[list[int]]:
 
 
 def _full_params(engine: Any) -> list[torch.Tensor]:
-    """Every parameter's full value as fp32 (gathered under stage 3)."""
+    """Every parameter's full value, 16-bit ones as fp32 (gathered under stage 3)."""
     params = list(engine.module.parameters())
     with partita.zero.GatheredParameters(params):
-        return [p.detach().float().clone() for p in params]
+        return [p.detach().to(full_dtype(p)).clone() for p in params]
 
 
 def init_probe(

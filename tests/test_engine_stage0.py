@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from engine_workers import base_config, train_grid
-from models import assert_parity, reference_run
+from models import assert_parity, pairs, reference_run, with_float64
 from partita.testing import run_distributed
 
 STEPS = 20
 RTOL = 1e-6
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
     micro = 2
@@ -24,29 +25,31 @@ def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
         {"config": base_config(micro=2, gas=1, clip=0.05), "steps": STEPS},
         {"config": base_config(micro=2, gas=1), "steps": STEPS},  # the first, again: bitwise
     ]
-    results = run_distributed(train_grid, world, cases, timeout=240)
-    plain, accum, big_micro, clipped, again = results[0]
+    results = run_distributed(train_grid, world, with_float64(cases), timeout=240)
+    plain, accum, big_micro, clipped, again = pairs(results[0])
 
-    ref_losses, ref_params = reference_run(STEPS, batch=micro * world)
-    assert_parity(plain, ref_losses, ref_params)
-    ref8_losses, ref8_params = reference_run(STEPS, batch=8 * world)
-    assert_parity(accum, ref8_losses, ref8_params)
-    assert_parity(big_micro, ref8_losses, ref8_params)
-    ref_clip_losses, ref_clip_params = reference_run(STEPS, batch=micro * world, clip=0.05)
-    assert_parity(clipped, ref_clip_losses, ref_clip_params)
+    ref = reference_run(STEPS, batch=micro * world)
+    assert_parity(plain, ref)
+    ref8 = reference_run(STEPS, batch=8 * world)
+    assert_parity(accum, ref8)
+    assert_parity(big_micro, ref8)
+    ref_clip = reference_run(STEPS, batch=micro * world, clip=0.05)
+    assert_parity(clipped, ref_clip)
     # Clipping must have changed the trajectory far beyond the tolerance, or the clipped case
     # proves nothing.
-    assert abs(ref_clip_losses[-1] - ref_losses[-1]) > 100 * RTOL * abs(ref_losses[-1])
+    assert abs(ref_clip.losses[-1] - ref.losses[-1]) > 100 * RTOL * abs(ref.losses[-1])
 
-    assert again["losses"] == plain["losses"]
-    for a, b in zip(again["params"], plain["params"], strict=True):
-        assert torch.equal(a, b)
+    for twin in (0, 1):  # fp32 and float64: the same run twice is bitwise the same
+        assert again[twin]["losses"] == plain[twin]["losses"]
+        for a, b in zip(again[twin]["params"], plain[twin]["params"], strict=True):
+            assert torch.equal(a, b)
     # Every rank holds the same weights.
     for rank_results in results[1:]:
-        for a, b in zip(rank_results[0]["params"], plain["params"], strict=True):
-            assert torch.equal(a, b)
-    assert plain["global_steps"] == STEPS
-    assert accum["global_samples"] == STEPS * 8 * world
+        for rank_case, case in zip(rank_results, results[0], strict=True):
+            for a, b in zip(rank_case["params"], case["params"], strict=True):
+                assert torch.equal(a, b)
+    assert plain[0]["global_steps"] == STEPS
+    assert accum[0]["global_samples"] == STEPS * 8 * world
 
 
 def test_mixed_precision_tracks_fp32_and_overflow_is_skipped_everywhere() -> None:

@@ -49,7 +49,7 @@ class Engine(torch.nn.Module):
         self.dp_world_size = self.world_size
         self.local_rank = comm.get_local_rank()
         self.device = self.accelerator.current_device()
-        self.policy: PrecisionPolicy = engine_setup.precision_policy(config)
+        self.policy: PrecisionPolicy = engine_setup.precision_policy(config).for_module(module)
         pre_sharded = zero_init.prepare_pre_sharded(module, self.device, self.policy.param_dtype)
         if pre_sharded and config.zero_optimization.stage < 3:
             zero_init.materialize_all(module)  # only stage 3 keeps parameters sharded

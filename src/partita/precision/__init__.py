@@ -7,7 +7,7 @@ from partita.precision.loss_scaler import (
     LossScaler,
     StaticLossScaler,
 )
-from partita.precision.policy import PrecisionPolicy, dtype_from_name
+from partita.precision.policy import PrecisionPolicy, dtype_from_name, full_dtype
 
 __all__ = [
     "DynamicLossScaler",
@@ -17,6 +17,7 @@ __all__ = [
     "PrecisionPolicy",
     "StaticLossScaler",
     "dtype_from_name",
+    "full_dtype",
     "grad_stats",
     "scale_grads_",
 ]

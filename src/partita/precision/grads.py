@@ -15,7 +15,8 @@ class GradStats:
 
 
 def grad_stats(grads: list[torch.Tensor]) -> GradStats:
-    """Sum of squares of `grads` in fp32; inf/nan anywhere makes it non-finite.
+    """Sum of squares of `grads` in fp32 (float64 for float64 gradients); inf/nan anywhere
+    makes it non-finite.
 
     Squares are summed rather than norms combined, so shards on different ranks can add their
     partial sums with one all-reduce and reach the same total as one process would.
@@ -23,7 +24,8 @@ def grad_stats(grads: list[torch.Tensor]) -> GradStats:
     if not grads:
         return GradStats(torch.zeros((), dtype=torch.float32))
     norms = torch._foreach_norm(grads, 2.0)
-    stacked = torch.stack([n.float() for n in norms])
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    stacked = torch.stack([n.to(dtype) for n in norms])
     return GradStats(torch.sum(stacked * stacked))
 
 

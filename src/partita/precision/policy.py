@@ -17,6 +17,12 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 
 
+def full_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a full-precision view of `tensor` takes: fp32 for 16-bit and fp32 values,
+    float64 for float64 ones (so accessors and checkpoints never narrow a float64 run)."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
 def dtype_from_name(name: str, key: str) -> torch.dtype:
     """torch dtype for a config string; `key` names the config key in the error."""
     try:
@@ -60,3 +66,19 @@ class PrecisionPolicy:
             else param
         )
         return cls(param_dtype=param, reduce_dtype=reduce)
+
+    def for_module(self, module: torch.nn.Module) -> PrecisionPolicy:
+        """This policy, kept in float64 when neither 16-bit mode is on and every floating
+        parameter of `module` is float64.
+
+        DeepSpeed casts a module only for fp16/bf16 and otherwise trains it in its own dtype;
+        partita does the same for float64 (weights, gradients, reductions and optimizer state
+        all in float64), which also gives the parity tests a run whose rounding is far below
+        Adam's epsilon. Any other full-precision module trains in fp32.
+        """
+        if self.param_dtype != torch.float32 or self.reduce_dtype != torch.float32:
+            return self
+        floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+        if not floats or any(d != torch.float64 for d in floats):
+            return self
+        return PrecisionPolicy(torch.float64, torch.float64, torch.float64)

@@ -14,7 +14,7 @@ import torch
 from partita import comm
 from partita.accelerator import pin_if
 from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
-from partita.precision import PrecisionPolicy
+from partita.precision import PrecisionPolicy, full_dtype
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.shard_step import COPY_SLICE_NUMEL, HostStep, host_step, sharded_step
 from partita.zero.sharded_grads import ShardedGradients
@@ -235,7 +235,7 @@ class Sharded:
         src = self._shard(g, what)
         if src is None or src.dim() == 0:
             return None if src is None else src.clone()
-        out = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        out = torch.zeros(param.numel(), dtype=full_dtype(src), device=param.device)
         for pc in pieces:
             out[pc.param_offset : pc.param_offset + pc.length] = src[
                 pc.shard_offset : pc.shard_offset + pc.length
@@ -250,7 +250,7 @@ class Sharded:
         if src is None or src.dim() == 0:
             return None if src is None else src.clone()
         parts = [src[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
-        return torch.cat(parts).float() if parts else src.new_zeros(0, dtype=torch.float32)
+        return torch.cat(parts).to(full_dtype(src)) if parts else src.new_zeros(0)
 
     def _target(self, g: ShardedGroup, what: str, value: torch.Tensor) -> torch.Tensor:
         dst = self._shard(g, what)

@@ -12,7 +12,7 @@ import math
 import torch
 
 from partita import comm
-from partita.precision import PrecisionPolicy
+from partita.precision import PrecisionPolicy, full_dtype
 from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
 from partita.zero.master import MasterWeights
 from partita.zero.strategy import (
@@ -125,7 +125,7 @@ class DataParallel:
     def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
         """Parameter-shaped fp32 copy of the master value, gradient or optimizer state."""
         value = self._state(param, what)
-        return None if value is None else value.detach().float().clone()
+        return None if value is None else value.detach().to(full_dtype(value)).clone()
 
     def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
         """Stage 0 ranks hold everything: the full value, flattened."""

@@ -20,7 +20,7 @@ from partita.offload import SwapSpace
 from partita.offload.copy_back import CopyBack
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
 from partita.partition import Piece, plan_buckets
-from partita.precision import PrecisionPolicy
+from partita.precision import PrecisionPolicy, full_dtype
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value
 from partita.zero.shard_step import HostStep, host_step, sharded_step
@@ -552,7 +552,7 @@ class FullySharded:
         parts = [
             src[pc.shard_offset - start : pc.shard_offset - start + pc.length] for pc in pieces
         ]
-        return torch.cat(parts).float() if parts else src.new_zeros(0, dtype=torch.float32)
+        return torch.cat(parts).to(full_dtype(src)) if parts else src.new_zeros(0)
 
     def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
         """Parameter-shaped fp32 value assembled from every rank (collective)."""
@@ -564,7 +564,7 @@ class FullySharded:
             param.numel()
             if unit.state is UnitState.UNSHARDED
             else unit.layout.numels[self._where[param][1]],  # type: ignore[index]
-            dtype=torch.float32,
+            dtype=local.dtype,
             device=local.device,
         )
         offset = 0
