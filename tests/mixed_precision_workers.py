@@ -8,7 +8,7 @@ same intra-op thread count as the engine's forward and backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,9 +77,11 @@ def mixed_case(
     gas: int = 1,
     comm_dtype: str | None = None,
     extra: dict[str, Any] | None = None,
+    model_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains the engine `steps` steps of `gas` micro steps (see `_train`); rank 0 also returns
-    the plain-torch reference of the same run under ``"reference"``.
+    the plain-torch reference of the same run under ``"reference"``. `model_kwargs` go to
+    `models.make_model` for both.
 
     `inject=(rank, steps)`: that rank's gradient of the first parameter gets an inf in element
     0 at those steps (only with ``gas=1``). `comm_dtype` sets ``communication_data_type``,
@@ -92,7 +94,7 @@ def mixed_case(
     # too, so it computes with the same thread count as the engine either way.
     torch.set_num_threads(1)
     config = engine_config(precision, stage, fp16, gas, comm_dtype, extra)
-    result, rank, world = _train(config, steps, inject)
+    result, rank, world = _train(config, steps, inject, model_kwargs or {})
     if rank == 0:
         dtype = DTYPES[precision]
         setup = RefSetup(
@@ -105,6 +107,7 @@ def mixed_case(
             prescale=bool(config.get("prescale_gradients", False)),
             predivide=float(config.get("gradient_predivide_factor", 1.0)),
             clip=float(config["gradient_clipping"]),
+            model_kwargs=model_kwargs or {},
         )
         scaler = None if precision == "bf16" else RefScaler.from_config(config["fp16"])
         result["reference"] = reference_run16(setup, steps, scaler, inject)
@@ -112,7 +115,10 @@ def mixed_case(
 
 
 def _train(
-    config: dict[str, Any], steps: int, inject: tuple[int, tuple[int, ...]] | None
+    config: dict[str, Any],
+    steps: int,
+    inject: tuple[int, tuple[int, ...]] | None,
+    model_kwargs: dict[str, Any],
 ) -> tuple[dict[str, Any], int, int]:
     """The engine run: this rank's micro-step losses, the loss scale each step used, whether
     each step was applied, the reported gradient norms, and the final 16-bit weights and fp32
@@ -125,7 +131,7 @@ def _train(
 
     rank, world = comm.get_rank(), comm.get_world_size()
     gas = config["gradient_accumulation_steps"]
-    model = make_model()
+    model = make_model(**model_kwargs)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -233,6 +239,8 @@ class RefSetup:
     f/world after it (ignored when `prescale`)."""
     clip: float = 0.0
     """Max global norm of the unscaled gradients (0: no clipping)."""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Arguments of `models.make_model`."""
 
     @property
     def factors(self) -> tuple[float, float]:
@@ -326,7 +334,7 @@ def reference_run16(
     `RefSetup.clip` is set) and fused ``torch.optim.AdamW`` updates fp32 master weights,
     which are cast back into the 16-bit model (round to nearest even).
     """
-    model = make_model().to(setup.dtype)
+    model = make_model(**setup.model_kwargs).to(setup.dtype)
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     losses: list[list[float]] = [[] for _ in range(setup.world)]
