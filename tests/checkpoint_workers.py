@@ -54,7 +54,8 @@ def resume_config(stage: int) -> dict[str, Any]:
     }
 
 
-def _dataset(n: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def resume_dataset(n: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The resume runs' training data: `n` random token rows and their targets."""
     gen = torch.Generator().manual_seed(7)
     tokens = torch.randint(0, VOCAB, (n, 8), generator=gen)
     return [(t, (t * 5 + 1) % VOCAB) for t in tokens]
@@ -78,7 +79,7 @@ def _resume_engine(stage: int, seed: int) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     model = DropoutLM()
     engine, _, loader, _ = partita.initialize(
-        model=model, config=resume_config(stage), training_data=_dataset()
+        model=model, config=resume_config(stage), training_data=resume_dataset()
     )
     _inject_inf(engine, {2, 6})
     return engine, loader
@@ -90,11 +91,16 @@ def _batches(loader: Any) -> Any:
         yield from loader
 
 
-def _train_steps(engine: Any, batches: Any, steps: int) -> list[float]:
-    """`steps` optimizer steps; per-micro-step losses."""
+def _train_steps(
+    engine: Any, batches: Any, steps: int, seen: list[torch.Tensor] | None = None
+) -> list[float]:
+    """`steps` optimizer steps; per-micro-step losses (each micro-batch's tokens appended to
+    `seen`)."""
     losses = []
     for _ in range(steps * engine.gradient_accumulation_steps()):
         tokens, targets = next(batches)
+        if seen is not None:
+            seen.append(tokens.clone())
         loss = engine(tokens, targets)
         engine.backward(loss)
         engine.step()
@@ -108,8 +114,11 @@ def resume_full(stage: int, folder: str, total: int, save_at: int) -> dict[str, 
     batches = _batches(loader)
     before = _train_steps(engine, batches, save_at)
     engine.save_checkpoint(folder, client_state={"save_at": save_at, "note": "resume"})
-    after = _train_steps(engine, batches, total - save_at)
+    rng, position = torch.get_rng_state(), engine.training_dataloader.state_dict()
+    seen: list[torch.Tensor] = []
+    after = _train_steps(engine, batches, total - save_at, seen)
     out = {"before": before, "after": after, "skipped": engine.skipped_steps}
+    out.update(rng=rng, position=position, tokens=seen)
     out["scale"] = engine.cur_scale
     engine.destroy()
     return out
@@ -126,28 +135,55 @@ def resume_load(stage: int, folder: str, total: int, save_at: int) -> dict[str, 
     return out
 
 
+def resume_cross(stage: int, folder: str, micro_steps: int) -> dict[str, Any]:
+    """A fresh engine at this world size loads a resume checkpoint saved at another; returns
+    the torch RNG state right after the load and the next `micro_steps` micro-batches' tokens
+    of this rank's loader."""
+    engine, loader = _resume_engine(stage, seed=123)
+    engine.load_checkpoint(folder)
+    out: dict[str, Any] = {"rng": torch.get_rng_state()}
+    batches = _batches(loader)
+    out["tokens"] = [next(batches)[0].clone() for _ in range(micro_steps)]
+    out["samples_per_epoch"] = loader.state_dict()["samples_per_epoch"]
+    engine.destroy()
+    return out
+
+
 # --- reshard ---------------------------------------------------------------------------------
 GLOBAL_BATCH = 4
 RESHARD_STEPS, NEXT_STEPS = 3, 5
 
 
-def reshard_config(stage: int, world: int) -> dict[str, Any]:
-    """fp32 AdamW, global batch 4 at any world size; small buckets so layouts differ."""
-    return {
+VARIANTS = ("fp32", "bf16", "offload")
+"""Reshard configurations: fp32; bf16 modules (fp32 masters); fp32 with the optimizer
+offloaded to the CPU (``offload_optimizer.device: cpu``, stages 1-3)."""
+
+
+def reshard_config(stage: int, world: int, variant: str = "fp32") -> dict[str, Any]:
+    """AdamW, global batch 4 at any world size; small buckets so layouts differ; `variant`
+    one of `VARIANTS`."""
+    cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
         "steps_per_print": 1000,
     }
+    if variant == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif variant == "offload":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    elif variant != "fp32":
+        raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
+    return cfg
 
 
-def _reshard_engine(stage: int, seed: int) -> Any:
+def _reshard_engine(stage: int, seed: int, variant: str = "fp32") -> Any:
     model = make_model(seed=seed, frozen=True)
     engine, _, _, _ = partita.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=reshard_config(stage, comm.get_world_size()),
+        config=reshard_config(stage, comm.get_world_size(), variant),
     )
     return engine
 
@@ -182,9 +218,9 @@ def _global_losses(engine: Any, batches: list) -> list[float]:
     return losses
 
 
-def reshard_save(stage: int, folder: str) -> dict[str, Any]:
+def reshard_save(stage: int, folder: str, variant: str = "fp32") -> dict[str, Any]:
     """Trains 3 steps, saves, records the states, trains 5 more (the reference)."""
-    engine = _reshard_engine(stage, seed=0)
+    engine = _reshard_engine(stage, seed=0, variant=variant)
     batches = global_batches(RESHARD_STEPS + NEXT_STEPS, GLOBAL_BATCH)
     _global_losses(engine, batches[:RESHARD_STEPS])
     engine.save_checkpoint(folder)
@@ -194,48 +230,78 @@ def reshard_save(stage: int, folder: str) -> dict[str, Any]:
     return {"states": states, "losses": losses}
 
 
-def reshard_load(stage: int, folder: str, ref_states: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """A fresh engine at this world size and `stage` loads `folder`; returns the states that
-    differ from `ref_states` (exact comparison) and the next 5 steps' losses."""
-    engine = _reshard_engine(stage, seed=99)
+def reshard_load(
+    stage: int,
+    folder: str,
+    ref_states: dict[str, torch.Tensor],
+    variant: str = "fp32",
+    train: bool = True,
+) -> dict[str, Any]:
+    """A fresh engine at this world size, `stage` and `variant` loads `folder`; returns the
+    states that differ from `ref_states` (exact comparison), the restored step counter and,
+    with `train`, the next 5 steps' losses."""
+    engine = _reshard_engine(stage, seed=99, variant=variant)
     engine.load_checkpoint(folder)
     states = full_states(engine)
-    differ = sorted(
-        k for k in ref_states if k not in states or not torch.equal(states[k], ref_states[k])
-    )
-    batches = global_batches(RESHARD_STEPS + NEXT_STEPS, GLOBAL_BATCH)
-    losses = _global_losses(engine, batches[RESHARD_STEPS:])
-    out = {"differ": differ, "losses": losses, "global_steps": engine.global_steps}
+    want = dict(ref_states)
+    if variant == "bf16":  # a bf16 module holds frozen weights in bf16 (no fp32 master)
+        want.update({k: v.bfloat16().float() for k, v in want.items() if k.startswith("frozen")})
+    differ = sorted(k for k in want if k not in states or not torch.equal(states[k], want[k]))
+    out: dict[str, Any] = {"differ": differ}
+    if train:
+        batches = global_batches(RESHARD_STEPS + NEXT_STEPS, GLOBAL_BATCH)
+        out["losses"] = _global_losses(engine, batches[RESHARD_STEPS:])
+    out["global_steps"] = engine.global_steps
     engine.destroy()
     return out
 
 
 # --- one spawn per world size ------------------------------------------------------------------
-def save_phase(root: str, resume_stages: list[int], reshard_stages: list[int]) -> dict[str, Any]:
-    """Every save-side case of one world size (see the module docstring)."""
+def reshard_folder(root: str, world: int, stage: int, variant: str) -> str:
+    """Where the reshard checkpoint of (world, stage, variant) is saved."""
+    return os.path.join(root, f"reshard-n{world}-s{stage}-{variant}")
+
+
+def save_phase(
+    root: str, resume_stages: list[int], reshard: list[tuple[int, str]]
+) -> dict[str, Any]:
+    """Every save-side case of one world size (see the module docstring); `reshard`: the
+    (stage, variant) checkpoints to save."""
     world = comm.get_world_size()
     out: dict[str, Any] = {"resume": {}, "reshard": {}}
     for s in resume_stages:
         folder = os.path.join(root, f"resume-w{world}-s{s}")
         out["resume"][s] = resume_full(s, folder, total=10, save_at=4)
-    for s in reshard_stages:
-        out["reshard"][s] = reshard_save(s, os.path.join(root, f"reshard-n{world}-s{s}"))
+    for s, v in reshard:
+        out["reshard"][(s, v)] = reshard_save(s, reshard_folder(root, world, s, v), v)
     return out
 
 
+CROSS_STAGE = 2
+"""The stage of the resume checkpoints loaded at other world sizes."""
+
+
 def load_phase(
-    root: str, resume_stages: list[int], saved: dict[tuple[int, int], dict], stages: list[int]
+    root: str,
+    resume_stages: list[int],
+    saved: dict[tuple[int, int, str], dict],
+    loads: list[tuple[int, int, str, int, str, bool]],
+    cross: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Every load-side case of one world size: resumes, then all (N, s) x t reshard loads."""
+    """Every load-side case of one world size: resumes (at the saving world size, and from
+    each world size in `cross`), then the reshard loads: (N, s, v) saved at world N, stage s,
+    variant v, loaded at stage t, variant w (with `train`: and trained 5 steps on)."""
     world = comm.get_world_size()
-    out: dict[str, Any] = {"resume": {}, "reshard": {}}
+    out: dict[str, Any] = {"resume": {}, "reshard": {}, "cross": {}}
     for s in resume_stages:
         folder = os.path.join(root, f"resume-w{world}-s{s}")
         out["resume"][s] = resume_load(s, folder, total=10, save_at=4)
-    for (n, s), ref in saved.items():
-        folder = os.path.join(root, f"reshard-n{n}-s{s}")
-        for t in stages:
-            out["reshard"][(n, s, t)] = reshard_load(t, folder, ref)
+    for n in cross:
+        folder = os.path.join(root, f"resume-w{n}-s{CROSS_STAGE}")
+        out["cross"][n] = resume_cross(CROSS_STAGE, folder, micro_steps=12)
+    for n, s, v, t, w, train in loads:
+        folder = reshard_folder(root, n, s, v)
+        out["reshard"][(n, s, v, t, w)] = reshard_load(t, folder, saved[(n, s, v)], w, train)
     return out
 
 

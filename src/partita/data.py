@@ -57,6 +57,7 @@ class DistributedDataLoader:
         )
         self._resume = _ResumeSampler(self.sampler)
         self.seed = seed
+        self.drop_last = drop_last
         self.generator = torch.Generator()
         self.loader = DataLoader(
             dataset,
@@ -69,55 +70,74 @@ class DistributedDataLoader:
             pin_memory=pin_memory,
         )
         self.epoch = 0
-        self._resume_batches = 0
+        self._resume_samples = 0
         self._position = (0, 0)
-        """(epoch, batches yielded in it) of the pass in progress or about to start."""
+        """(epoch, this rank's samples consumed in it) of the pass in progress or about to
+        start. Counted in samples, not batches, so a position restored at another world size
+        (another micro-batch size) need not fall on a batch boundary."""
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self.epoch, self._resume_batches
-        self._resume_batches = 0
+        epoch, start = self.epoch, self._resume_samples
+        self._resume_samples = 0
         self.sampler.set_epoch(epoch)
         self.generator.manual_seed(self.seed + epoch)
-        self._resume.skip = start * self.batch_size
+        self._resume.skip = start
         self.epoch += 1
         self._position = (epoch, start)
         return self._counted(iter(self.loader), epoch, start)
 
     def _counted(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
-        yielded = start
+        per_epoch = len(self.sampler)
+        consumed = start
         for batch in batches:
-            yielded += 1
-            self._position = (epoch, yielded)
+            consumed = min(per_epoch, consumed + self.batch_size)
+            self._position = (epoch, consumed)
             yield batch
         self._position = (epoch + 1, 0)
 
     def state_dict(self) -> dict[str, int]:
-        """Where the next batch comes from: ``{"epoch", "batches"}`` (batches already yielded
-        in that epoch), plus the batch size and seed it applies to."""
+        """Where the next batch comes from: ``{"epoch", "samples"}`` (this rank's samples
+        already consumed in that epoch), with the batches that makes at this batch size, the
+        batch size, seed, this rank's samples per epoch and the number of ranks."""
         epoch, done = self._position
-        if done >= len(self.loader):
+        left = len(self.sampler) - done
+        # A pass that has nothing left to yield (with drop_last: less than a batch) is over.
+        if left <= 0 or (self.drop_last and left < self.batch_size):
             epoch, done = epoch + 1, 0
-        return {"epoch": epoch, "batches": done, "batch_size": self.batch_size, "seed": self.seed}
+        return {
+            "epoch": epoch,
+            "samples": done,
+            "batches": -(-done // self.batch_size),
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "samples_per_epoch": len(self.sampler),
+            "num_replicas": int(self.sampler.num_replicas),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Makes the next pass continue at `state_dict`'s position (create iterators after
-        this call: one made before it keeps its old position)."""
-        if int(state["batch_size"]) != self.batch_size:
+        this call: one made before it keeps its old position). A state without ``samples``
+        (saved before they were counted) must come from a loader of the same batch size."""
+        if "samples" in state:
+            samples = int(state["samples"])
+        elif int(state["batch_size"]) != self.batch_size:
             raise ValueError(
                 f"data loader state saved with batch_size={state['batch_size']}, this loader "
                 f"has batch_size={self.batch_size}"
             )
+        else:
+            samples = int(state["batches"]) * self.batch_size
         self.epoch = int(state["epoch"])
-        self._resume_batches = int(state["batches"])
-        self._position = (self.epoch, self._resume_batches)
+        self._resume_samples = samples
+        self._position = (self.epoch, samples)
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the shuffle of pass `epoch` for the next iteration."""
         self.epoch = epoch
-        self._resume_batches = 0
+        self._resume_samples = 0
         self._position = (epoch, 0)
 
     @property

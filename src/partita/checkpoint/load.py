@@ -25,8 +25,8 @@ from partita.checkpoint.state import (
     Entry,
     inventory,
     restore_optimizer_groups,
+    restore_rank_state,
     set_module_value,
-    set_rng_state,
 )
 from partita.optim.cpu_adam import torch_class_name
 
@@ -217,23 +217,9 @@ def _restore_training_state(
 
 
 def _restore_rank_state(engine: Any, meta: dict[str, Any]) -> None:
-    """RNG and data loader position, per rank: only meaningful at the saved world size."""
-    rank, world = comm.get_rank(), comm.get_world_size()
-    rng, loaders = meta.get("rng"), meta.get("data_loader")
-    if meta["world_size"] != world:
-        if rank == 0 and (rng or loaders):
-            logger.warning(
-                "checkpoint saved at world size %d, loading at %d: per-rank RNG and data "
-                "loader positions are not restored",
-                meta["world_size"],
-                world,
-            )
-        return
-    if rng:
-        set_rng_state(rng[rank])
-    loader = engine.training_dataloader
-    if loaders and loaders[rank] is not None and hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(loaders[rank])
+    """RNG and data loader position, per rank; at another world size what is well defined
+    (see `partita.checkpoint.state.restore_rank_state`)."""
+    restore_rank_state(engine, meta, comm.get_rank(), comm.get_world_size())
 
 
 __all__ = ["load_checkpoint"]

@@ -9,6 +9,7 @@ key whose tensor already appeared under another name (tied weights) is an "alias
 from __future__ import annotations
 
 import base64
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ import torch
 
 from partita.accelerator import get_accelerator
 from partita.checkpoint.manifest import CheckpointError
+
+logger = logging.getLogger("partita")
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,12 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restores `rng_state` output."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(_unb64(state["torch_cpu"]))
+    """Restores `rng_state` output, or the generators a partial one names."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "torch_cpu" in state:
+        torch.set_rng_state(_unb64(state["torch_cpu"]))
     if "numpy" in state:
         import numpy as np
 
@@ -177,6 +182,88 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and get_accelerator().is_cuda:
         get_accelerator().set_rng_states([_unb64(s) for s in state["cuda"]])
+
+
+def rng_for_rank(
+    saved: list[dict[str, Any]] | None, rank: int, world: int
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """The RNG state `rank` of `world` restores from the saved ranks' states, and the
+    generators not restored.
+
+    At the saved world size each rank gets its own. At another, a generator (python,
+    torch_cpu, numpy, cuda) is restored only when every saved rank had the same state for it
+    (ranks seeded alike and drawing alike, the usual data-parallel case): then every new rank
+    continues that one stream. Per-rank streams that differ have no counterpart at another
+    world size and are left as they are."""
+    if not saved:
+        return None, []
+    if len(saved) == world:
+        return saved[rank], []
+    common: dict[str, Any] = {}
+    differ = []
+    for key in sorted(set().union(*saved)):
+        values = [state.get(key) for state in saved]
+        if values[0] is not None and all(v == values[0] for v in values):
+            common[key] = values[0]
+        else:
+            differ.append(key)
+    return common, differ
+
+
+def loader_for_rank(
+    saved: list[dict[str, Any] | None] | None, rank: int, world: int
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The data loader state `rank` of `world` restores, and why not all of the position is
+    restored (None when all of it is).
+
+    At the saved world size each rank gets its own. At another (partita's loader, which counts
+    samples): the saved ranks consumed ``samples`` each of the same epoch's shuffle, and a
+    `DistributedSampler` deals that shuffle out round-robin, so together they consumed exactly
+    its first ``samples x saved ranks`` positions. Each new rank skips ``total // world`` of
+    its own share, which skips exactly those positions when `world` divides the total; when it
+    does not, the last ``total % world`` consumed positions are consumed again (never
+    skipped)."""
+    if not saved or any(state is None for state in saved):
+        return None, None
+    if len(saved) == world:
+        return saved[rank], None
+    first = saved[0]
+    assert first is not None
+    if "samples" not in first:
+        return None, "the saved loader state does not count samples"
+    where = [(s["epoch"], s["samples"]) for s in saved if s is not None]
+    if len(set(where)) != 1:
+        return None, f"the saved ranks were at different positions {where}"
+    total = int(first["samples"]) * len(saved)
+    per_rank, repeat = divmod(total, world)
+    state = {**first, "samples": per_rank}
+    if repeat:
+        return state, (
+            f"{total} samples of epoch {first['epoch']} were consumed, not a multiple of "
+            f"{world} ranks: the last {repeat} of them are consumed again"
+        )
+    return state, None
+
+
+def restore_rank_state(engine: Any, meta: dict[str, Any], rank: int, world: int) -> None:
+    """RNG and data loader position of this rank (see `rng_for_rank`, `loader_for_rank`);
+    at another world size than the saved one, rank 0 warns about what is not restored."""
+    rng, differ = rng_for_rank(meta.get("rng"), rank, world)
+    loader = engine.training_dataloader
+    loaders = meta.get("data_loader")
+    state, note = loader_for_rank(loaders, rank, world)
+    if rank == 0 and meta["world_size"] != world and (differ or note):
+        logger.warning(
+            "checkpoint saved at world size %d, loading at %d:%s%s",
+            meta["world_size"],
+            world,
+            f" RNG {differ} not restored (the saved ranks' states differ);" if differ else "",
+            f" data loader: {note}" if note else "",
+        )
+    if rng:
+        set_rng_state(rng)
+    if state is not None and loader is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(state)
 
 
 def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -213,9 +300,12 @@ __all__ = [
     "dtype_name",
     "full_module_value",
     "inventory",
+    "loader_for_rank",
     "optimizer_groups",
     "parse_dtype",
     "restore_optimizer_groups",
+    "restore_rank_state",
+    "rng_for_rank",
     "rng_state",
     "set_module_value",
     "set_rng_state",
