@@ -92,9 +92,7 @@ def ds_save(root: str) -> dict[str, Any]:
 
 def _partita_engine(stage: int, bf16: bool, frozen: bool) -> Any:
     model = make_model(seed=11, frozen=frozen)
-    cfg = reshard_config(stage, comm.get_world_size())
-    if bf16:
-        cfg["bf16"] = {"enabled": True}
+    cfg = reshard_config(stage, comm.get_world_size(), "bf16" if bf16 else "fp32")
     engine, *_ = partita.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],

@@ -113,8 +113,9 @@ def _natural(text: str) -> list[Any]:
 
 def _stage(value: Any) -> int | None:
     """The saved ``zero_stage`` as an int (an enum's value, or an older stand-in's argument)."""
-    if isinstance(value, _Inert) and value.args:
-        value = value.args[0]
+    args = getattr(value, "args", ()) if isinstance(value, _Inert) else ()
+    if args:
+        value = args[0]
     return int(value) if isinstance(value, int) else None
 
 
