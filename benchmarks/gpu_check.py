@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_sections(ctx: Any, chosen: set[str]) -> None:
     """The chosen sections in order; one whose set-up (outside its cases) raises is recorded
     as an ``error`` case and the next section still runs."""
+    import torch
+
     from gpu_check import correctness, offload, speed, two_ranks
 
     sections: list[tuple[str, str, Callable[[Any], None]]] = [
@@ -145,6 +147,10 @@ def _run_sections(ctx: Any, chosen: set[str]) -> None:
     for key, section, run in sections:
         if key not in chosen:
             continue
+        # Deterministic kernels where torch has them (warnings elsewhere) for the bitwise
+        # checks; the speed section times the default, fastest ones.
+        torch.use_deterministic_algorithms(key != "4", warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # keep torch.empty cheap
         try:
             run(ctx)
         except Exception as exc:
@@ -182,4 +188,9 @@ def _environment(mode: object) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: process-group and DeepSpeed destructors can hang there (see
+    # benchmarks/common.exit_worker), and the report is written.
+    os._exit(code)

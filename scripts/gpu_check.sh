@@ -7,13 +7,14 @@
 # Which Python runs it (the GPU machine has no internet, so nothing may need downloading):
 #   1. An existing CUDA-capable Python: $PYTHON if set, else python3, else python, the first
 #      for which `import torch; torch.cuda.is_available()` is true. A virtual environment
-#      ($GPU_CHECK_VENV, default /tmp/partita-gpu-venv, outside the work tree) is made from it with --system-site-packages (it sees that torch, and
-#      deepspeed/transformers where installed) and partita is installed into it with
-#      `pip install -e . --no-deps --no-build-isolation` (no index needed). Should pip fail,
-#      src/ on PYTHONPATH stands in. partita's own dependencies (pydantic, hjson, psutil,
-#      safetensors, tqdm, numpy) must then be importable; if one is not, pip is asked for the
-#      missing ones (it works where an index or PIP_FIND_LINKS wheelhouse is reachable) and
-#      the script stops with the module's name otherwise.
+#      ($GPU_CHECK_VENV, default /tmp/partita-gpu-venv, outside the work tree) is made from it
+#      with --system-site-packages --without-pip (it sees that torch, pip, and deepspeed where
+#      installed; that Python itself is used if no venv can be made) and partita is installed
+#      into it with `pip install -e . --no-deps --no-build-isolation` (no index needed). Should
+#      pip fail, src/ on PYTHONPATH stands in. partita's own dependencies (pydantic, hjson,
+#      psutil, safetensors, tqdm, numpy) must be importable; if one is not, pip is asked for
+#      the missing ones (it works where an index or a PIP_FIND_LINKS wheelhouse is reachable)
+#      and the script stops naming them otherwise.
 #   2. No CUDA anywhere: scripts/setup_env.sh's .venv (CPU torch), and the dry run: every case
 #      on CPU at tiny sizes, without a time box (what CI runs through tests/test_gpu_check.py).
 #
@@ -38,10 +39,14 @@ done
 extra=()
 if [ -n "$cuda_python" ]; then
   venv="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/partita-gpu-venv}"
-  if [ ! -x "$venv/bin/python" ]; then
-    "$cuda_python" -m venv --system-site-packages "$venv"
+  # --without-pip: no ensurepip needed; the system's pip, seen through the system site
+  # packages, installs into the venv.
+  if [ ! -x "$venv/bin/python" ] &&
+    ! "$cuda_python" -m venv --system-site-packages --without-pip "$venv"; then
+    echo "gpu_check.sh: cannot make a venv; using $cuda_python itself" >&2
   fi
-  py="$venv/bin/python"
+  py="$cuda_python"
+  [ -x "$venv/bin/python" ] && py="$venv/bin/python"
   if ! "$py" -c 'import partita' >/dev/null 2>&1; then
     "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" ||
       echo "gpu_check.sh: pip install -e . failed; using src/ on PYTHONPATH" >&2
