@@ -73,6 +73,7 @@ STATIC = {"loss_scale": 1024}
 APART_STEPS = (2, 4)
 APART = {**INJECTED, "loss_scale_window": 100}
 APART_CONSECUTIVE = {**APART, "consecutive_hysteresis": True}
+NO_HYSTERESIS = {**APART, "hysteresis": 1}  # every overflow halves the scale
 TIED = {"tie": True, "checkpoint": True}
 CLIP = {"gradient_clipping": 0.05}  # below every step's gradient norm: every step clips
 
@@ -83,7 +84,7 @@ def _cases(world: int) -> list[dict[str, Any]]:
     # The loss scaler is the engine's, not a stage's: its hysteresis variants run on stage 0.
     cases += [
         {"precision": "fp16", "stage": 0, "steps": 6, "fp16": f, "inject": (last, APART_STEPS)}
-        for f in (APART, APART_CONSECUTIVE)
+        for f in (APART, APART_CONSECUTIVE, NO_HYSTERESIS)
     ]
     # Clipping on stage 0 only: stages 1-3 take the global norm over flat shards, a different
     # summation than torch's per-tensor norms, so it agrees only to rounding (see the module
@@ -164,6 +165,7 @@ def _case_id(case: dict[str, Any]) -> str:
         id(STATIC): "-static",
         id(APART): "-hysteresis",
         id(APART_CONSECUTIVE): "-consecutive_hysteresis",
+        id(NO_HYSTERESIS): "-hysteresis1",
     }
     kind = case["precision"] + scaling.get(id(case.get("fp16")), "")
     inject = "-inf" if "inject" in case else ""
@@ -223,6 +225,9 @@ def _check_case_exercises_what_it_claims(case: dict[str, Any], ref: dict[str, An
         assert ref["final_scale"] == scales[first]
     if case.get("fp16") is APART:
         assert skipped == list(APART_STEPS) and scales[-1] == scales[0] / 2
+    if case.get("fp16") is NO_HYSTERESIS:
+        first = APART_STEPS[0]
+        assert scales[first + 1] == scales[first] / 2 and scales[-1] == scales[0] / 4
     if case.get("fp16") is APART_CONSECUTIVE:
         assert skipped == list(APART_STEPS) and set(scales) == {scales[0]}
     if case.get("extra") is CLIP:
