@@ -185,7 +185,10 @@ GRID = [(world, i, case) for world in (1, 2) for i, case in enumerate(_cases(wor
 def test_matches_plain_torch_mixed_precision_bitwise(
     distributed_grid: GridCache, world: int, index: int, case: dict[str, Any]
 ) -> None:
-    per_rank = distributed_grid.case(mixed_case, world, _cases(world), index, timeout=300)
+    """Tolerance zero, on every rank: losses, loss scales, skipped steps, 16-bit weights, fp32
+    masters (and stage 0's gradient norms). Why bitwise is the right bound at one and two
+    ranks, and why four ranks are left out, is derived in the module docstring."""
+    per_rank = distributed_grid.case(mixed_case, world, _cases(world), index, timeout=600)
     ref = per_rank[0]["reference"]
     for rank, got in enumerate(per_rank):
         assert got["losses"] == ref["losses"][rank], f"rank {rank}: per-step losses"
