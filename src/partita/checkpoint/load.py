@@ -44,7 +44,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     trust_pickle: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Loads a partita (or, with `trust_pickle`, DeepSpeed ZeRO 1/2) checkpoint saved at any
+    """Loads a partita (or, with `trust_pickle`, DeepSpeed ZeRO 1-3) checkpoint saved at any
     world size and stage. Returns ``(checkpoint folder, client_state)``, or ``(None, None)``
     with a warning when `load_dir` holds no checkpoint at all. Every rank must call it; a
     broken checkpoint raises `CheckpointError` on every rank, naming the file and the check."""
