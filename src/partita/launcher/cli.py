@@ -193,21 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CPU workers per node (gloo); sets {ACCELERATOR_ENV}=cpu even if GPUs are present",
     )
     _add_node_flags(parser)
-    parser.add_argument(
-        "--max_restarts",
-        type=_int_at_least(0),
-        default=0,
-        metavar="M",
-        help="restart all workers up to M times after a failure (default: 0)",
-    )
-    parser.add_argument(
-        "--hang_timeout",
-        type=_seconds,
-        metavar="S",
-        help="end the job when a rank makes no progress for S seconds: its heartbeat stops, or "
-        "it leaves the others waiting in a collective (default: $PARTITA_HANG_TIMEOUT, else "
-        "240; 0 disables)",
-    )
+    _add_job_flags(parser)
     parser.add_argument(
         "--module", action="store_true", help="run the script as a module, like 'python -m'"
     )
@@ -233,6 +219,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("script", help="training script (a module with --module)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
+
+
+def _add_job_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the job as a whole: restarts and the hang bound."""
+    parser.add_argument(
+        "--max_restarts",
+        type=_int_at_least(0),
+        default=0,
+        metavar="M",
+        help="restart all workers up to M times after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--hang_timeout",
+        type=_seconds,
+        metavar="S",
+        help="end the job when a rank makes no progress for S seconds: its heartbeat stops, or "
+        "it leaves the others waiting in a collective (default: $PARTITA_HANG_TIMEOUT, else "
+        "240; 0 disables)",
+    )
 
 
 def _check_script(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:

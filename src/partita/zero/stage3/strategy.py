@@ -212,10 +212,9 @@ class FullySharded:
         offload_ratio: float = 1.0,
     ) -> None:
         self.process_group = group
-        if swap_space is not None:
-            state_device = torch.device("cpu")
-        if param_swap_space is not None:
-            shard_device = torch.device("cpu")
+        cpu = torch.device("cpu")  # swapped state and shards are staged in host memory
+        state_device = cpu if swap_space is not None else state_device
+        shard_device = cpu if param_swap_space is not None else shard_device
         self.comm_device = next(module.parameters()).device
         # A master may alias its shard only when both stay in memory for good.
         alias = swap_space is None and param_swap_space is None
@@ -232,19 +231,15 @@ class FullySharded:
             # Swapped masters and shards live in the swap buffers, not in these tensors.
             (pin_memory[0] and swap_space is None, pin_memory[1]),
         )  # fmt: skip
-        self.swapped = (
-            SwappedOptimizerState(swap_space, optimizer_pipeline(zero.offload_optimizer))
-            if swap_space is not None
-            else None
-        )
+        pipeline = optimizer_pipeline(zero.offload_optimizer)
+        swapped = None if swap_space is None else SwappedOptimizerState(swap_space, pipeline)
+        self.swapped = swapped
         bindings = self._build_units(build, plan, persistent, module, modules)
         if state_device is not None and swap_space is None and offload_ratio < 1.0:
             self._keep_masters_on_device(offload_ratio)
+        bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
-            scaling,
-            policy.reduce_dtype,
-            group=group,
-            max_in_flight_numel=int(zero.reduce_bucket_size),
+            scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket
         )
         self.scheduler = UnitScheduler(
             self.units,
