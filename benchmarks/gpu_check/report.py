@@ -41,20 +41,22 @@ def _speed_table(cases: list[Case]) -> list[str]:
         None,
     )
     lines = [
-        "| configuration | micro-batch x seq | step (ms) | tokens/s | vs torch | TFLOPS | MFU | peak device memory (GB) | optimizer | note |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| configuration | micro-batch x seq | step (ms) | tokens/s | vs torch | TFLOPS | MFU "
+        "| peak device memory (GB) | last loss | optimizer | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for c in rows:
         f = c.figures
         if "step_ms" not in f:
-            lines.append(f"| {c.name} | {c.status}: {c.detail} |" + " |" * 8)
+            lines.append(f"| {c.name} | {c.status}: {c.detail} |" + " |" * 9)
             continue
         vs = f"{f['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         mfu = f"{f['mfu']:.1%}" if f.get("mfu") is not None else "-"
         peak = f"{f['peak_gb']:.1f}" if f.get("peak_gb") is not None else "-"
         lines.append(
             f"| {c.name} | {f['micro']} x {f['seq']} | {f['step_ms']:.1f} | {f['tokens_per_s']:.0f} | {vs} "
-            f"| {f['tflops']:.1f} | {mfu} | {peak} | {f['optimizer']} | {f.get('note', '')} |"
+            f"| {f['tflops']:.1f} | {mfu} | {peak} | {f['losses'][-1]:.4f} | {f['optimizer']} "
+            f"| {f.get('note', '')} |"
         )
     return lines
 

@@ -9,6 +9,7 @@ note). Time-boxed: a configuration that would start after the budget is ``not ru
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -44,9 +45,8 @@ def run_section4(ctx: Context) -> None:
     need = 35.0 if mode.is_cuda else 0.0
     state: dict[str, Any] = {"micro": None}
     ctx.run(S4, "torch + fused AdamW", lambda: _baseline(ctx, state), min_s=need)
-    micro = state["micro"]
-    if micro is None:
-        return
+    # Should the baseline fail, the others still run at the mode's default micro-batch.
+    micro = state["micro"] or mode.big.micro
     configs: list[tuple[str, Callable[[int], tuple[Step, str]], float]] = [
         ("partita stage 0", lambda mb: _partita(ctx, 0, mb), need),
         ("partita stage 3", lambda mb: _partita(ctx, 3, mb), need),
@@ -213,31 +213,39 @@ for name in {ops!r}:
 def start_ds_build(ctx: Context) -> None:
     """Starts building (or loading the cached) DeepSpeed FusedAdam and CPUAdam ops in a child
     process at the start of the run, so the build overlaps sections 1-3 (GPU only: on CPU the
-    build alone would take minutes). Its log goes to ``deepspeed_build.log``."""
+    build alone would take minutes). Outcomes go to ``deepspeed_build.jsonl``, its log to
+    ``deepspeed_build.log``.
+
+    [Note: never kill the build] torch's extension builder holds a lock file in the build
+    folder while it compiles; a build killed midway leaves it behind, and every later load of
+    that op (the next check on the same machine) waits on it forever. So the child runs in its
+    own session with no pipe to this process, and is left to finish when the check stops
+    waiting for it."""
     if ctx.mode.dry or importlib.util.find_spec("deepspeed") is None:
         return
-    log = open(os.path.join(ctx.out_dir, "deepspeed_build.log"), "w")  # noqa: SIM115 (child's)
-    code = _BUILD.format(ops=DS_OPS)
-    ctx.jobs["ds_build"] = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=log, text=True
-    )
+    results = os.path.join(ctx.out_dir, "deepspeed_build.jsonl")
+    with open(results, "w") as out, open(results[:-6] + ".log", "w") as log:
+        ctx.jobs["ds_build"] = subprocess.Popen(
+            [sys.executable, "-c", _BUILD.format(ops=DS_OPS)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True,
+        )  # fmt: skip
+    ctx.jobs["ds_build_results"] = results
 
 
 def _wait_ds_build(ctx: Context, timeout: float) -> dict[str, str]:
-    """Each op's outcome once the build child is done (killed after ``timeout``)."""
+    """Each op's outcome, waiting at most ``timeout`` s for the build (see [Note: never kill
+    the build])."""
     proc: subprocess.Popen | None = ctx.jobs.get("ds_build")
     if proc is None:
         return {}
-    try:
-        out, _ = proc.communicate(timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=max(1.0, timeout))
     ops = {op: f"build not done {timeout:.0f} s after the sections before it" for op in DS_OPS}
-    for line in out.splitlines():
-        if line.startswith('["'):
-            name, outcome = json.loads(line)
-            ops[name] = outcome
+    with open(ctx.jobs["ds_build_results"]) as fh:
+        for line in fh:
+            if line.startswith('["'):
+                name, outcome = json.loads(line)
+                ops[name] = outcome
     return ops
 
 

@@ -61,7 +61,7 @@ def run_two_ranks(ctx: Context) -> None:
     chosen: dict[str, Any] = {}
 
     def pick() -> Case:
-        backend, env2, why = choose_backend(mode.is_cuda, env, timeout=90)
+        backend, env2, why = choose_backend(mode.is_cuda, env, timeout=60)
         chosen.update(backend=backend, env=env2)
         ctx.notes["two_process_backend"] = why
         return Case(S1, "2 ranks on one device: backend", "pass", why)
