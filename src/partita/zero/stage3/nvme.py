@@ -60,7 +60,9 @@ def optimizer_pipeline(block: Any) -> tuple[bool, bool]:
     """(read ahead, write behind) for the ``offload_optimizer`` section `block`: its
     ``pipeline_read``/``pipeline_write`` as far as ``buffer_count`` covers four state tensors
     per resident sub-group ([Note: swapped sub-groups]); what does not fit is dropped with a
-    warning naming the keys."""
+    warning naming the keys. No block (no optimizer offload): neither."""
+    if block is None:
+        return False, False
     read, write = bool(block.pipeline_read), bool(block.pipeline_write)
     fits = int(block.buffer_count) // _STATES
     if 1 + read + write > fits:
