@@ -83,6 +83,11 @@ def markdown(ctx: Context, env: dict[str, Any]) -> str:
     lines += ["", f"#### Speed: GPT {shape.layers} x {shape.dim}, vocab {shape.vocab}, bf16, world size 1, "
               f"median of {mode.speed_steps} steps after {mode.speed_warmup} warm-up; MFU against 989 TFLOPS "
               "(H200 bf16 dense)", ""]  # fmt: skip
+    if mode.dry:
+        lines += [
+            "Dry run: a tiny model on CPU, so these timings only show that each row runs.",
+            "",
+        ]
     lines += _speed_table(ctx.cases)
     lines += ["", "Goals (reported, not asserted):", ""]
     for name, value, target, op in goals(ctx):
