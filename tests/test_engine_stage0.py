@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine_workers import base_config, train_grid
+from models import STEPS as PARITY_STEPS
 from models import assert_parity, pairs, reference_run, with_float64
 from partita.testing import run_distributed
 
@@ -19,25 +20,32 @@ RTOL = 1e-6
 def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
     micro = 2
     cases = [
-        {"config": base_config(micro=2, gas=1), "steps": STEPS},
-        {"config": base_config(micro=2, gas=4), "steps": STEPS},
-        {"config": base_config(micro=8, gas=1), "steps": STEPS},
-        {"config": base_config(micro=2, gas=1, clip=0.05), "steps": STEPS},
-        {"config": base_config(micro=2, gas=1), "steps": STEPS},  # the first, again: bitwise
+        {"config": base_config(micro=2, gas=1), "steps": PARITY_STEPS},
+        {"config": base_config(micro=2, gas=4), "steps": PARITY_STEPS},
+        {"config": base_config(micro=8, gas=1), "steps": PARITY_STEPS},
+        {"config": base_config(micro=2, gas=1, clip=0.05), "steps": PARITY_STEPS},
+        {"config": base_config(micro=2, gas=1), "steps": PARITY_STEPS},  # the first, again: bitwise
     ]
     results = run_distributed(train_grid, world, with_float64(cases), timeout=240)
     plain, accum, big_micro, clipped, again = pairs(results[0])
 
-    ref = reference_run(STEPS, batch=micro * world)
+    ref = reference_run(PARITY_STEPS, batch=micro * world)
     assert_parity(plain, ref)
-    ref8 = reference_run(STEPS, batch=8 * world)
+    ref8 = reference_run(PARITY_STEPS, batch=8 * world)
     assert_parity(accum, ref8)
     assert_parity(big_micro, ref8)
-    ref_clip = reference_run(STEPS, batch=micro * world, clip=0.05)
+    ref_clip = reference_run(PARITY_STEPS, batch=micro * world, clip=0.05)
     assert_parity(clipped, ref_clip)
-    # Clipping must have changed the trajectory far beyond the tolerance, or the clipped case
-    # proves nothing.
-    assert abs(ref_clip.losses[-1] - ref.losses[-1]) > 100 * RTOL * abs(ref.losses[-1])
+    # Clipping must have changed the trajectory well beyond the tolerance, or the clipped case
+    # proves nothing. Adam is nearly blind to a uniform scaling of the gradients, so clipping
+    # acts only through the clip coefficient changing from step to step: after 10 steps the
+    # losses are 3e-5 to 6e-5 apart (30-60x the tolerance), in both precisions.
+    for clipped_losses, losses in (
+        (ref_clip.losses, ref.losses),
+        (ref_clip.losses64, ref.losses64),
+    ):
+        gap = max(abs(a - b) / abs(b) for a, b in zip(clipped_losses, losses, strict=True))
+        assert gap > 10 * RTOL, gap
 
     for twin in (0, 1):  # fp32 and float64: the same run twice is bitwise the same
         assert again[twin]["losses"] == plain[twin]["losses"]
@@ -48,8 +56,8 @@ def test_fp32_parity_accumulation_clipping_and_determinism(world: int) -> None:
         for rank_case, case in zip(rank_results, results[0], strict=True):
             for a, b in zip(rank_case["params"], case["params"], strict=True):
                 assert torch.equal(a, b)
-    assert plain[0]["global_steps"] == STEPS
-    assert accum[0]["global_samples"] == STEPS * 8 * world
+    assert plain[0]["global_steps"] == PARITY_STEPS
+    assert accum[0]["global_samples"] == PARITY_STEPS * 8 * world
 
 
 def test_mixed_precision_tracks_fp32_and_overflow_is_skipped_everywhere() -> None:

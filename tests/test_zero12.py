@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine_workers import base_config, train_grid
+from models import STEPS as PARITY_STEPS
 from models import Reference, assert_parity, make_model, pairs, reference_run, with_float64
 from partita.testing import run_distributed
 
@@ -23,17 +24,17 @@ def _zero(stage: int, **extra: object) -> dict:
 def _cases(stage: int) -> list[dict]:
     z = _zero(stage)
     return [
-        {"config": base_config(2, 1, **z), "steps": STEPS},
-        {"config": base_config(2, 4, **z), "steps": STEPS},
-        {"config": base_config(2, 1, clip=0.05, **z), "steps": STEPS},
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS},
+        {"config": base_config(2, 4, **z), "steps": PARITY_STEPS},
+        {"config": base_config(2, 1, clip=0.05, **z), "steps": PARITY_STEPS},
         {
             "config": base_config(2, 1, **z),
-            "steps": STEPS,
+            "steps": PARITY_STEPS,
             "groups": True,
             "model_kwargs": {"frozen": True},
         },
-        {"config": base_config(2, 1, **z), "steps": STEPS},  # the first, again: bitwise
-        {"config": base_config(2, 1), "steps": STEPS},  # stage 0 on the same data
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS},  # the first, again: bitwise
+        {"config": base_config(2, 1), "steps": PARITY_STEPS},  # stage 0 on the same data
     ]
 
 
@@ -44,11 +45,12 @@ def test_fp32_parity_with_reference_and_stage0(stage: int, world: int) -> None:
     results = run_distributed(train_grid, world, with_float64(_cases(stage)), timeout=240)
     plain, accum, clipped, grouped, again, stage0 = pairs(results[0])
     batch = 2 * world
-    assert_parity(plain, reference_run(STEPS, batch=batch))
-    assert_parity(accum, reference_run(STEPS, batch=8 * world))
-    assert_parity(clipped, reference_run(STEPS, batch=batch, clip=0.05))
+    assert_parity(plain, reference_run(PARITY_STEPS, batch=batch))
+    assert_parity(accum, reference_run(PARITY_STEPS, batch=8 * world))
+    assert_parity(clipped, reference_run(PARITY_STEPS, batch=batch, clip=0.05))
     assert_parity(
-        grouped, reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True})
+        grouped,
+        reference_run(PARITY_STEPS, batch=batch, groups=True, model_kwargs={"frozen": True}),
     )
     assert_parity(plain, Reference.of_pair(stage0))
     for twin in (0, 1):  # fp32 and float64: the same run twice is bitwise the same
@@ -75,13 +77,13 @@ def test_hugging_face_models_match_reference(kind: str) -> None:
     cases = [
         {
             "config": base_config(2, 1, **_zero(stage)),
-            "steps": STEPS,
+            "steps": PARITY_STEPS,
             "model_kwargs": {"kind": kind},
         }
         for stage in (0, 1, 2)
     ]
     results = run_distributed(train_grid, world, with_float64(cases), timeout=240)
-    ref = reference_run(STEPS, batch=2 * world, model_kwargs={"kind": kind})
+    ref = reference_run(PARITY_STEPS, batch=2 * world, model_kwargs={"kind": kind})
     stage0, *zero = pairs(results[0])
     for pair in zero:
         assert_parity(pair, ref)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine_workers import base_config, generate_after_training, train_grid
+from models import STEPS as PARITY_STEPS
 from models import Reference, assert_parity, pairs, reference_run, with_float64
 from partita.testing import run_distributed
 
@@ -31,36 +32,41 @@ def _z3(**extra: object) -> dict:
 def test_fp32_parity_hard_cases_and_determinism(world: int) -> None:
     z = _z3()
     cases = [
-        {"config": base_config(2, 1, **z), "steps": STEPS},
-        {"config": base_config(2, 4, **z), "steps": STEPS},
-        {"config": base_config(2, 1, clip=0.05, **z), "steps": STEPS},
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS},
+        {"config": base_config(2, 4, **z), "steps": PARITY_STEPS},
+        {"config": base_config(2, 1, clip=0.05, **z), "steps": PARITY_STEPS},
         {
             "config": base_config(2, 1, **z),
-            "steps": STEPS,
+            "steps": PARITY_STEPS,
             "groups": True,
             "model_kwargs": {"frozen": True},
         },
-        {"config": base_config(2, 1, **z), "steps": STEPS, "model_kwargs": {"tie": True}},
-        {"config": base_config(2, 1, **z), "steps": STEPS, "model_kwargs": {"checkpoint": True}},
-        {"config": base_config(2, 1, **z), "steps": STEPS},  # again: bitwise
-        {"config": base_config(2, 1), "steps": STEPS},  # stage 0
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS, "model_kwargs": {"tie": True}},
+        {
+            "config": base_config(2, 1, **z),
+            "steps": PARITY_STEPS,
+            "model_kwargs": {"checkpoint": True},
+        },
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS},  # again: bitwise
+        {"config": base_config(2, 1), "steps": PARITY_STEPS},  # stage 0
         # DeepSpeed's default knobs: every parameter of this small model is "persistent".
-        {"config": base_config(2, 1, zero_optimization={"stage": 3}), "steps": STEPS},
+        {"config": base_config(2, 1, zero_optimization={"stage": 3}), "steps": PARITY_STEPS},
     ]
     results = run_distributed(train_grid, world, with_float64(cases), timeout=300)
     plain, accum, clipped, grouped, tied, ckpt, again, stage0, defaults = pairs(results[0])
     batch = 2 * world
-    ref = reference_run(STEPS, batch=batch)
+    ref = reference_run(PARITY_STEPS, batch=batch)
     assert_parity(plain, ref)
     assert_parity(defaults, ref)
     assert_parity(plain, Reference.of_pair(stage0))
-    assert_parity(accum, reference_run(STEPS, batch=8 * world))
-    assert_parity(clipped, reference_run(STEPS, batch=batch, clip=0.05))
+    assert_parity(accum, reference_run(PARITY_STEPS, batch=8 * world))
+    assert_parity(clipped, reference_run(PARITY_STEPS, batch=batch, clip=0.05))
     assert_parity(
-        grouped, reference_run(STEPS, batch=batch, groups=True, model_kwargs={"frozen": True})
+        grouped,
+        reference_run(PARITY_STEPS, batch=batch, groups=True, model_kwargs={"frozen": True}),
     )
-    assert_parity(tied, reference_run(STEPS, batch=batch, model_kwargs={"tie": True}))
-    assert_parity(ckpt, reference_run(STEPS, batch=batch, model_kwargs={"checkpoint": True}))
+    assert_parity(tied, reference_run(PARITY_STEPS, batch=batch, model_kwargs={"tie": True}))
+    assert_parity(ckpt, reference_run(PARITY_STEPS, batch=batch, model_kwargs={"checkpoint": True}))
     for twin in (0, 1):  # fp32 and float64: the same run twice is bitwise the same
         assert again[twin]["losses"] == plain[twin]["losses"]
         assert all(
@@ -80,12 +86,12 @@ def test_fp32_parity_hard_cases_and_determinism(world: int) -> None:
 def test_hugging_face_models_and_generate(kind: str) -> None:
     world = 2
     cases = [
-        {"config": base_config(2, 1, **z), "steps": STEPS, "model_kwargs": {"kind": kind}}
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS, "model_kwargs": {"kind": kind}}
         for z in (_z3(), {})
     ]
     results = run_distributed(train_grid, world, with_float64(cases), timeout=300)
     stage3, stage0 = pairs(results[0])
-    assert_parity(stage3, reference_run(STEPS, batch=2 * world, model_kwargs={"kind": kind}))
+    assert_parity(stage3, reference_run(PARITY_STEPS, batch=2 * world, model_kwargs={"kind": kind}))
     # Two ranks: one summation order, so stage 3 reproduces stage 0 bit for bit.
     for twin in (0, 1):
         assert stage3[twin]["losses"] == stage0[twin]["losses"]
@@ -157,11 +163,11 @@ def test_peft_lora_trains_and_matches_single_process() -> None:
     world = 2
     kwargs = {"kind": "gpt2-lora"}
     cases = [
-        {"config": base_config(2, 1, **z), "steps": STEPS, "model_kwargs": kwargs}
+        {"config": base_config(2, 1, **z), "steps": PARITY_STEPS, "model_kwargs": kwargs}
         for z in (_z3(), {})
     ]
     stage3, stage0 = pairs(run_distributed(train_grid, world, with_float64(cases), timeout=300)[0])
-    ref = reference_run(STEPS, batch=2 * world, model_kwargs=kwargs)
+    ref = reference_run(PARITY_STEPS, batch=2 * world, model_kwargs=kwargs)
     assert_parity(stage3, ref)
     assert stage3[0]["numel"] < 0.2 * sum(p.numel() for p in ref.params)  # only LoRA weights train
     for twin in (0, 1):
