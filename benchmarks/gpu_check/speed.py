@@ -150,12 +150,14 @@ def _torch(ctx: Context) -> tuple[Step, str]:
     return (lambda b: trainer.step(b)[0]), "AdamW(fused=True), fp32 masters"
 
 
-def _partita(ctx: Context, stage: int, micro: int, zero: dict | None = None) -> tuple[Step, str]:
-    import partita
-
+def _engine_step(
+    ctx: Context, initialize: Any, stage: int, micro: int, zero: dict | None
+) -> tuple[Step, Any, Any]:
+    """A bf16 training step through a DeepSpeed-style engine (partita's or DeepSpeed's
+    ``initialize``): the step, the engine and the optimizer it returned."""
     model = build(ctx.mode.big, 0, ctx.mode.device)
     config = engine_config(stage, "bf16", micro, clip=1.0, **(zero or {}))
-    engine, _, _, _ = partita.initialize(
+    engine, optimizer, _, _ = initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
 
@@ -166,6 +168,13 @@ def _partita(ctx: Context, stage: int, micro: int, zero: dict | None = None) -> 
         return loss.detach()
 
     step.close = engine.destroy  # type: ignore[attr-defined]
+    return step, engine, optimizer
+
+
+def _partita(ctx: Context, stage: int, micro: int, zero: dict | None = None) -> tuple[Step, str]:
+    import partita
+
+    step, engine, _ = _engine_step(ctx, partita.initialize, stage, micro, zero)
     return step, type(engine.optimizer).__name__
 
 
@@ -293,18 +302,6 @@ def _deepspeed(ctx: Context, micro: int, need: float) -> None:
 def _ds_engine(ctx: Context, micro: int, zero: dict | None) -> tuple[Step, str]:
     import deepspeed
 
-    model = build(ctx.mode.big, 0, ctx.mode.device)
-    config = engine_config(3, "bf16", micro, clip=1.0, **(zero or {}))
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-
-    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    step.close = engine.destroy  # type: ignore[attr-defined]
+    step, _, optimizer = _engine_step(ctx, deepspeed.initialize, 3, micro, zero)
     inner = getattr(optimizer, "optimizer", None)
     return step, f"{type(optimizer).__name__}({type(inner).__name__})"
