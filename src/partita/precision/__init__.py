@@ -1,6 +1,5 @@
-"""Precision policy, loss scaling and gradient checks (pure tensor math)."""
+"""Precision policy and loss scaling (pure tensor math)."""
 
-from partita.precision.grads import GradStats, grad_stats, scale_grads_
 from partita.precision.loss_scaler import (
     DynamicLossScaler,
     LossScaleAtMinimumError,
@@ -11,13 +10,10 @@ from partita.precision.policy import PrecisionPolicy, dtype_from_name, full_dtyp
 
 __all__ = [
     "DynamicLossScaler",
-    "GradStats",
     "LossScaleAtMinimumError",
     "LossScaler",
     "PrecisionPolicy",
     "StaticLossScaler",
     "dtype_from_name",
     "full_dtype",
-    "grad_stats",
-    "scale_grads_",
 ]
