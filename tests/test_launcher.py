@@ -315,7 +315,8 @@ def test_worker_env_sets_accelerator_and_keeps_user_threads() -> None:
     env = worker_env(WorkerPlan("cpu", 2), {})
     assert env["PARTITA_ACCELERATOR"] == "cpu" and int(env["OMP_NUM_THREADS"]) >= 1
     assert worker_env(WorkerPlan("cuda", 2), {"OMP_NUM_THREADS": "8"}) == {
-        "PARTITA_ACCELERATOR": "cuda"
+        "PARTITA_ACCELERATOR": "cuda",
+        "PARTITA_AS_DEEPSPEED": "1",  # `import deepspeed` is partita under the launcher
     }
 
 

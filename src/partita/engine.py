@@ -296,6 +296,47 @@ class Engine(torch.nn.Module):
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """The full weights in the module's dtype (CPU) and persistent buffers on rank 0, None
+        elsewhere; every rank must call it. Stage 3 gathers one unit at a time."""
+        from partita.zero.save16 import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's name for `consolidated_16bit_state_dict` at stage 3 (Hugging Face's
+        Trainer and Accelerate call it); like DeepSpeed, a ValueError at other stages."""
+        if self.zero_optimization_stage() != 3:
+            raise ValueError(
+                "_zero3_consolidated_16bit_state_dict() needs zero_optimization.stage 3, this "
+                f"engine runs stage {self.zero_optimization_stage()}"
+            )
+        return self.consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: partita always gathers full weights when a model is saved (one stage-3 unit at a
+        time), so a Hugging Face ``save_model()`` never writes an empty file. DeepSpeed returns
+        ``stage3_gather_16bit_weights_on_model_save``, false by default, and then saves none."""
+        return True
+
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Compiles the wrapped module in place with ``torch.compile`` (DeepSpeed's
+        ``engine.compile``; Accelerate calls it when a dynamo backend is configured)."""
+        options = dict(compile_kwargs or {})
+        options.update(kwargs)
+        if backend is not None:
+            options["backend"] = backend
+        self.module.compile(**options)
+
     # --- checkpoints (partita.checkpoint) -------------------------------------------------------
     def save_checkpoint(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
 from .ledger import refused_problems
@@ -61,8 +61,19 @@ class DeepSpeedConfig(Section):
         "DeepSpeed's default became 1.0 in v0.19.3 (it was 0 before).",
     )
     steps_per_print: PositiveInt | None = Field(
-        default=None, description="Log progress every this many optimizer steps; None never."
+        default=None,
+        description="Log progress every this many optimizer steps; None (or infinity, which "
+        "Hugging Face Accelerate writes) never.",
     )
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinite_is_never(cls, value: Any) -> Any:
+        # Accelerate's DeepSpeedPlugin sets steps_per_print to float("inf") in every config.
+        if isinstance(value, float) and value == float("inf"):
+            return None
+        return value
+
     wall_clock_breakdown: Bool = Field(
         default=False, description="Time forward, backward and step and log the breakdown."
     )

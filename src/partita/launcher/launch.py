@@ -65,6 +65,9 @@ __all__ = [
 
 #: Environment variable the launcher sets in every worker: ``cpu`` or ``cuda``.
 ACCELERATOR_ENV = "PARTITA_ACCELERATOR"
+AS_DEEPSPEED_ENV = (
+    "PARTITA_AS_DEEPSPEED"  # partita.compat.alias.ENV_SWITCH (no import: keeps --help fast)
+)
 
 #: Port used for multi-node launches when ``--master_port`` is not given. Every node must agree
 #: on it, so it cannot be picked at random; 29500 is the torch and DeepSpeed default.
@@ -200,6 +203,9 @@ def _usable_cpus() -> int:
 def worker_env(plan: WorkerPlan, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to add to the launcher's environment, which every worker inherits."""
     env: dict[str, str] = {ACCELERATOR_ENV: plan.device}
+    # Under the partita launcher `import deepspeed` is partita (Hugging Face's Trainer and
+    # Accelerate find it there); the start-up hook installed with the package reads this.
+    env[AS_DEEPSPEED_ENV] = "1"
     if "OMP_NUM_THREADS" not in environ:
         # Without a limit every worker starts one thread per core and they fight for the
         # cores; CPU workers share the cores, GPU workers get one each (torchrun's default).

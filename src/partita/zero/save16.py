@@ -38,6 +38,28 @@ def _param_batches(engine: Any, exclude_frozen: bool) -> Iterator[list[tuple[str
     yield from by_unit.values()
 
 
+def consolidated_16bit_state_dict(
+    engine: Any, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """The full weights (module dtype, CPU copies) and persistent buffers, keyed like
+    ``engine.module.state_dict()``, on rank 0; None on the other ranks. Collective: every rank
+    must call. Stage 3 gathers one unit at a time, so only rank 0's host holds the whole model."""
+    rank = comm.get_rank()
+    out: dict[str, torch.Tensor] = {}
+    for batch in _param_batches(engine, exclude_frozen_parameters):
+        with GatheredParameters([p for _, p in batch]):
+            if rank == 0:
+                for name, p in batch:
+                    out[name] = p.detach().to("cpu").contiguous().clone()
+    if rank != 0:
+        return None
+    persistent = set(engine.module.state_dict(keep_vars=True))
+    for name, buf in engine.module.named_buffers():
+        if name in persistent:
+            out[name] = buf.detach().to("cpu").contiguous().clone()
+    return out
+
+
 def save_16bit_model(
     engine: Any,
     save_dir: str,

@@ -1,0 +1,80 @@
+"""partita standing in for DeepSpeed: what ``import deepspeed`` gives when partita is asked to
+stand in (see `partita.compat.alias`).
+
+Thin adapters over partita's own API for the names Hugging Face Transformers, Accelerate and PEFT
+use (and common DeepSpeed training scripts): `initialize` returns partita's engine, `zero.Init`
+and `zero.GatheredParameters` are partita's, and so on. No algorithm lives here. A DeepSpeed
+module partita does not implement fails to import with a message naming the feature; a missing
+attribute of this package raises `NotInPartita` (an AttributeError) naming it.
+
+Importing this package is cheap (no CUDA, no compiled ops): Accelerate imports
+``deepspeed.DeepSpeedEngine`` on every ``unwrap_model`` once DeepSpeed looks installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partita import __version__ as _partita_version
+from partita.compat.alias import API_LEVEL
+from partita.compat.deepspeed import (
+    accelerator,
+    checkpoint,
+    comm,
+    launcher,
+    ops,
+    runtime,
+    utils,
+    zero,
+)
+from partita.compat.deepspeed._missing import missing_attribute
+from partita.compat.deepspeed.api import add_config_arguments, init_distributed, initialize
+from partita.compat.deepspeed.runtime.engine import DeepSpeedEngine
+from partita.config import ConfigError as DeepSpeedConfigError
+from partita.config import DeepSpeedConfig
+
+__version__ = f"{API_LEVEL}+partita.{_partita_version}"
+version = __version__
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in API_LEVEL.split("."))
+__git_hash__ = None
+__git_branch__ = None
+
+get_accelerator = accelerator.get_accelerator
+logger = utils.logger
+
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+    "DeepSpeedEngine",
+    "__version__",
+    "accelerator",
+    "add_config_arguments",
+    "checkpoint",
+    "comm",
+    "get_accelerator",
+    "init_distributed",
+    "initialize",
+    "launcher",
+    "logger",
+    "ops",
+    "runtime",
+    "utils",
+    "version",
+    "zero",
+]
+
+# DeepSpeed top-level names partita does not implement, with the feature each belongs to.
+_UNSUPPORTED = {
+    "init_inference": "DeepSpeed inference (kernel injection / AutoTP inference)",
+    "tp_model_init": "AutoTP training (tensor_parallel.autotp_size > 1)",
+    "PipelineModule": "pipeline parallelism",
+    "PipelineEngine": "pipeline parallelism",
+    "InferenceEngine": "DeepSpeed inference",
+    "DeepSpeedHybridEngine": "the RLHF hybrid engine",
+    "moe": "DeepSpeed-MoE expert parallelism",
+    "pipe": "pipeline parallelism",
+}
+
+
+def __getattr__(name: str) -> Any:
+    raise missing_attribute("deepspeed", name, _UNSUPPORTED.get(name))

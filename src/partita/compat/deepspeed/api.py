@@ -1,0 +1,22 @@
+"""``deepspeed.initialize`` and friends, as Hugging Face Accelerate calls them.
+
+Accelerate passes ``model=`` and ``config_params=`` (a dict whose ``"auto"`` values it filled),
+plus either ``model_parameters=`` (the config has an ``optimizer`` block), ``optimizer=`` (a torch
+optimizer), or neither: an engine for evaluation or generation only, with no optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partita import api as _api
+from partita.engine import Engine
+
+add_config_arguments = _api.add_config_arguments
+init_distributed = _api.init_distributed
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
+    """`partita.initialize` with DeepSpeed's signature: returns ``(engine, optimizer,
+    dataloader, lr_scheduler)``."""
+    return _api.initialize(*args, **kwargs)

@@ -1,0 +1,5 @@
+"""``deepspeed.launcher``: constants Accelerate's launcher reads (``launcher.runner``)."""
+
+from partita.compat.deepspeed.launcher import runner
+
+__all__ = ["runner"]

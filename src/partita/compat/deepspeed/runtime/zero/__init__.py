@@ -1,0 +1,75 @@
+"""``deepspeed.runtime.zero``: ZeRO-3 construction and gathering helpers (partita's)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from partita.zero import GatheredParameters
+from partita.zero.init import Init as _PartitaInit
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's parameter states, for code that names them (partita keeps no such flag on
+    parameters: its units own the state)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+class Init(_PartitaInit):
+    """``deepspeed.zero.Init``: partita's `partita.zero.Init`. A ``config_dict_or_path`` with
+    bf16 or fp16 enabled builds the parameters in that dtype, as DeepSpeed does, unless ``dtype``
+    is given."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("dtype") is None:
+            kwargs["dtype"] = _config_dtype(kwargs.get("config_dict_or_path", kwargs.get("config")))
+        super().__init__(*args, **kwargs)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    if not isinstance(config, dict):
+        return None
+    for key, dtype in (
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+    ):
+        section = config.get(key)
+        if isinstance(section, dict) and section.get("enabled") is True:
+            return dtype
+    return None
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed gathers `parameter` whenever `module` runs; partita's stage 3 gathers a unit's
+    parameters for every module of that unit and for any parameter read while its owner is not
+    running raises `ShardedParameterError` naming it, so nothing needs registering. Kept for
+    the models that call it (Hugging Face's wav2vec2 family)."""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(
+            f"register_external_parameter expects a torch.nn.Parameter, got {type(parameter).__name__}"
+        )
+    del module
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """The inverse of `register_external_parameter` (nothing to undo)."""
+    del module, parameter
+
+
+# Imported last: it re-exports the names above.
+from partita.compat.deepspeed.runtime.zero import partition_parameters  # noqa: E402
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "partition_parameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]

@@ -1,0 +1,19 @@
+"""``deepspeed.zero``: partita's ZeRO-3 helpers under DeepSpeed's names."""
+
+from __future__ import annotations
+
+from partita.compat.deepspeed.runtime.zero import (
+    GatheredParameters,
+    Init,
+    ZeroParamStatus,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
