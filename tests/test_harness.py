@@ -24,6 +24,7 @@ from partita.testing import (
     run_distributed,
     run_python,
 )
+from partita.testing._start import START_METHOD_ENV, server_pid
 from partita.testing.distributed import execute
 
 # Functions the ranks run: module level, so the spawned processes can unpickle them.
@@ -81,12 +82,14 @@ def _grid_case(numel: int, fail_on_rank: int | None = None) -> dict[str, Any]:
 
 
 def _children() -> set[int]:
-    """Live descendants of this process, except multiprocessing's resource tracker (started
-    once per session by the first spawn, by design)."""
+    """Live descendants of this process, except multiprocessing's resource tracker and the
+    harness's fork server (each started once per session by the first run, by design); the
+    ranks forked from the server are its children, so they count."""
+    server = server_pid()
     return {
         proc.pid
         for proc in psutil.Process().children(recursive=True)
-        if not any("resource_tracker" in part for part in proc.cmdline())
+        if proc.pid != server and not any("resource_tracker" in part for part in proc.cmdline())
     }
 
 
@@ -206,13 +209,26 @@ def test_bad_arguments(world_size: int, timeout: float) -> None:
         run_distributed(_grid_case, world_size, timeout=timeout)
 
 
+def _slowly(value: int) -> int:
+    time.sleep(2.0)
+    return value
+
+
+class _SlowToUnpickle:
+    """An argument whose unpickling in each rank (part of start-up: before the rendezvous)
+    takes 2 s, so start-up outlasts a 0.3 s bound however fast ranks start."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_slowly, (3,))
+
+
 def test_startup_timeout_dumps_and_kills(tmp_path: Path) -> None:
     before = _children()
     with pytest.raises(DistributedTimeoutError, match=r"start-up exceeded 0.3 s") as info:
         execute(
             _grid_case,
             2,
-            (3,),
+            (_SlowToUnpickle(),),
             {},
             timeout=60.0,
             env=None,
@@ -224,8 +240,21 @@ def test_startup_timeout_dumps_and_kills(tmp_path: Path) -> None:
     assert _children() <= before
 
 
-@pytest.mark.timeout(40)
-def test_harness_timeout_fires_before_pytests_own(tmp_path: Path) -> None:
+def _noop() -> None:
+    """A rank that returns at once."""
+
+
+@pytest.fixture
+def started_harness() -> None:
+    """One finished run before the test: the fork server (`partita.testing._start`) has
+    imported torch, outside the test's own pytest-timeout (``func_only``)."""
+    run_distributed(_noop, 2)
+
+
+# 15 s: the harness's share (three quarters) leaves ranks of a started harness ample time to
+# start; what is tested is the mechanism (the pending alarm read and beaten), not a length.
+@pytest.mark.timeout(15, func_only=True)
+def test_harness_timeout_fires_before_pytests_own(tmp_path: Path, started_harness: None) -> None:
     """A run allowed longer than the test's pytest-timeout (as 300-400 s runs under the
     project's 300 s are) is stopped by the harness first, so every rank's stack is reported;
     pytest-timeout would stop only this process and lose them."""
@@ -242,11 +271,59 @@ def test_harness_timeout_fires_before_pytests_own(tmp_path: Path) -> None:
     assert _is_gone(int(pid_file.read_text())), "the rank's own child survived"
 
 
-@pytest.mark.timeout(8)
+@pytest.mark.timeout(5)  # a bare interpreter starts in well under the harness's 3.75 s
 def test_run_python_timeout_fires_before_pytests_own() -> None:
     with pytest.raises(AssertionError, match="before pytest's timeout") as info:
         run_python("import time\ndef stuck():\n    time.sleep(600)\nstuck()", timeout=600.0)
     assert "in stuck" in str(info.value)  # the interpreter's stack when it was stopped
+
+
+def _parent_env_and_output(tag: str) -> dict[str, Any]:
+    rank = comm.get_rank()
+    print(f"stdout of rank {rank}: {tag}", flush=True)
+    print(f"stderr of rank {rank}: {tag}", file=sys.stderr, flush=True)
+    names = ("PARTITA_TEST_EARLY", "PARTITA_TEST_LATE", "ATEN_CPU_CAPABILITY")
+    return {"ppid": os.getppid(), "env": {name: os.environ.get(name) for name in names}}
+
+
+def test_ranks_fork_from_one_server_with_the_callers_environment_and_output(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Ranks are forked from the harness's fork server (started once, torch imported), yet
+    see this process's environment and stdout/stderr as they are at each call, as spawned
+    ranks would: not the server's from when it started."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)  # the default start method
+    monkeypatch.setenv("PARTITA_TEST_EARLY", "set when the server may start")
+    first = run_distributed(_parent_env_and_output, 2, "first")
+    server = server_pid()
+    assert server is not None and server != os.getpid()
+    assert [r["ppid"] for r in first] == [server, server]
+    assert all(r["env"]["PARTITA_TEST_EARLY"] == "set when the server may start" for r in first)
+    monkeypatch.delenv("PARTITA_TEST_EARLY")
+    monkeypatch.setenv("PARTITA_TEST_LATE", "set after the server started")
+    second = run_distributed(_parent_env_and_output, 2, "second")
+    assert [r["ppid"] for r in second] == [server, server]
+    for r in second:
+        assert r["env"]["PARTITA_TEST_EARLY"] is None
+        assert r["env"]["PARTITA_TEST_LATE"] == "set after the server started"
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        for tag in ("first", "second"):
+            assert f"stdout of rank {rank}: {tag}" in out
+            assert f"stderr of rank {rank}: {tag}" in err
+
+
+def test_environment_read_at_torch_import_makes_the_run_spawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A variable torch reads when it loads (here ATEN_CPU_CAPABILITY), set otherwise than in
+    the fork server, cannot reach a forked rank: that run spawns fresh interpreters."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    run_distributed(_noop, 1)  # the server is running, with this process's environment
+    value = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else "default"
+    (result,) = run_distributed(_parent_env_and_output, 1, "x", env={"ATEN_CPU_CAPABILITY": value})
+    assert result["ppid"] == os.getpid()
+    assert result["env"]["ATEN_CPU_CAPABILITY"] == value
 
 
 class _Interrupted(BaseException):

@@ -77,9 +77,13 @@ class ChildSpec:
     payload: bytes
     """pickle of (fn, args, kwargs); unpickled only after the stack-dump handler is installed."""
     env: dict[str, str]
+    """The rank's whole environment (it replaces what the process started with)."""
     num_threads: int
     pg_timeout_s: float
     parent_pid: int
+    """The rank's parent: the harness process, or its fork server (`partita.testing._start`)."""
+    stdio: Any = None
+    """`_start.InheritedStdio` of the harness process (on the rank's side: what `install`s it)."""
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -93,6 +97,8 @@ def write_atomic(path: str, data: bytes) -> None:
 def child_main(spec: ChildSpec) -> None:
     """Entry point of a rank process: set up, run the function, report, exit."""
     global _stack_file
+    if spec.stdio is not None:
+        spec.stdio.install()
     files = RunFiles(spec.run_dir)
     # Own session: the parent can kill this rank and anything it started with one killpg, even
     # after this process itself has exited.
@@ -102,6 +108,9 @@ def child_main(spec: ChildSpec) -> None:
     faulthandler.enable(file=_stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
     _die_with_parent(spec.parent_pid)
+    # Replaced, not updated: a rank forked from the fork server must not keep the server's
+    # environment from when it started (an earlier test's variables).
+    os.environ.clear()
     os.environ.update(spec.env)
     try:
         result = _run(spec, files)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -46,6 +45,7 @@ import psutil
 
 from partita.testing import deadline
 from partita.testing._child import RUN_DIR_ENV, ChildSpec, RunFiles, child_main
+from partita.testing._start import InheritedStdio, rank_environ, start_context
 
 STARTUP_TIMEOUT_S = 120.0
 """Bound on spawn + imports + rendezvous, counted apart from a run's `timeout`."""
@@ -141,9 +141,9 @@ def execute(
     files = RunFiles(run_dir)
     ranks: list[_RankState] = []
     try:
-        base_env = _rank_env(world_size, run_dir, env)
+        base_env = rank_environ(_rank_env(world_size, run_dir, env))
         threads = max(1, _cpu_count() // world_size)
-        ctx = multiprocessing.get_context("spawn")
+        ctx, parent_pid = start_context(base_env)
         for rank in range(world_size):
             spec = ChildSpec(
                 rank=rank,
@@ -153,7 +153,8 @@ def execute(
                 env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 num_threads=threads,
                 pg_timeout_s=max(timeout, startup),
-                parent_pid=os.getpid(),
+                parent_pid=parent_pid,
+                stdio=InheritedStdio(),
             )
             proc = ctx.Process(target=child_main, args=(spec,), name=f"partita-rank{rank}")
             proc.start()
