@@ -36,11 +36,13 @@ START_METHOD_ENV = "PARTITA_TEST_START_METHOD"
 PRELOAD = ["torch", "torch._dynamo"]
 """Modules the fork server imports once (torch's optimizers import torch._dynamo lazily)."""
 
-# Read by torch, oneDNN, MKL, OpenMP, OpenBLAS or the interpreter when they load. The thread
+# Read by torch, oneDNN, MKL, OpenMP, OpenBLAS or the interpreter when they load, or by a
+# start-up hook (partita-as-deepspeed.pth reads PARTITA_AS_DEEPSPEED). The thread
 # counts are left out: the harness sets them per world size and each rank applies them with
 # torch.set_num_threads, which overrides what OpenMP and MKL read at load.
 _IMPORT_TIME_ENV = re.compile(
-    r"^(ATEN_|ONEDNN_|DNNL_|MKL_|OMP_|KMP_|GOMP_|OPENBLAS_|TORCH|PYTORCH_|CUDA_|LD_|PYTHON)"
+    r"^(ATEN_|ONEDNN_|DNNL_|MKL_|OMP_|KMP_|GOMP_|OPENBLAS_|TORCH|PYTORCH_|CUDA_|LD_|PYTHON"
+    r"|PARTITA_AS_DEEPSPEED$)"
 )
 _SET_PER_RANK = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS"})
 

@@ -1,6 +1,7 @@
 """Runs a function on `world_size` fresh CPU processes joined by a gloo process group.
 
-`run_distributed(fn, world_size, *args, **kwargs)` spawns one process per rank, sets the
+`run_distributed(fn, world_size, *args, **kwargs)` starts one process per rank (forked from a
+fork server that imported torch once, or spawned: `partita.testing._start`), sets the
 launcher environment (RANK, WORLD_SIZE, LOCAL_RANK, ...; PARTITA_ACCELERATOR=cpu), creates the
 default process group with `partita.comm.init_distributed` over a FileStore in a fresh temporary
 directory (no ports, so no port races), calls `fn(*args, **kwargs)` and returns every rank's
