@@ -1,23 +1,30 @@
 """A Hugging Face Trainer script as users write it, for the tests of partita standing in for
-DeepSpeed (tests/test_hf_trainer.py). Nothing partita-specific: ``--deepspeed CONFIG`` goes to
-``TrainingArguments(deepspeed=...)``; without it the Trainer runs plain torch (the reference).
+DeepSpeed (tests/test_hf_trainer.py). Nothing partita-specific: a run with a ZeRO stage passes
+``TrainingArguments(deepspeed="ds.json")`` with an all-``"auto"`` config; a run without one is the
+plain-torch reference.
 
-Each ``--case`` is one run; results go to ``OUT/result_rank{R}.json``: per-step losses from the
-Trainer's log, the engine class that trained, and whatever the case measured.
+One process runs a list of runs (``--runs JSON``) one after the other, to share the start-up of
+Python, torch and transformers; Accelerate's process-wide state is reset between runs, as a new
+script would start it. Each run writes ``OUT/result_rank{R}.json``: per-step losses from the
+Trainer's log, the engine class that trained, which ``deepspeed`` was imported, and whatever the
+run measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
 SEQ = 16
 VOCAB = 128
+LR = 1e-3
 
 
 def build_config(kind: str) -> Any:
@@ -47,6 +54,49 @@ def build_config(kind: str) -> Any:
     )
 
 
+def ds_config(stage: int, blocks: bool) -> dict[str, Any]:
+    """Hugging Face's documented all-``"auto"`` config for `stage`; with `blocks`, the
+    optimizer and scheduler come from the config (AdamW, WarmupDecayLR), else the Trainer makes
+    its own (torch AdamW, linear schedule) and hands them to the engine."""
+    cfg: dict[str, Any] = {
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": "auto",
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "steps_per_print": 2000,
+        "wall_clock_breakdown": False,
+    }
+    if stage == 3:
+        cfg["zero_optimization"].update(
+            stage3_prefetch_bucket_size="auto",
+            stage3_param_persistence_threshold="auto",
+            stage3_gather_16bit_weights_on_model_save=False,  # partita gathers anyway
+        )
+    if blocks:
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+        cfg["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        }
+    return cfg
+
+
 class Tokens(torch.utils.data.Dataset):
     """Fixed random token sequences (labels = inputs): every sample has SEQ tokens, so a mean
     over two ranks' batches equals the mean over their union."""
@@ -72,11 +122,9 @@ def make_initial(kind: str, path: str) -> None:
 
 
 def deepspeed_warmup_decay(optimizer: Any, total: int, warmup: int) -> Any:
-    """DeepSpeed's ``WarmupDecayLR`` (log warm-up over ``max(2, warmup)`` steps, then linear
-    decay to 0 at `total`) written with torch alone, for the plain-torch reference of runs whose
-    config has that scheduler block."""
-    import math
-
+    """DeepSpeed's ``WarmupDecayLR`` (log warm-up over ``max(2, warmup)`` iterations, then
+    linear decay to 0 at `total`) written with torch alone, for the plain-torch reference of runs
+    whose config has that block."""
     w = max(2, warmup)
 
     def ds_gamma(i: int) -> float:
@@ -92,100 +140,95 @@ def deepspeed_warmup_decay(optimizer: Any, total: int, warmup: int) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def training_args(a: argparse.Namespace, out: str, per_device: int, **extra: Any) -> Any:
-    from transformers import TrainingArguments
+def _reset_accelerate() -> None:
+    """Forget the previous run's Accelerator (a new script would start without one); the
+    process group stays."""
+    from accelerate.state import AcceleratorState, GradientState
 
-    return TrainingArguments(
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One Trainer run described by `spec` (see the test for the keys)."""
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    out = spec["out"]
+    os.makedirs(out, exist_ok=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    gas = spec.get("gas", 1)
+    steps = spec.get("steps", 4)
+    global_batch = spec.get("global_batch", 4)
+    stage = spec.get("stage")
+    ds_path = None
+    if stage is not None:
+        ds_path = os.path.join(out, "ds_config.json")
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(ds_path + ".tmp", "w") as fh:
+                json.dump(ds_config(stage, spec.get("blocks", True)), fh)
+            os.replace(ds_path + ".tmp", ds_path)
+        else:  # written by rank 0; wait for it (the Trainer reads it before any collective)
+            import time
+
+            while not os.path.exists(ds_path):
+                time.sleep(0.05)
+    args = TrainingArguments(  # before the model: with ZeRO-3 the model is built sharded
         output_dir=out,
-        per_device_train_batch_size=per_device,
-        per_device_eval_batch_size=per_device,
-        gradient_accumulation_steps=a.gas,
-        learning_rate=1e-3,
+        per_device_train_batch_size=global_batch // world // gas,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=gas,
+        learning_rate=LR,
         warmup_steps=1,
-        max_steps=a.steps,
+        max_steps=steps,
         logging_steps=1,
-        save_strategy="steps" if a.save_steps else "no",
-        save_steps=a.save_steps or 500,
+        save_strategy="steps" if spec.get("save_steps") else "no",
+        save_steps=spec.get("save_steps") or 500,
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="sequential",
         dataloader_drop_last=True,
         seed=7,
-        max_grad_norm=float(os.environ.get("HFT_CLIP", "1.0")),
-        bf16=a.bf16,
-        deepspeed=a.deepspeed,
+        bf16=spec.get("bf16", False),
+        deepspeed=ds_path,
         disable_tqdm=True,
-        **extra,
     )
+    model = AutoModelForCausalLM.from_pretrained(spec["init"])
+    import deepspeed_probe  # tests/ is on sys.path (the script's folder)
 
-
-def main() -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--case", default="train", choices=["train", "init", "eval_only"])
-    p.add_argument("--model", default="llama", choices=["llama", "gpt2"])
-    p.add_argument("--init", required=True, help="save_pretrained folder to start from")
-    p.add_argument("--out", required=True)
-    p.add_argument("--deepspeed", default=None)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--gas", type=int, default=1)
-    p.add_argument("--global_batch", type=int, default=4)
-    p.add_argument("--save_steps", type=int, default=0)
-    p.add_argument("--resume", default=None)
-    p.add_argument("--bf16", action="store_true")
-    p.add_argument("--lora", action="store_true")
-    p.add_argument(
-        "--ds_schedule",
-        action="store_true",
-        help="reference only: AdamW + DeepSpeed's WarmupDecayLR, as the config's blocks build",
-    )
-    p.add_argument("--eval_generate", action="store_true")
-    p.add_argument("--local_rank", type=int, default=-1)  # passed by DeepSpeed-style launchers
-    a = p.parse_args()
-
-    if a.case == "init":
-        make_initial(a.model, a.init)
-        return 0
-
-    from transformers import AutoModelForCausalLM, Trainer
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    per_device = a.global_batch // world // a.gas
-    args = training_args(a, a.out, per_device)  # before the model: ZeRO-3 builds it sharded
-    model = AutoModelForCausalLM.from_pretrained(a.init)
-    if a.lora:
+    result: dict[str, Any] = {"world": world, "built_sharded": deepspeed_probe.built_sharded(model)}
+    if spec.get("lora"):
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(
-            model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-        )
-    n_samples = a.global_batch * a.steps
+        target = ["q_proj", "v_proj"] if spec["model"] == "llama" else ["c_attn"]
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=target))
     optimizers: tuple[Any, Any] = (None, None)
-    if a.ds_schedule:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        optimizers = (opt, deepspeed_warmup_decay(opt, a.steps, 1))
+    if spec.get("ds_schedule"):  # reference of a config with optimizer and scheduler blocks
+        opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0
+        )
+        optimizers = (opt, deepspeed_warmup_decay(opt, steps, 1))
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=Tokens(n_samples),
-        eval_dataset=Tokens(8, seed=1),
+        train_dataset=Tokens(global_batch * steps),
+        eval_dataset=Tokens(4, seed=1),
         optimizers=optimizers,
     )
-    result: dict[str, Any] = {"world": world}
-    if a.case == "eval_only":
+    if spec.get("eval_only"):
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
-        result["engine"] = (
-            type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__
-        )
     else:
-        trainer.train(resume_from_checkpoint=a.resume)
+        trainer.train(resume_from_checkpoint=spec.get("resume"))
         result["losses"] = {
             int(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e
         }
-        engine = trainer.model_wrapped
-        result["engine"] = type(engine).__module__ + "." + type(engine).__name__
         result["global_step"] = trainer.state.global_step
-        trainer.save_model(os.path.join(a.out, "final"))
-        if a.eval_generate:
+        trainer.save_model(os.path.join(out, "final"))
+        consolidate = getattr(trainer.model_wrapped, "consolidated_16bit_state_dict", None)
+        if consolidate is not None:  # partita: what the engine holds, to compare with the file
+            weights = consolidate(exclude_frozen_parameters=bool(spec.get("lora")))
+            if weights is not None:
+                torch.save(weights, os.path.join(out, "engine_weights.pt"))
+        if spec.get("eval_generate"):
             result["eval_loss"] = trainer.evaluate()["eval_loss"]
             prompt = Tokens(2, seed=3).ids[:, :4]
             with torch.no_grad():
@@ -193,12 +236,28 @@ def main() -> int:
                     input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0
                 )
             result["generated"] = generated.tolist()
-    import deepspeed_probe
-
+    engine = trainer.model_wrapped
+    result["engine"] = f"{type(engine).__module__}.{type(engine).__name__}"
     result["deepspeed"] = deepspeed_probe.describe()
+    trainer.accelerator.free_memory()
+    _reset_accelerate()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", required=True, help="JSON list of run specs, or @FILE")
+    p.add_argument("--make_initial", nargs=2, metavar=("MODEL", "DIR"), action="append")
+    p.add_argument("--local_rank", type=int, default=-1)  # passed by DeepSpeed-style launchers
+    a = p.parse_args()
+    for kind, path in a.make_initial or []:
+        make_initial(kind, path)
+    text = Path(a.runs[1:]).read_text() if a.runs.startswith("@") else a.runs
     rank = int(os.environ.get("RANK", "0"))
-    with open(os.path.join(a.out, f"result_rank{rank}.json"), "w") as fh:
-        json.dump(result, fh)
+    for spec in json.loads(text):
+        result = run(spec)
+        with open(os.path.join(spec["out"], f"result_rank{rank}.json"), "w") as fh:
+            json.dump(result, fh)
     return 0
 
 

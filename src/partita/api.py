@@ -133,7 +133,11 @@ def initialize(
             seed=int(os.environ.get("PARTITA_DATA_SEED", "0")),
         )
         engine.training_dataloader = loader
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    # An engine built without an optimizer returns None in its place, as DeepSpeed does.
+    optimizer_out = (
+        None if isinstance(engine.optimizer, engine_setup.NoOptimizer) else engine.optimizer
+    )
+    return engine, optimizer_out, loader, engine.lr_scheduler
 
 
 def init_distributed(*args: Any, **kwargs: Any) -> None:

@@ -101,17 +101,32 @@ def optimizer_factory(
         return lambda stepped: factory(mapped(stepped))
     opt = config.optimizer
     if opt is None:
-        raise config_error(
-            "optimizer",
-            "no optimizer: pass one to initialize(optimizer=...) or add an 'optimizer' block",
-        )
+        return lambda stepped: NoOptimizer(mapped(stepped))
     return lambda stepped: build_optimizer(opt.type, dict(opt.params), mapped(stepped))
+
+
+class NoOptimizer(torch.optim.Optimizer):
+    """The optimizer of an engine built without one (neither ``initialize(optimizer=...)`` nor
+    an ``optimizer`` block): forward, evaluation and generation work (Hugging Face's eval-only
+    ZeRO-3 Trainer builds such an engine), and an optimizer step says what is missing."""
+
+    def __init__(self, groups: list[dict[str, Any]]) -> None:
+        super().__init__(groups, {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Refuses: there is nothing to step with."""
+        raise RuntimeError(
+            "this engine was built without an optimizer (evaluation only): pass "
+            "initialize(optimizer=...) or add an 'optimizer' block to the config to train"
+        )
 
 
 def lr_scheduler(
     config: DeepSpeedConfig, client: ClientScheduler, optimizer: torch.optim.Optimizer
 ) -> Any:
     """The config's scheduler (it takes precedence, as in DeepSpeed), else the client's."""
+    if isinstance(optimizer, NoOptimizer):
+        return None  # nothing to schedule (DeepSpeed builds no scheduler without an optimizer)
     if config.scheduler is not None:
         return build_scheduler(config.scheduler.type, dict(config.scheduler.params), optimizer)
     if client is None or hasattr(client, "step"):
