@@ -217,6 +217,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("eval_only"):
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
     else:
+        if spec.get("eval_first"):  # an eval-only engine first, then training on the same model
+            result["eval_loss_before"] = trainer.evaluate()["eval_loss"]
         trainer.train(resume_from_checkpoint=spec.get("resume"))
         result["losses"] = {
             int(e["step"]): e["loss"] for e in trainer.state.log_history if "loss" in e

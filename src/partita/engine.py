@@ -204,6 +204,9 @@ class Engine(torch.nn.Module):
         self.loss_scaler.update(not outcome.applied, self.global_steps)
         self._step_applied = outcome.applied
         self._global_grad_norm = outcome.grad_norm
+        # DeepSpeed's optimizers say whether the last step overflowed; Accelerate reads it to
+        # hold back the schedulers it steps itself.
+        self.optimizer.overflow = not outcome.applied  # type: ignore[attr-defined]
         if outcome.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)

@@ -160,7 +160,7 @@ def install() -> None:
     # consult the finder again for already-imported names; nothing is imported yet (checked).
     sys.meta_path.insert(0, AliasFinder())
     importlib.invalidate_caches()
-    _log.info(
+    _log.debug(
         "partita stands in for deepspeed in this process (deepspeed %s, API level %s): "
         "`import deepspeed` is partita.compat.deepspeed",
         _package_version(),

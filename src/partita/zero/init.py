@@ -32,7 +32,7 @@ from partita import comm
 from partita.accelerator import configure_host_allocator
 from partita.config import config_error, load_config
 from partita.offload import SwappedTensor, SwapSpace, unique_run_id
-from partita.zero.placeholder import nan_placeholder
+from partita.zero.placeholder import mark_gathered, nan_placeholder
 
 
 @dataclass
@@ -334,6 +334,19 @@ def _patch_hf_initialize_weights() -> Callable[[], None] | None:
         cls._initialize_weights = original
 
     return restore
+
+
+@torch.no_grad()
+def hand_back(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Leaves `param` as `Init` leaves a parameter it built: this rank's chunk of `full` (its
+    full value, the same on every rank) in `PRE_SHARDED` and a placeholder in the module. A
+    stage-3 engine that is destroyed hands its parameters back this way, so another engine can
+    take over the same module (Hugging Face's Trainer destroys the evaluation engine before it
+    builds the training one)."""
+    world = comm.get_world_size()
+    chunk = _chunk_of(full, world, comm.get_rank())
+    mark_gathered(param, nan_placeholder(param, dtype=full.dtype, device=full.device))
+    PRE_SHARDED[param] = PreShard(chunk, param.numel(), world)
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:

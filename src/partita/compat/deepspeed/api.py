@@ -7,6 +7,7 @@ optimizer), or neither: an engine for evaluation or generation only, with no opt
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from partita import api as _api
@@ -16,7 +17,22 @@ add_config_arguments = _api.add_config_arguments
 init_distributed = _api.init_distributed
 
 
+_announced = False
+
+
 def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
     """`partita.initialize` with DeepSpeed's signature: returns ``(engine, optimizer,
-    dataloader, lr_scheduler)``."""
-    return _api.initialize(*args, **kwargs)
+    dataloader, lr_scheduler)``. The first call says in the log (rank 0) that partita stands in,
+    so a run launched for DeepSpeed shows which engine trained it."""
+    global _announced
+    result = _api.initialize(*args, **kwargs)
+    if not _announced:
+        _announced = True
+        from partita.compat.alias import _package_version
+
+        logging.getLogger("partita").info(
+            "partita stands in for deepspeed (%s): `import deepspeed` is partita.compat.deepspeed "
+            "and this engine is partita's",
+            _package_version(),
+        )
+    return result

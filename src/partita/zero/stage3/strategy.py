@@ -22,7 +22,7 @@ from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
 from partita.partition import Piece, plan_buckets
 from partita.precision import PrecisionPolicy, full_dtype
 from partita.zero.grad_buckets import ReduceScaling
-from partita.zero.init import full_value
+from partita.zero.init import full_value, hand_back
 from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.nvme import SwappedOptimizerState, optimizer_pipeline
@@ -454,7 +454,9 @@ class FullySharded:
         }
 
     def close(self) -> None:
-        """Removes all hooks and deletes NVMe swap files."""
+        """Hands the parameters back to the module (`release_params`), removes all hooks and
+        deletes NVMe swap files. Collective: every rank must close (``engine.destroy()``)."""
+        self.release_params()
         self.scheduler.remove_hooks()
         if self.swapped is not None:
             self.swapped.space.close()
@@ -463,6 +465,24 @@ class FullySharded:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    @torch.no_grad()
+    def release_params(self) -> None:
+        """Leaves every parameter as ``zero.Init`` leaves one (this rank's chunk, a placeholder
+        in the module; persistent ones whole), one unit gathered at a time, so the module
+        outlives this strategy: without it the values would go with the shards."""
+        for unit in self.all_units:
+            unit.wait_for_unshard(tag="release")
+            fulls = [p.data.clone() for p in unit.params]
+            if unit.persistent:
+                for p, full in zip(unit.params, fulls, strict=True):
+                    p.data = full
+                continue
+            unit.reshard()
+            for p, full in zip(unit.params, fulls, strict=True):
+                hand_back(p, full)
+        self.all_units = []  # nothing of the module is held here any more
+        self._where = {}
 
     # --- GatheredParameters -------------------------------------------------------------------
     def unit_of(self, param: torch.Tensor) -> ShardedUnit | None:

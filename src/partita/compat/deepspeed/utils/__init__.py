@@ -32,10 +32,10 @@ _LEAF_CLASSES: set[type] = set()
 
 
 def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any]) -> list[Any]:
-    """Marks modules of `leaf_module_classes` (classes or class names) as ZeRO-3 leaves.
-    partita's stage-3 units already gather a whole transformer block (an MoE block with all its
-    experts) together, so a leaf needs nothing more; the matching modules are returned as in
-    DeepSpeed, and a class that matches nothing is an error naming it."""
+    """Records modules of `leaf_module_classes` (classes or class names) as ZeRO-3 leaves and
+    returns them, as DeepSpeed does; a class that matches nothing is an error naming it. partita's
+    stage-3 units are whole transformer blocks, so an MoE block's experts are gathered together
+    with their block already; the record is what `z3_leaf_module` answers."""
     wanted = {c if isinstance(c, str) else c.__name__ for c in leaf_module_classes}
     found = [m for m in model.modules() if type(m).__name__ in wanted]
     seen = {type(m).__name__ for m in found}

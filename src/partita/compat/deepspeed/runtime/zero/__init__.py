@@ -46,10 +46,11 @@ def _config_dtype(config: Any) -> torch.dtype | None:
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """DeepSpeed gathers `parameter` whenever `module` runs; partita's stage 3 gathers a unit's
-    parameters for every module of that unit and for any parameter read while its owner is not
-    running raises `ShardedParameterError` naming it, so nothing needs registering. Kept for
-    the models that call it (Hugging Face's wav2vec2 family)."""
+    """DeepSpeed gathers `parameter` whenever `module` runs. partita's stage 3 gathers whole
+    units (a transformer block, or the module owning the parameter, with its children), so a
+    parameter read by a module of its own unit needs nothing; one read elsewhere raises
+    `ShardedParameterError` naming it rather than computing with a placeholder. Accepted for
+    the models that call it (Hugging Face's wav2vec2 family); registration itself is a no-op."""
     if not isinstance(parameter, torch.nn.Parameter):
         raise TypeError(
             f"register_external_parameter expects a torch.nn.Parameter, got {type(parameter).__name__}"
