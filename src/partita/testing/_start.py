@@ -26,6 +26,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
+import threading
 from multiprocessing import forkserver, reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
 from typing import Any
@@ -48,6 +49,8 @@ _SET_PER_RANK = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS"})
 
 _server_env: tuple[int, dict[str, str]] | None = None
 """(fork server pid, the environment it was started with)."""
+_server_lock = threading.Lock()
+"""Held while the server is checked or started (runs may start from several threads)."""
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
@@ -58,7 +61,6 @@ def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext
     """The multiprocessing context that starts this run's ranks, and the pid their parent
     will have (this process for spawn, the fork server for forkserver). `env`: the ranks'
     environment, from `rank_environ`."""
-    global _server_env
     spawn_ctx = multiprocessing.get_context("spawn")
     assert isinstance(spawn_ctx, SpawnContext)
     spawn = spawn_ctx, os.getpid()
@@ -69,11 +71,22 @@ def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext
     except ValueError:  # a platform without it
         return spawn
     assert isinstance(ctx, ForkServerContext)
+    with _server_lock:
+        server = _ensure_server(ctx)
+    if server is None or _import_time_env(env) != _import_time_env(server[1]):
+        return spawn
+    return ctx, server[0]
+
+
+def _ensure_server(ctx: ForkServerContext) -> tuple[int, dict[str, str]] | None:
+    """Starts the fork server if it is not running (waiting until it has imported `PRELOAD`);
+    its pid and the environment it started with (None if it has no pid)."""
+    global _server_env
     ctx.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
     pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     if not isinstance(pid, int):
-        return spawn
+        return None
     if _server_env is None or _server_env[0] != pid:  # started (again) just now
         _server_env = (pid, dict(os.environ))
         # The first start waits while the server imports PRELOAD (seconds). Waited for here,
@@ -82,9 +95,7 @@ def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext
         warm = ctx.Process(target=_noop, name="partita-forkserver-warm-up")
         warm.start()
         warm.join()
-    if _import_time_env(env) != _import_time_env(_server_env[1]):
-        return spawn
-    return ctx, pid
+    return _server_env
 
 
 def _noop() -> None:
