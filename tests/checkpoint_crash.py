@@ -1,8 +1,9 @@
 """Crash-safety trials: SIGKILL one rank of a 2-rank job at a random point inside a save.
 
-Spawning fresh interpreters per trial would cost seconds each, so a spawned "zygote" process
-imports torch and partita once (and runs no torch op, so no thread pool exists yet) and forks
-the two ranks of every trial; each pair joins a new gloo group over a fresh FileStore. A trial's
+Spawning fresh interpreters per trial would cost seconds each, so a "zygote" process (started by
+`partita.testing.start_process`: forked from the harness's fork server, torch already imported)
+imports partita once (and runs no torch op, so no thread pool exists yet) and forks the two
+ranks of every trial; each pair joins a new gloo group over a fresh FileStore. A trial's
 ranks load the newest checkpoint (tag=None), save at once (a re-save of the tag just loaded, as
 a job restarted at global_stepN does), then train and save after every step, alternating
 between the default tag (global_stepN, new) and a fixed tag "rolling" (re-saved every other
@@ -274,10 +275,11 @@ def crash_trials(root: str, trials: int, seed: int) -> str:
 
 
 def run_crash_trials(root: str, trials: int, seed: int, timeout: float) -> dict[str, Any]:
-    """Spawns the zygote, waits for it, returns the reports."""
-    ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=crash_trials, args=(root, trials, seed))
-    proc.start()
+    """Starts the zygote (forked from the harness's fork server, which has imported torch),
+    waits for it, returns the reports."""
+    from partita.testing import start_process
+
+    proc = start_process(crash_trials, root, trials, seed, name="crash-trial-zygote")
     proc.join(timeout)
     if proc.is_alive():
         proc.kill()

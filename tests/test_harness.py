@@ -23,6 +23,7 @@ from partita.testing import (
     GridCache,
     run_distributed,
     run_python,
+    start_process,
 )
 from partita.testing._start import START_METHOD_ENV, server_pid
 from partita.testing.distributed import execute
@@ -324,6 +325,28 @@ def test_environment_read_at_torch_import_makes_the_run_spawn(
     (result,) = run_distributed(_parent_env_and_output, 1, "x", env={"ATEN_CPU_CAPABILITY": value})
     assert result["ppid"] == os.getpid()
     assert result["env"]["ATEN_CPU_CAPABILITY"] == value
+
+
+def _write_env_and_parent(path: str) -> None:
+    print("stdout of a started process", flush=True)
+    value = os.environ.get("PARTITA_TEST_LATE")
+    Path(path).write_text(f"{value} {os.getppid()} {'torch' in sys.modules}")
+
+
+def test_start_process_is_started_like_a_rank(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`start_process` (no process group): forked from the fork server, torch imported, with
+    this process's environment at the call and its output."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    run_distributed(_noop, 1)  # the server is running
+    monkeypatch.setenv("PARTITA_TEST_LATE", "late")
+    out = tmp_path / "env.txt"
+    proc = start_process(_write_env_and_parent, str(out))
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert out.read_text() == f"late {server_pid()} True"
+    assert "stdout of a started process" in capfd.readouterr().out
 
 
 class _Interrupted(BaseException):

@@ -6,6 +6,8 @@
 - `run_distributed_grid(fn, world_size, cases)`: many `fn(**case)` sub-cases in one spawn.
 - `GridCache`: one spawn per grid shared by many pytest test ids (fixture `distributed_grid`).
 - `run_python(code, **env)`: ``code`` in a fresh interpreter, its stdout.
+- `start_process(target, *args)`: a process started as ranks are (torch already imported when
+  it forks from the harness's fork server), for tests that manage their own processes.
 
 Under pytest-timeout every timeout here ends before the test's own (`deadline`), so the
 harness, not pytest, reports a hang, with the stacks.
@@ -15,6 +17,7 @@ Importing this package does not import torch (the ranks import it after start-up
 
 from __future__ import annotations
 
+from partita.testing._start import start_process
 from partita.testing.distributed import (
     FAIL_FAST_GRACE_S,
     STARTUP_TIMEOUT_S,
@@ -35,4 +38,5 @@ __all__ = [
     "run_distributed",
     "run_distributed_grid",
     "run_python",
+    "start_process",
 ]

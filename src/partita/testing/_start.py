@@ -27,8 +27,10 @@ import multiprocessing
 import os
 import re
 import threading
+from collections.abc import Callable
 from multiprocessing import forkserver, reduction
 from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 START_METHOD_ENV = "PARTITA_TEST_START_METHOD"
@@ -100,6 +102,28 @@ def _ensure_server(ctx: ForkServerContext) -> tuple[int, dict[str, str]] | None:
 
 def _noop() -> None:
     """Target of the warm-up process."""
+
+
+def start_process(target: Callable[..., Any], *args: Any, name: str | None = None) -> BaseProcess:
+    """Starts ``target(*args)`` in a new process as the harness starts ranks (forked from the
+    fork server when it can), with this process's environment and stdout/stderr, and returns
+    it started; no process group, no supervision. For tests that run their own processes
+    (`target` and `args` must be picklable)."""
+    env = rank_environ({})
+    ctx, _ = start_context(env)
+    proc = ctx.Process(target=_process_main, args=(target, args, env, InheritedStdio()), name=name)
+    proc.start()
+    return proc
+
+
+def _process_main(
+    target: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str], stdio: Any
+) -> None:
+    """`start_process`'s process: this harness's output and environment, then the target."""
+    stdio.install()
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
 
 
 def server_pid() -> int | None:
