@@ -168,6 +168,8 @@ def job_result(ranks: list[dict[str, Any]], warmup: int, wall_s: float) -> dict[
         "peak_rss_mb": [r["peak_rss_mb"]["end"] for r in ranks],
         "peak_rss_stages_mb": [r["peak_rss_mb"] for r in ranks],
         "rss_end_mb": [r["rss_end_mb"] for r in ranks],
+        "rss_at_callbacks_mb": [r["rss_at_callbacks_mb"] for r in ranks],
+        "memory_report": [r["memory_report"] for r in ranks],
         "losses": ranks[0]["losses"],
         "engine": ranks[0]["engine"],
         "optimizer": ranks[0]["optimizer"],
@@ -178,7 +180,8 @@ def job_result(ranks: list[dict[str, Any]], warmup: int, wall_s: float) -> dict[
 
 def merge(jobs: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's rounds: `common.merge_rounds` plus the largest peak RSS per rank at
-    each measuring point, the median time to ``optimizer.step()`` and the launch wall times."""
+    each measuring point, the median time to ``optimizer.step()``, the launch wall times and the
+    highest RSS at the end of a step."""
     merged = common.merge_rounds(jobs)
     stages = [
         [j["peak_rss_stages_mb"][r] for j in jobs] for r in range(len(jobs[0]["peak_rss_mb"]))
@@ -191,6 +194,9 @@ def merge(jobs: list[dict[str, Any]]) -> dict[str, Any]:
         t for j in jobs for t in j["to_pre_optimizer_s"]
     )
     merged["wall_s"] = [j["wall_s"] for j in jobs]
+    merged["rss_between_steps_mb"] = max(
+        max(r["end"]) for j in jobs for r in j["rss_at_callbacks_mb"]
+    )
     return merged
 
 
@@ -247,6 +253,27 @@ def table_rows(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> lis
     return lines
 
 
+def memory_lines(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the memory goes: partita's own accounting of what it holds (rank 0, first round)
+    and each row's highest RSS at the end of a step (any rank and round) (partita's host cache keeps freed blocks mapped, so its
+    RSS between steps stays near its peak; glibc returns large blocks at once)."""
+    lines = []
+    for stage in a.stages:
+        for impl in a.impls:
+            res = results.get(f"{impl}-{stage}")
+            if res is None:
+                continue
+            between = res["rss_between_steps_mb"]
+            text = f"- {impl} ZeRO-{stage}: RSS between steps up to {between:.0f} MB"
+            report = res["memory_report"][0]
+            if report:
+                keys = ("params", "grads", "master_params", "optimizer_state", "comm_buffers")
+                held = ", ".join(f"{k} {report.get(k, 0) / 2**20:.0f}" for k in keys)
+                text += f"; partita's memory_report (MB, rank 0): {held}"
+            lines.append(text)
+    return ["Memory between steps:", "", *lines, ""] if lines else []
+
+
 def goal_lines(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> list[str]:
     """The goals (reported, not asserted) and how far partita's losses are from DeepSpeed's."""
     lines = ["Goals (step time: median over timed steps; peak RSS: largest rank):", ""]
@@ -298,6 +325,7 @@ def render(
         "step in accelerator.backward). Peak RSS: ru_maxrss at the end of the worker, highest "
         "over rounds.",
         "",
+        *memory_lines(a, results),
         *goal_lines(a, results),
     ]
     return "\n".join(lines) + "\n"

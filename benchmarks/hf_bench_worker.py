@@ -51,6 +51,8 @@ class StepTimer(TrainerCallback):
         self.step_s: list[float] = []
         self.to_pre_optimizer_s: list[float] = []
         self.peak_rss_mb: dict[str, float] = {}
+        # Current RSS at each callback, to tell memory held between steps from transient peaks.
+        self.rss_mb: dict[str, list[float]] = {"begin": [], "pre_optimizer": [], "end": []}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The engine is built by now (Accelerate's prepare runs before this callback)."""
@@ -58,15 +60,18 @@ class StepTimer(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Start of an optimizer step, after its batch was fetched."""
+        self.rss_mb["begin"].append(current_rss_mb())
         self.starts.append(time.perf_counter())
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Forward, backward (with the engine's step, under Accelerate's DeepSpeed path) done."""
         self.to_pre_optimizer_s.append(time.perf_counter() - self.starts[-1])
+        self.rss_mb["pre_optimizer"].append(current_rss_mb())
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """End of an optimizer step (after ``zero_grad``, before logging)."""
         self.step_s.append(time.perf_counter() - self.starts[-1])
+        self.rss_mb["end"].append(current_rss_mb())
         if len(self.step_s) == self.warmup:
             self.peak_rss_mb["after_warmup"] = common.peak_rss_mb()
 
@@ -142,6 +147,7 @@ def train(a: argparse.Namespace, rank: int, world: int, imports_rss_mb: float) -
     optimizer = getattr(engine, "optimizer", None)
     inner = getattr(optimizer, "optimizer", None)
     deepspeed = sys.modules.get("deepspeed")
+    report = getattr(engine, "memory_report", None)
     return {
         "rank": rank,
         "world": world,
@@ -154,6 +160,9 @@ def train(a: argparse.Namespace, rank: int, world: int, imports_rss_mb: float) -
             "end": common.peak_rss_mb(),
         },
         "rss_end_mb": current_rss_mb(),
+        "rss_at_callbacks_mb": timer.rss_mb,
+        # partita's own accounting of the bytes it holds (DeepSpeed's engine has no such call)
+        "memory_report": report() if callable(report) else None,
         "engine": f"{type(engine).__module__}.{type(engine).__name__}",
         "optimizer": type(optimizer).__name__
         + (f"({type(inner).__name__})" if inner is not None else ""),
