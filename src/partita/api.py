@@ -57,8 +57,10 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-def _world_size() -> int:
-    """Data-parallel world size, known before any collective runs."""
+def _world_size(dims: comm.ParallelDims | None) -> int:
+    """Data-parallel world size (the batch arithmetic's), known before any collective runs."""
+    if dims is not None:
+        return dims.dp_world_size
     if comm.is_initialized():
         return comm.get_world_size()
     return cluster_env.detect().world_size
@@ -66,11 +68,11 @@ def _world_size() -> int:
 
 def _check_same_config_on_every_rank(cfg: DeepSpeedConfig) -> None:
     """Raises on every rank when the ranks' configs differ, naming the keys and the ranks'
-    values. The first collective of `initialize`, so nothing has yet been built on a config
+    values. Among the first collectives of `initialize`, so nothing has yet been built on a config
     that other ranks do not share."""
     if not comm.is_initialized() or comm.get_world_size() == 1:
         return
-    problems = ranks_differ(comm.all_gather_object(flatten(cfg.to_dict())))
+    problems = ranks_differ(comm.all_gather_object(flatten(cfg.to_dict()), group=None))
     if problems:
         raise ConfigError(problems)
 
@@ -94,25 +96,30 @@ def initialize(
     lr_scheduler)`` like ``deepspeed.initialize``.
 
     The config is validated on every rank before any process group or collective exists, so a
-    bad config fails fast with the offending key instead of hanging the job.
+    bad config fails fast with the offending key instead of hanging the job. `mpu`, DeepSpeed's
+    model-parallel unit (``get_data_parallel_group/_world_size/_rank``), makes ZeRO run over its
+    data-parallel group (see `partita.comm.ParallelDims`); without it, over every rank.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mpu is not None or mesh_param is not None:
-        raise NotImplementedError(
-            "model/pipeline parallel units (mpu, mesh_param) are not supported"
-        )
+    if mesh_param is not None:
+        raise NotImplementedError("mesh_param (a device mesh) is not supported; pass mpu=")
+    # The mpu's groups exist already, so its dimensions are known before the config is read
+    # (the batch arithmetic counts data-parallel ranks, not the world).
+    dims = None if mpu is None else comm.ParallelDims.from_mpu(mpu)
     source = _config_source(args, config, config_params)
     cfg: DeepSpeedConfig = (
         source
         if isinstance(source, DeepSpeedConfig)
-        else load_config(source, world_size=_world_size())
+        else load_config(source, world_size=_world_size(dims))
     )
     engine_setup.check_supported(cfg)
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
-    engine_setup.check_offload_paths(cfg, model, rank, _world_size())
+    engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
+    dims = dims or comm.ParallelDims.world()
+    dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)
     engine = Engine(
         model,
@@ -120,14 +127,17 @@ def initialize(
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
+        dims=dims,
     )
     loader = None
     if training_data is not None:
+        # Split by data-parallel rank: the same rank of every replica reads the same samples
+        # (model-parallel peers work on one batch).
         loader = DistributedDataLoader(
             training_data,
             batch_size=cfg.train_micro_batch_size_per_gpu,
-            rank=comm.get_rank(),
-            world_size=comm.get_world_size(),
+            rank=dims.dp_rank,
+            world_size=dims.dp_world_size,
             collate_fn=collate_fn,
             drop_last=cfg.dataloader_drop_last,
             seed=int(os.environ.get("PARTITA_DATA_SEED", "0")),

@@ -38,15 +38,18 @@ class Engine(torch.nn.Module):
         optimizer: engine_setup.ClientOptimizer = None,
         model_parameters: Any = None,
         lr_scheduler: engine_setup.ClientScheduler = None,
+        dims: comm.ParallelDims | None = None,
     ) -> None:
         super().__init__()
         self._config = config
         self.config = config.model_dump()
         self.accelerator = get_accelerator()
         configure_host_allocator()
-        self.global_rank = comm.get_rank()
-        self.world_size = comm.get_world_size()
-        self.dp_world_size = self.world_size
+        self.dims = dims or comm.ParallelDims.world()
+        """The job's parallel dimensions: ZeRO shards and reduces over ``dims.dp_group``."""
+        self.global_rank = self.dims.rank
+        self.world_size = self.dims.world_size
+        self.dp_world_size = self.dims.dp_world_size
         self.local_rank = comm.get_local_rank()
         self.device = self.accelerator.current_device()
         self.policy: PrecisionPolicy = engine_setup.precision_policy(config).for_module(module)
@@ -59,7 +62,7 @@ class Engine(torch.nn.Module):
         make_optimizer = engine_setup.optimizer_factory(config, optimizer, groups)
         param_lists = [list(g["params"]) for g in groups]
         self.strategy: Strategy = engine_setup.strategy(
-            config, self.module, param_lists, self.policy, make_optimizer
+            config, self.module, param_lists, self.policy, make_optimizer, self.dims
         )
         self.optimizer = self.strategy.optimizer
         accessors.register(self.strategy)  # type: ignore[arg-type]
@@ -394,13 +397,17 @@ class Engine(torch.nn.Module):
         self.monitor.close()
 
     def _broadcast_module(self) -> None:
-        """Makes every rank start from rank 0's weights and buffers, as DeepSpeed does."""
-        if self.world_size == 1:
+        """Makes every rank of a data-parallel group start from the weights and buffers of its
+        data-parallel rank 0, as DeepSpeed does (replicas keep their own: under model
+        parallelism they hold different slices)."""
+        dims = self.dims
+        if dims.dp_world_size == 1:
             return
+        src = dims.dp_global_rank(0)
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 if t not in zero_init.PRE_SHARDED:  # zero.Init broadcast those already
-                    comm.broadcast(t.data, src=0, tag="init")
+                    comm.broadcast(t.data, src=src, group=dims.dp_group, tag="init")
 
 
 class _WallClock:

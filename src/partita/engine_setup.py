@@ -225,6 +225,7 @@ def swap_space(config: DeepSpeedConfig, block: str = "offload_optimizer") -> Swa
         return None
     run_id = unique_run_id("param" if block == "offload_param" else "optim")
     aio = ThreadPoolIO.from_config(config.aio)
+    # Files are named by global rank: replicas on one node must not share swap files.
     return SwapSpace(str(offload.nvme_path), comm.get_rank(), aio=aio, run_id=run_id)
 
 
@@ -274,18 +275,21 @@ def strategy(
     groups: ParamGroups,
     policy: PrecisionPolicy,
     make_optimizer: OptimizerFactory,
+    dims: comm.ParallelDims,
 ) -> Strategy:
-    """The ZeRO stage the config asks for."""
+    """The ZeRO stage the config asks for, over the data-parallel group of `dims`."""
     zero = config.zero_optimization
-    world = comm.get_world_size()
-    scaling = ReduceScaling(world, config.prescale_gradients, config.gradient_predivide_factor)
+    group = dims.dp_group
+    scaling = ReduceScaling(
+        dims.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
+    )
     if zero.stage == 0:
-        return DataParallel(groups, policy, make_optimizer, bucket_numel(zero), scaling)
+        return DataParallel(groups, policy, make_optimizer, bucket_numel(zero), scaling, group)
     state_device, shard_device = offload_placement(config)
     bucket = bucket_numel(zero)
     if zero.stage == 3:
         return FullySharded(
-            module, groups, policy, make_optimizer, zero, scaling,
+            module, groups, policy, make_optimizer, zero, scaling, group=group,
             state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
             param_swap_space=swap_space(config, "offload_param"),
             pin_memory=_pin_memory(zero),
@@ -293,7 +297,7 @@ def strategy(
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(
-            zero.stage, groups, policy, make_optimizer, bucket, scaling,
+            zero.stage, groups, policy, make_optimizer, bucket, scaling, group,
             state_device=state_device, pin_memory=_pin_memory(zero)[0],
             sub_group_numel=int(zero.sub_group_size),
         )  # fmt: skip

@@ -16,11 +16,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from partita import comm
 from partita.checkpoint.locate import PARTITA, locate, open_source
 from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
-from partita.checkpoint.rendezvous import Arrival, arrive, gather_agreed
+from partita.checkpoint.rendezvous import WHOLE_JOB, Arrival, arrive, gather_agreed
 from partita.checkpoint.state import (
     Entry,
     inventory,
@@ -48,9 +47,11 @@ def load_checkpoint(
     world size and stage. Returns ``(checkpoint folder, client_state)``, or ``(None, None)``
     with a warning when `load_dir` holds no checkpoint at all. Every rank must call it; a
     broken checkpoint raises `CheckpointError` on every rank, naming the file and the check."""
-    rank, world = comm.get_rank(), comm.get_world_size()
+    # Every rank of the job loads, every replica the same checkpoint (see [Note: checkpoints
+    # of replicas] in `partita.checkpoint.save`); the files' checks are shared by all ranks.
+    rank, world = engine.dims.rank, engine.dims.world_size
     arrival = arrive(load_dir, "load") if os.path.isdir(load_dir) else Arrival(None)
-    found = gather_agreed(lambda: _find(load_dir, tag) if rank == 0 else None)[0]
+    found = gather_agreed(lambda: _find(load_dir, tag) if rank == 0 else None, WHOLE_JOB)[0]
     arrival.depart()
     if found is None:
         logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
@@ -58,15 +59,20 @@ def load_checkpoint(
     folder, kind, manifest = found
     source = _run_all(lambda: open_source(folder, kind, trust_pickle, manifest))
     try:
-        gather_agreed(lambda: source.verify(rank, world))
+        gather_agreed(lambda: source.verify(rank, world), WHOLE_JOB)
         load_opt = load_optimizer_states and not load_module_only
-        gather_agreed(lambda: _load_tensors(engine, source, load_module_strict, load_opt))
+        gather_agreed(
+            lambda: _load_tensors(engine, source, load_module_strict, load_opt), WHOLE_JOB
+        )
     finally:
         source.close()
     engine.strategy.refresh_params()
     if not load_module_only:
         gather_agreed(
-            lambda: _restore_training_state(engine, source.meta, load_opt, load_lr_scheduler_states)
+            lambda: _restore_training_state(
+                engine, source.meta, load_opt, load_lr_scheduler_states
+            ),
+            WHOLE_JOB,
         )
     if rank == 0:
         logger.info(
@@ -81,7 +87,7 @@ def load_checkpoint(
 def _run_all(fn: Callable[[], T]) -> T:
     """`fn()` on every rank, failing every rank if it fails on one; this rank's result."""
     box: list[T] = []
-    gather_agreed(lambda: box.append(fn()))
+    gather_agreed(lambda: box.append(fn()), WHOLE_JOB)
     return box[0]
 
 
@@ -97,7 +103,7 @@ def _find(load_dir: str, tag: str | None) -> tuple[str, str, dict[str, Any] | No
 
 
 def _check_names(
-    entries: list[Entry], saved: dict[str, dict[str, Any]], strict: bool, folder: str
+    entries: list[Entry], saved: dict[str, dict[str, Any]], strict: bool, folder: str, rank: int
 ) -> None:
     here = {e.name for e in entries if e.kind != "alias"}
     stored = {n for n, i in saved.items() if i["kind"] != "alias"}
@@ -109,7 +115,7 @@ def _check_names(
             f"{folder}: module state mismatch (load_module_strict=True): missing from the "
             f"checkpoint {missing[:10]}, unexpected in it {unexpected[:10]}"
         )
-    if excluded & here and comm.get_rank() == 0:
+    if excluded & here and rank == 0:
         logger.info(
             "%d frozen parameters were excluded from the checkpoint; the module "
             "keeps its own values for them",
@@ -120,7 +126,7 @@ def _check_names(
 def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -> None:
     entries = inventory(engine)
     saved = src.tensors
-    _check_names(entries, saved, strict, src.folder)
+    _check_names(entries, saved, strict, src.folder, engine.dims.rank)
     if load_opt:
         _check_optimizer(engine, src.meta)
     keys = list(src.meta.get("optimizer_state_keys") or []) if load_opt else []
@@ -202,7 +208,7 @@ def _restore_training_state(
     if scaler is not None:
         if scaler.get("kind") == engine.loss_scaler.state_dict().get("kind"):
             engine.loss_scaler.load_state_dict(scaler)
-        elif comm.get_rank() == 0:
+        elif engine.dims.rank == 0:
             logger.warning(
                 "checkpoint has a %s loss scaler, the engine a %s one; not loaded",
                 scaler.get("kind"),
@@ -217,9 +223,9 @@ def _restore_training_state(
 
 
 def _restore_rank_state(engine: Any, meta: dict[str, Any]) -> None:
-    """RNG and data loader position, per rank; at another world size what is well defined
-    (see `partita.checkpoint.state.restore_rank_state`)."""
-    restore_rank_state(engine, meta, comm.get_rank(), comm.get_world_size())
+    """RNG and data loader position, per data-parallel rank; at another data-parallel world
+    size what is well defined (see `partita.checkpoint.state.restore_rank_state`)."""
+    restore_rank_state(engine, meta, engine.dims.dp_rank, engine.dims.dp_world_size)
 
 
 __all__ = ["load_checkpoint"]

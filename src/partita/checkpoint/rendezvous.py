@@ -34,6 +34,10 @@ from partita.checkpoint.manifest import CheckpointError
 CALLS_DIR = ".partita-calls"
 TIMEOUT_ENV = "PARTITA_CHECKPOINT_TIMEOUT_S"
 _state = {"seq": 0}
+
+WHOLE_JOB: comm.ProcessGroup | None = None
+"""The group checkpoint phases agree over: every rank of the job (all replicas), since every
+rank must call save and load."""
 T = TypeVar("T")
 
 
@@ -68,10 +72,10 @@ class Arrival:
 
 
 def arrive(folder: str, op: str) -> Arrival:
-    """Waits until every rank has started the same `op` call on `folder`; raises
-    `CheckpointError` naming the ranks that did not within `timeout_s()`."""
+    """Waits until every rank of the job has started the same `op` call on `folder`; raises
+    `CheckpointError` naming the (global) ranks that did not within `timeout_s()`."""
     _state["seq"] += 1
-    world, rank = comm.get_world_size(), comm.get_rank()
+    world, rank = comm.get_world_size(WHOLE_JOB), comm.get_rank(WHOLE_JOB)
     if world == 1:
         return Arrival(None)
     seq = _state["seq"]
@@ -147,10 +151,10 @@ def _removable(marker: str, members: list[tuple[str, int]]) -> bool:
     return False
 
 
-def gather_agreed(fn: Callable[[], T]) -> list[T]:
-    """Runs `fn` on every rank and returns every rank's result (rank order); if it fails on
-    any rank, every rank raises the same `CheckpointError` (the failing rank chains its own
-    exception as the cause)."""
+def gather_agreed(fn: Callable[[], T], group: comm.ProcessGroup | None) -> list[T]:
+    """Runs `fn` on every rank of `group` and returns every rank's result (rank order); if it
+    fails on any rank, every rank raises the same `CheckpointError` (the failing rank chains
+    its own exception as the cause)."""
     try:
         value: T | None = fn()
         error: str | None = None
@@ -158,7 +162,7 @@ def gather_agreed(fn: Callable[[], T]) -> list[T]:
     except Exception as e:  # reported to every rank, then raised here with its cause
         value, cause = None, e
         error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    gathered = comm.all_gather_object((error, value))
+    gathered = comm.all_gather_object((error, value), group=group)
     failed = [(r, err) for r, (err, _) in enumerate(gathered) if err]
     if failed:
         text = "; ".join(f"rank {r}: {err}" for r, err in failed[:4])
@@ -167,14 +171,15 @@ def gather_agreed(fn: Callable[[], T]) -> list[T]:
     return [v for _, v in gathered]
 
 
-def run_agreed(fn: Callable[[], T]) -> T:
+def run_agreed(fn: Callable[[], T], group: comm.ProcessGroup | None) -> T:
     """`gather_agreed` returning only this rank's result."""
-    return gather_agreed(fn)[comm.get_rank()]
+    return gather_agreed(fn, group)[comm.get_rank(group)]
 
 
 __all__ = [
     "CALLS_DIR",
     "TIMEOUT_ENV",
+    "WHOLE_JOB",
     "Arrival",
     "arrive",
     "gather_agreed",

@@ -13,6 +13,14 @@ Phases (each ends in a collective that fails every rank if one failed, see `rend
    writes `latest` (atomically) and removes the old content.
 
 A save that fails or is killed at any point leaves ``save_dir/tag`` as it was.
+
+[Note: checkpoints of replicas]
+A checkpoint holds one data-parallel group's state: shard files are named and cut by
+data-parallel rank, and the manifest's ``world_size`` is the data-parallel world size. When the
+world is several replicas (`partita.comm.ParallelDims`), every rank takes part in every phase
+(all must call save), but only the replica holding global rank 0 writes; every replica loads
+the same checkpoint. That is right while replicas hold the same model (replicated data
+parallelism); model-parallel slices will need one set of files per slice.
 """
 
 from __future__ import annotations
@@ -25,7 +33,6 @@ from typing import Any
 
 import torch
 
-from partita import comm
 from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
@@ -38,6 +45,7 @@ from partita.checkpoint.manifest import (
     state_key,
 )
 from partita.checkpoint.rendezvous import (
+    WHOLE_JOB,
     arrive,
     gather_agreed,
     job_member,
@@ -76,19 +84,24 @@ def save_checkpoint(
     os.makedirs(save_dir, exist_ok=True)
     arrival = arrive(save_dir, "save")
     start = time.perf_counter()
-    tags = gather_agreed(lambda: _check_call(wanted, client_state or {}))
+    tags = gather_agreed(lambda: _check_call(wanted, client_state or {}), WHOLE_JOB)
     arrival.depart()
-    members = gather_agreed(job_member)
+    members = gather_agreed(job_member, WHOLE_JOB)
     agreed = _agreed_tag(engine, tags)
     folder = os.path.join(save_dir, agreed)
-    rank = comm.get_rank()
+    rank = engine.dims.rank
     staging = Staging(save_dir, agreed)
     try:
-        opened = gather_agreed(lambda: _open_staging(staging, members) if rank == 0 else "")
-        staged = opened[0]  # rank 0's staging folder: every rank writes its shard there
-        reports = gather_agreed(lambda: _write_shard(engine, staged, exclude_frozen_parameters))
+        opened = gather_agreed(
+            lambda: _open_staging(staging, members) if rank == 0 else "", WHOLE_JOB
+        )
+        staged = opened[0]  # rank 0's staging folder: every writing rank writes its shard there
+        written = gather_agreed(
+            lambda: _write_shard(engine, staged, exclude_frozen_parameters), WHOLE_JOB
+        )
+        reports = sorted((r for r in written if r is not None), key=lambda r: r["rank"])
         manifest = (agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters)
-        gather_agreed(lambda: _commit(engine, staging, *manifest) if rank == 0 else None)
+        gather_agreed(lambda: _commit(engine, staging, *manifest) if rank == 0 else None, WHOLE_JOB)
     finally:
         # Every rank has left the phase that failed (each phase ends in a collective), so
         # nobody writes into the staging folder any more.
@@ -151,7 +164,7 @@ def _shard_tensors(
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]], set[str]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
     state; frozen parameters and buffers on rank 0 only."""
-    strategy, rank = engine.strategy, comm.get_rank()
+    strategy, rank = engine.strategy, engine.dims.dp_rank
     writes_trainable = rank == 0 or not strategy.replicated
     keys = ["param", *strategy.optimizer_state_keys()]
     tensors: dict[str, torch.Tensor] = {}
@@ -176,8 +189,13 @@ def _shard_tensors(
     return tensors, ranges, scalars
 
 
-def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, Any]:
-    rank, world = comm.get_rank(), comm.get_world_size()
+def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, Any] | None:
+    """This rank's shard file and its report, on the ranks of the first replica; None on the
+    others (see [Note: checkpoints of replicas])."""
+    dims = engine.dims
+    if not dims.first_replica:
+        return None
+    rank, world = dims.dp_rank, dims.dp_world_size
     tensors, ranges, scalars = _shard_tensors(engine, inventory(engine), exclude_frozen)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "sha256": None}
     if tensors:
@@ -246,7 +264,7 @@ def _manifest(
         "tag": tag,
         "saved_at": time.time(),
         "save_latest": save_latest,
-        "world_size": comm.get_world_size(),
+        "world_size": engine.dims.dp_world_size,
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.strategy.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),

@@ -1,6 +1,7 @@
 """Communication layer: the only importer of ``torch.distributed`` in partita.
 
-Process-group set-up (`init_distributed`, idempotent), rank queries, collectives as plain
+Process-group set-up (`init_distributed`, idempotent), rank queries, the job's parallel
+dimensions (`ParallelDims`: the data-parallel group ZeRO runs over), collectives as plain
 functions with async handles, and byte counters (`COUNTERS`) that tests and benchmarks read.
 """
 
@@ -16,11 +17,13 @@ from partita.comm.collectives import (
     reduce_scatter,
 )
 from partita.comm.counters import COUNTERS, CommCounters
+from partita.comm.dims import ParallelDims
 from partita.comm.process_group import (
     DEFAULT_TIMEOUT,
     ProcessGroup,
     destroy_process_group,
     get_backend,
+    get_global_rank,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -33,6 +36,7 @@ __all__ = [
     "COUNTERS",
     "DEFAULT_TIMEOUT",
     "CommCounters",
+    "ParallelDims",
     "ProcessGroup",
     "ReduceOp",
     "Work",
@@ -44,6 +48,7 @@ __all__ = [
     "broadcast_object",
     "destroy_process_group",
     "get_backend",
+    "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_size",

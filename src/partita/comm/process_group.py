@@ -102,6 +102,13 @@ def get_world_size(group: ProcessGroup | None = None) -> int:
     return dist.get_world_size(group) if is_initialized() else 1
 
 
+def get_global_rank(group: ProcessGroup | None, rank: int) -> int:
+    """Global rank of `group`'s rank `rank` (collectives name their source globally)."""
+    if group is None or not is_initialized():
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
 def get_local_rank() -> int:
     """Rank within this node, from the launcher environment."""
     return cluster_env.detect().local_rank

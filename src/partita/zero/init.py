@@ -2,12 +2,13 @@
 
 Inside the context every `nn.Module` subclass's ``__init__`` is wrapped: when a module's own
 constructor returns, its direct parameters (the ones its children do not own) are broadcast from
-rank 0 and cut down to this rank's chunk (``ceil(numel / world)`` elements); the parameter keeps
-its shape but holds a zero-memory NaN placeholder. At any moment the full values of at most one
-module's direct parameters exist. Initialisation code that writes into parameters after
-construction (Hugging Face's ``_init_weights``) runs under `GatheredParameters` with
-``modifier_rank=0``, as DeepSpeed's integration does. Stage 3 later turns the chunks into its
-unit shards one parameter at a time.
+rank 0 and cut down to this rank's chunk (``ceil(numel / world)`` elements; rank and world of
+the data-parallel group, ``data_parallel_group=`` or an ``mpu``'s, else of every rank); the
+parameter keeps its shape but holds a zero-memory NaN placeholder. At any moment the full
+values of at most one module's direct parameters exist. Initialisation code that writes into
+parameters after construction (Hugging Face's ``_init_weights``) runs under
+`GatheredParameters` with ``modifier_rank=0``, as DeepSpeed's integration does. Stage 3 later
+turns the chunks into its unit shards one parameter at a time.
 
 ``remote_device="cpu"`` keeps the chunks in host memory; ``remote_device="nvme"`` keeps them in
 swap files under the config's ``zero_optimization.offload_param.nvme_path`` (each read back when
@@ -44,6 +45,9 @@ class PreShard:
     world: int
     swap: SwappedTensor | None = None
     """Set when the chunk lives in a swap file (``remote_device="nvme"``)."""
+    group: comm.ProcessGroup | None = None
+    """The data-parallel group the parameter is sharded over (None: every rank); `world` is
+    its size."""
     target: tuple[torch.device, torch.dtype] | None = None
     """Device and dtype the engine wants (applied when gathered; see `prepare_pre_sharded`)."""
 
@@ -97,15 +101,21 @@ _swap_keys = itertools.count()
 
 
 @torch.no_grad()
-def shard_param(param: torch.Tensor, space: SwapSpace | None = None, host: bool = False) -> None:
-    """Broadcasts `param` from rank 0, keeps this rank's chunk (on the host with `host`, in a
-    swap file of `space` when given), leaves a NaN placeholder."""
-    world, rank = comm.get_world_size(), comm.get_rank()
-    comm.broadcast(param.data, src=0, tag="init")
+def shard_param(
+    param: torch.Tensor,
+    space: SwapSpace | None = None,
+    host: bool = False,
+    group: comm.ProcessGroup | None = None,
+) -> None:
+    """Broadcasts `param` from rank 0 of the data-parallel `group` (None: every rank), keeps
+    this rank's chunk (on the host with `host`, in a swap file of `space` when given), leaves a
+    NaN placeholder."""
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    comm.broadcast(param.data, src=comm.get_global_rank(group, 0), group=group, tag="init")
     chunk = _chunk_of(param.data, world, rank)
     if host or space is not None:
         chunk = chunk.cpu()
-    shard = PreShard(chunk, param.numel(), world)
+    shard = PreShard(chunk, param.numel(), world, group=group)
     if space is not None:
         shard.swap = SwappedTensor(chunk, space, f"init.{next(_swap_keys)}")
         shard.swap.evict()
@@ -119,11 +129,13 @@ def gather_pre_sharded(param: torch.Tensor) -> torch.Tensor:
     shard = PRE_SHARDED[param]
     chunk = shard.value()
     full = torch.empty(chunk.numel() * shard.world, dtype=chunk.dtype, device=chunk.device)
-    comm.all_gather(full, chunk, tag="init")
+    comm.all_gather(full, chunk, group=shard.group, tag="init")
     return full[: shard.numel].view(param.shape)
 
 
-def _init_swap_space(remote_device: str | None, source: Any) -> SwapSpace | None:
+def _init_swap_space(
+    remote_device: str | None, source: Any, group: comm.ProcessGroup | None = None
+) -> SwapSpace | None:
     """The swap space for ``remote_device="nvme"`` (None for memory), from the config's
     ``zero_optimization.offload_param.nvme_path``."""
     if remote_device in (None, "none", "cpu"):
@@ -137,7 +149,7 @@ def _init_swap_space(remote_device: str | None, source: Any) -> SwapSpace | None
         config = (
             source
             if hasattr(source, "zero_optimization")
-            else load_config(source, world_size=comm.get_world_size())
+            else load_config(source, world_size=comm.get_world_size(group))
         )
         param = config.zero_optimization.offload_param
         path = None if param is None else param.nvme_path
@@ -146,6 +158,7 @@ def _init_swap_space(remote_device: str | None, source: Any) -> SwapSpace | None
             "zero_optimization.offload_param.nvme_path",
             "zero.Init(remote_device='nvme') needs it: pass config_dict_or_path with it set",
         )
+    # Named by global rank: replicas on one node must not share swap files.
     return SwapSpace(str(path), comm.get_rank(), run_id=unique_run_id("init"))
 
 
@@ -176,14 +189,21 @@ class Init:
         mpu: Any = None,
         **kwargs: Any,
     ) -> None:
-        del data_parallel_group, mem_efficient_linear, pin_memory, mpu, kwargs
+        del mem_efficient_linear, pin_memory, kwargs
         self.enabled = enabled
         if enabled:
             comm.init_distributed()
+        # DeepSpeed's data_parallel_group (or an mpu's): the group the chunks are cut over, as
+        # the engine's mpu will be (None: every rank).
+        self.group = data_parallel_group
+        if mpu is not None and enabled:
+            self.group = comm.ParallelDims.from_mpu(mpu).dp_group
         self.host = remote_device == "cpu"
         self.space = (
             _init_swap_space(
-                remote_device, config_dict_or_path if config_dict_or_path is not None else config
+                remote_device,
+                config_dict_or_path if config_dict_or_path is not None else config,
+                self.group,
             )
             if enabled
             else None
@@ -283,7 +303,7 @@ class Init:
         full = sum(p.numel() * p.element_size() for p in params)
         self.stats.peak_materialized_bytes = max(self.stats.peak_materialized_bytes, full)
         for p in params:
-            shard_param(p, self.space, self.host)
+            shard_param(p, self.space, self.host, self.group)
             self.stats.sharded_bytes += PRE_SHARDED[p].chunk.numel() * p.element_size()
 
 
@@ -299,9 +319,11 @@ def materialized(params: Sequence[torch.Tensor], modifier_rank: int | None) -> I
         with torch.no_grad():
             for p in params:
                 if modifier_rank is not None:
-                    comm.broadcast(p.data, src=modifier_rank, tag="gathered")
+                    # modifier_rank is a rank of the parameter's data-parallel group
                     shard = PRE_SHARDED[p]
-                    shard.store(_chunk_of(p.data, shard.world, comm.get_rank()))
+                    src = comm.get_global_rank(shard.group, modifier_rank)
+                    comm.broadcast(p.data, src=src, group=shard.group, tag="gathered")
+                    shard.store(_chunk_of(p.data, shard.world, comm.get_rank(shard.group)))
                 p.data = nan_placeholder(p)
 
 
@@ -337,16 +359,18 @@ def _patch_hf_initialize_weights() -> Callable[[], None] | None:
 
 
 @torch.no_grad()
-def hand_back(param: torch.Tensor, full: torch.Tensor) -> None:
+def hand_back(
+    param: torch.Tensor, full: torch.Tensor, group: comm.ProcessGroup | None = None
+) -> None:
     """Leaves `param` as `Init` leaves a parameter it built: this rank's chunk of `full` (its
     full value, the same on every rank) in `PRE_SHARDED` and a placeholder in the module. A
     stage-3 engine that is destroyed hands its parameters back this way, so another engine can
     take over the same module (Hugging Face's Trainer destroys the evaluation engine before it
-    builds the training one)."""
-    world = comm.get_world_size()
-    chunk = _chunk_of(full, world, comm.get_rank())
+    builds the training one). `group` is the data-parallel group the chunk is cut over."""
+    world = comm.get_world_size(group)
+    chunk = _chunk_of(full, world, comm.get_rank(group))
     mark_gathered(param, nan_placeholder(param, dtype=full.dtype, device=full.device))
-    PRE_SHARDED[param] = PreShard(chunk, param.numel(), world)
+    PRE_SHARDED[param] = PreShard(chunk, param.numel(), world, group=group)
 
 
 def full_value(param: torch.Tensor) -> torch.Tensor:

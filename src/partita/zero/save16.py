@@ -43,8 +43,9 @@ def consolidated_16bit_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """The full weights (module dtype, CPU copies) and persistent buffers, keyed like
     ``engine.module.state_dict()``, on rank 0; None on the other ranks. Collective: every rank
-    must call. Stage 3 gathers one unit at a time, so only rank 0's host holds the whole model."""
-    rank = comm.get_rank()
+    must call. Stage 3 gathers one unit at a time, so only rank 0's host holds the whole model.
+    With several replicas it is the first replica's model (see `partita.comm.ParallelDims`)."""
+    rank = engine.dims.rank
     out: dict[str, torch.Tensor] = {}
     for batch in _param_batches(engine, exclude_frozen_parameters):
         with GatheredParameters([p for _, p in batch]):
@@ -67,8 +68,9 @@ def save_16bit_model(
     exclude_frozen_parameters: bool = False,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> bool:
-    """Writes the model's full weights (collective: every rank must call). Returns True."""
-    rank = comm.get_rank()
+    """Writes the model's full weights (collective: every rank must call; global rank 0, of the
+    first replica, writes). Returns True."""
+    rank = engine.dims.rank
     if rank == 0:
         os.makedirs(save_dir, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -88,7 +90,7 @@ def save_16bit_model(
         for name, buf in engine.module.named_buffers():
             shards[-1][name] = buf.detach().to("cpu").contiguous().clone()
         _write(save_dir, save_filename, shards)
-    comm.barrier()
+    comm.barrier(group=None)  # every rank of the job returns once the files are in place
     return True
 
 

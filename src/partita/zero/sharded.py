@@ -39,8 +39,11 @@ class ShardedGroup:
         master_dtype: torch.dtype,
         state_device: torch.device | None = None,
         pin_memory: bool = False,
+        group: comm.ProcessGroup | None = None,
     ) -> None:
         self.params = params
+        self.process_group = group
+        """The data-parallel group the shards are cut over (`rank` and `world` are in it)."""
         numels = [p.numel() for p in params]
         order = list(reversed(range(len(params))))
         buckets = [b.indices for b in plan_buckets(numels, bucket_numel, order=order)]
@@ -98,7 +101,9 @@ class ShardedGroup:
                 if cast:
                     own.copy_(v.shard)
                 # In place: the input is this rank's chunk of the output (gloo and NCCL allow it).
-                handle = comm.all_gather(v.full, own, async_op=True, tag="param")
+                handle = comm.all_gather(
+                    v.full, own, group=self.process_group, async_op=True, tag="param"
+                )
                 if handle is not None:
                     handles.append(handle)
 
@@ -123,7 +128,7 @@ class Sharded:
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         self.groups = [
             ShardedGroup(
-                g, bucket_numel, world, rank, policy.master_dtype, state_device, pin_memory
+                g, bucket_numel, world, rank, policy.master_dtype, state_device, pin_memory, group
             )
             for g in groups
         ]

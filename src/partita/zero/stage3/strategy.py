@@ -145,6 +145,8 @@ class _UnitFactory:
     (``offload_param.max_in_cpu``); units take from it in build order while their shard fits."""
     pin: tuple[bool, bool] = (False, False)
     """Page-lock (masters, shards) kept in host memory (``pin_memory`` of the offload blocks)."""
+    group: comm.ProcessGroup | None = None
+    """The data-parallel group the units are sharded over (`world` and `rank` are in it)."""
 
     def __call__(
         self, name: str, params: list[torch.nn.Parameter], persistent: bool
@@ -184,6 +186,7 @@ class _UnitFactory:
             alias_masters=self.placement[2],
             shard_space=shard_space,
             pin_memory=(self.pin[0], self.pin[1] and shard_space is None),
+            group=self.group,
         )
 
 
@@ -229,7 +232,7 @@ class FullySharded:
             group_of, len(groups), world, rank, policy, self._placement,
             int(zero.sub_group_size) * world, _max_in_cpu(zero, param_swap_space),
             # Swapped masters and shards live in the swap buffers, not in these tensors.
-            (pin_memory[0] and swap_space is None, pin_memory[1]),
+            (pin_memory[0] and swap_space is None, pin_memory[1]), group,
         )  # fmt: skip
         pipeline = optimizer_pipeline(zero.offload_optimizer)
         swapped = None if swap_space is None else SwappedOptimizerState(swap_space, pipeline)
@@ -480,7 +483,7 @@ class FullySharded:
                 continue
             unit.reshard()
             for p, full in zip(unit.params, fulls, strict=True):
-                hand_back(p, full)
+                hand_back(p, full, self.process_group)
         self.all_units = []  # nothing of the module is held here any more
         self._where = {}
 

@@ -1,0 +1,137 @@
+"""The parallel dimensions of a job: which ranks ZeRO shards and reduces over.
+
+[Note: parallel dimensions]
+ZeRO runs over a data-parallel group, not over "the world". `ParallelDims`, built once when the
+engine is created, holds that group with this rank's place in it; whatever communicates gets
+it (or its group) and names the group in every collective, and shards by data-parallel rank.
+Without a model-parallel unit the data-parallel group is the world (``dp_group`` None). With
+one (DeepSpeed's ``mpu``), the world is cut into replicas: data-parallel groups of equal size
+that train side by side and never exchange data with each other. Tensor and sequence groups
+will be further fields of the same object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from partita.comm.collectives import all_gather_object
+from partita.comm.process_group import ProcessGroup, get_rank, get_world_size, is_initialized
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """This rank's place in the job's parallel dimensions (see [Note: parallel dimensions])."""
+
+    rank: int
+    """Global rank (in the default group)."""
+    world_size: int
+    """Ranks in the job."""
+    dp_group: ProcessGroup | None
+    """The data-parallel group; None means the default group (every rank)."""
+    dp_ranks: tuple[int, ...]
+    """Global ranks of the data-parallel group, in data-parallel rank order."""
+
+    @property
+    def dp_rank(self) -> int:
+        """Rank within the data-parallel group (what ZeRO shards by)."""
+        return self.dp_ranks.index(self.rank)
+
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks in the data-parallel group (what ZeRO shards over, and averages by)."""
+        return len(self.dp_ranks)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel groups side by side (1 when the group is the world)."""
+        return self.world_size // self.dp_world_size
+
+    @property
+    def first_replica(self) -> bool:
+        """True on the ranks of the data-parallel group holding global rank 0 (the replica
+        whose ranks write checkpoints)."""
+        return 0 in self.dp_ranks
+
+    def dp_global_rank(self, dp_rank: int) -> int:
+        """Global rank of data-parallel rank `dp_rank` (collectives name sources globally)."""
+        return self.dp_ranks[dp_rank]
+
+    def check_replicas(self) -> None:
+        """Raises on every rank unless the ranks' data-parallel groups cut the world into
+        disjoint replicas of equal size (collective over the world: every rank calls it)."""
+        if self.replicas == 1 and self.dp_group is None:
+            return
+        seen = all_gather_object(self.dp_ranks, group=None)  # every rank of the job
+        problems = [
+            f"rank {r} says its group is {list(ranks)}"
+            for r, ranks in enumerate(seen)
+            if any(seen[m] != ranks for m in ranks) or len(ranks) != self.dp_world_size
+        ]
+        if problems:
+            raise ValueError(
+                "the data-parallel groups must split the world into disjoint replicas of "
+                f"equal size: {'; '.join(problems[:4])}"
+            )
+
+    @classmethod
+    def world(cls) -> ParallelDims:
+        """Data parallelism over every rank (also a single process without a process group)."""
+        world = get_world_size()
+        return cls(get_rank(), world, None, tuple(range(world)))
+
+    @classmethod
+    def from_group(cls, group: ProcessGroup | None) -> ParallelDims:
+        """Data parallelism over `group` (None: the world). Every rank must be in its group."""
+        if group is None or not is_initialized():
+            return cls.world()
+        rank, world = get_rank(), get_world_size()
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if rank not in ranks:
+            raise ValueError(
+                f"rank {rank}: the data-parallel group {list(ranks)} does not contain this rank"
+            )
+        if world % len(ranks):
+            raise ValueError(
+                f"rank {rank}: the data-parallel group has {len(ranks)} ranks, which does not "
+                f"divide the world size {world} into equal replicas"
+            )
+        # Group ranks in group order: dp rank i is global rank ranks[i].
+        ordered = tuple(dist.get_global_rank(group, i) for i in range(len(ranks)))
+        return cls(rank, world, group, ordered)
+
+    @classmethod
+    def from_mpu(cls, mpu: Any) -> ParallelDims:
+        """From DeepSpeed's model-parallel unit: an object with ``get_data_parallel_group()``,
+        ``get_data_parallel_world_size()`` and ``get_data_parallel_rank()`` (Megatron's
+        ``parallel_state`` module is one). Raises, naming the getter, when they disagree."""
+        missing = [
+            name
+            for name in (
+                "get_data_parallel_group",
+                "get_data_parallel_world_size",
+                "get_data_parallel_rank",
+            )
+            if not callable(getattr(mpu, name, None))
+        ]
+        if missing:
+            raise TypeError(f"initialize(mpu=...): the object has no {', '.join(missing)}()")
+        if not is_initialized():
+            raise RuntimeError(
+                "initialize(mpu=...) needs the process group that the mpu's groups belong to: "
+                "call partita.init_distributed() and build the groups first"
+            )
+        dims = cls.from_group(mpu.get_data_parallel_group())
+        size, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        if (size, rank) != (dims.dp_world_size, dims.dp_rank):
+            raise ValueError(
+                f"rank {dims.rank}: mpu.get_data_parallel_world_size()={size} and "
+                f"get_data_parallel_rank()={rank}, but its group {list(dims.dp_ranks)} gives "
+                f"{dims.dp_world_size} and {dims.dp_rank}"
+            )
+        return dims
+
+
+__all__ = ["ParallelDims"]
