@@ -37,7 +37,9 @@ import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -56,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", choices=sorted(common.MODEL_SHAPES), default="23m")
     p.add_argument("--stages", default="2,3", help="comma-separated ZeRO stages (default 2,3)")
+    p.add_argument("--vocab", type=int, help="vocabulary size (default: the model shape's)")
     p.add_argument("--seq", type=int, default=128, help="tokens per sample")
     p.add_argument("--micro_batch", type=int, default=2, help="samples per rank per step")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps per job, warm-up included")
@@ -91,10 +94,15 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def make_initial(model: str, folder: Path) -> int:
-    """Save the starting weights every job loads; returns the parameter count."""
-    net = common.build_gpt2(model, seed=0)
-    cast(Any, net).save_pretrained(folder)  # a PreTrainedModel, typed as nn.Module
+def make_initial(model: str, vocab: int | None, folder: Path) -> int:
+    """Save the starting weights every job loads (shape `model`, its vocabulary replaced by
+    `vocab` when given); returns the parameter count."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    shape = {**common.MODEL_SHAPES[model], **({"vocab_size": vocab} if vocab else {})}
+    net = GPT2LMHeadModel(GPT2Config(**shape, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    net.save_pretrained(folder)
     return common.count_params(net)
 
 
@@ -302,8 +310,9 @@ def render(
 ) -> str:
     """The markdown report: title, command, versions, table, goals."""
     timed = a.steps - a.warmup
+    vocab = f" with a {a.vocab}-token vocabulary" if a.vocab else ""
     title = (
-        f"### Hugging Face Trainer, GPT-2 {a.model} ({params:,} parameters), {a.nprocs} CPU "
+        f"### Hugging Face Trainer, GPT-2 {a.model}{vocab} ({params:,} parameters), {a.nprocs} CPU "
         f"processes x {a.threads} threads, micro-batch {a.micro_batch} x {a.seq} tokens per "
         f"rank, fp32, median of {timed} steps after {a.warmup} warm-up, x {a.rounds} "
         "interleaved rounds"
@@ -337,7 +346,7 @@ def main() -> int:
     keys = [f"{impl}-{stage}" for stage in a.stages for impl in a.impls]
     with tempfile.TemporaryDirectory(prefix="bench_hf_") as tmp:
         init = Path(tmp) / "init"
-        params = make_initial(a.model, init)
+        params = make_initial(a.model, a.vocab, init)
         counter = iter(range(10**6))
 
         def run_one(key: str) -> dict[str, Any] | None:
