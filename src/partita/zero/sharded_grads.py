@@ -39,6 +39,10 @@ class Unit:
     """Offset of each parameter inside the segment."""
     pending: int = 0
     buffer: torch.Tensor | None = None
+    adopted: bool = False
+    """True when `buffer` is a parameter's own gradient taken over without a copy (stage 2, a
+    unit of one parameter that fills its segment): it is dropped after the reduction instead of
+    going back to the pool."""
     sent: torch.Tensor | None = None
     """What the reduce-scatter reads: the buffer itself or a converted copy of it."""
     output: torch.Tensor | None = None
@@ -116,10 +120,16 @@ class ShardedGradients:
         if self.persistent:
             self._keep_view(p, unit, j)
         elif p.grad is not None:
-            if unit.buffer is None:
-                unit.buffer = self._new_buffer(unit, p.grad.dtype)
-            off = unit.offsets[j]
-            unit.buffer[off : off + p.numel()].add_(p.grad.reshape(-1))
+            if unit.buffer is None and self._can_adopt(unit, p.grad):
+                # A gradient that fills its whole segment is reduced from its own storage, as
+                # DeepSpeed reduces gradients larger than a bucket: copying it would hold two
+                # of the largest gradient (a vocabulary embedding) at once.
+                unit.buffer, unit.adopted = p.grad.detach().view(-1), True
+            else:
+                if unit.buffer is None:
+                    unit.buffer = self._new_buffer(unit, p.grad.dtype)
+                off = unit.offsets[j]
+                unit.buffer[off : off + p.numel()].add_(p.grad.reshape(-1))
             p.grad = None
         if not self.armed:
             return
@@ -135,6 +145,17 @@ class ShardedGradients:
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
+
+    @staticmethod
+    def _can_adopt(unit: Unit, grad: torch.Tensor) -> bool:
+        """Whether `grad` can serve as `unit`'s buffer as it is: the unit's only parameter, the
+        segment's whole length (no padding), contiguous, in the parameter's dtype."""
+        return (
+            len(unit.params) == 1
+            and grad.is_contiguous()
+            and grad.numel() == unit.segment.padded_numel
+            and grad.dtype == unit.params[0].dtype
+        )
 
     def _new_buffer(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
         buf = self._pool.acquire(unit.segment.padded_numel, dtype, unit.params[0].device)
@@ -179,9 +200,10 @@ class ShardedGradients:
         seg = unit.segment
         dst = self.shard_grads[unit.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
         dst.add_(out.to(dst.device, non_blocking=True))  # a host copy under optimizer offload
-        if unit.buffer is not None:
+        if unit.buffer is not None and not unit.adopted:
             self._pool.release(unit.buffer)
         unit.buffer = unit.sent = unit.output = unit.handle = None
+        unit.adopted = False
 
     def end_backward(self) -> None:
         """Launches units that did not complete (in order) and retires all reductions."""
