@@ -106,6 +106,13 @@ def write_config(out: Path, stage: int, blocks: bool, rank: int) -> Path:
     return path
 
 
+def _optimizer_name(engine: Any) -> str:
+    """The engine's optimizer class, with the class it wraps (DeepSpeed's ZeRO optimizers)."""
+    optimizer = getattr(engine, "optimizer", None)
+    inner = getattr(optimizer, "optimizer", None)
+    return type(optimizer).__name__ + (f"({type(inner).__name__})" if inner is not None else "")
+
+
 def train(a: argparse.Namespace, rank: int, world: int, imports_rss_mb: float) -> dict[str, Any]:
     """One Trainer run as `a` describes; returns this rank's measurements."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -144,9 +151,6 @@ def train(a: argparse.Namespace, rank: int, world: int, imports_rss_mb: float) -
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
     trainer.train()
     engine = trainer.model_wrapped
-    optimizer = getattr(engine, "optimizer", None)
-    inner = getattr(optimizer, "optimizer", None)
-    deepspeed = sys.modules.get("deepspeed")
     report = getattr(engine, "memory_report", None)
     return {
         "rank": rank,
@@ -164,8 +168,7 @@ def train(a: argparse.Namespace, rank: int, world: int, imports_rss_mb: float) -
         # partita's own accounting of the bytes it holds (DeepSpeed's engine has no such call)
         "memory_report": report() if callable(report) else None,
         "engine": f"{type(engine).__module__}.{type(engine).__name__}",
-        "optimizer": type(optimizer).__name__
-        + (f"({type(inner).__name__})" if inner is not None else ""),
+        "optimizer": _optimizer_name(engine),
         "deepspeed_module": getattr(deepspeed, "__name__", None),
         "deepspeed_file": getattr(deepspeed, "__file__", None),
     }

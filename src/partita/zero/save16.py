@@ -68,30 +68,29 @@ def save_16bit_model(
     exclude_frozen_parameters: bool = False,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> bool:
-    """Writes the model's full weights (collective: every rank must call; global rank 0, of the
-    first replica, writes). Returns True."""
-    rank = engine.dims.rank
-    if rank == 0:
+    """Writes `consolidated_16bit_state_dict` (collective: every rank must call; global rank 0,
+    of the first replica, writes), split into files of at most `max_shard_bytes`. Returns True."""
+    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    if state is not None:
         os.makedirs(save_dir, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    for batch in _param_batches(engine, exclude_frozen_parameters):
-        with GatheredParameters([p for _, p in batch]):
-            if rank == 0:
-                for name, p in batch:
-                    tensor = p.detach().to("cpu").contiguous().clone()
-                    nbytes = tensor.numel() * tensor.element_size()
-                    if sizes[-1] and sizes[-1] + nbytes > max_shard_bytes:
-                        shards.append({})
-                        sizes.append(0)
-                    shards[-1][name] = tensor
-                    sizes[-1] += nbytes
-    if rank == 0:
-        for name, buf in engine.module.named_buffers():
-            shards[-1][name] = buf.detach().to("cpu").contiguous().clone()
-        _write(save_dir, save_filename, shards)
+        _write(save_dir, save_filename, _split(state, max_shard_bytes))
     comm.barrier(group=None)  # every rank of the job returns once the files are in place
     return True
+
+
+def _split(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """`state` in order, cut into consecutive files of at most `max_bytes` (a larger tensor gets
+    a file of its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
 
 
 def _write(save_dir: str, filename: str, shards: list[dict[str, torch.Tensor]]) -> None:

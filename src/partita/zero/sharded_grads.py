@@ -149,12 +149,12 @@ class ShardedGradients:
     @staticmethod
     def _can_adopt(unit: Unit, grad: torch.Tensor) -> bool:
         """Whether `grad` can serve as `unit`'s buffer as it is: the unit's only parameter, the
-        segment's whole length (no padding), contiguous, in the parameter's dtype."""
+        segment's whole length (no padding), contiguous. (A copied buffer would take the
+        gradient's dtype too.)"""
         return (
             len(unit.params) == 1
             and grad.is_contiguous()
             and grad.numel() == unit.segment.padded_numel
-            and grad.dtype == unit.params[0].dtype
         )
 
     def _new_buffer(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
