@@ -17,6 +17,7 @@ import torch
 
 from partita import comm
 from partita.accelerator import get_accelerator
+from partita.env import TEST_START_METHOD
 from partita.testing import (
     DistributedTestError,
     DistributedTimeoutError,
@@ -25,7 +26,7 @@ from partita.testing import (
     run_python,
     start_process,
 )
-from partita.testing._start import START_METHOD_ENV, server_pid
+from partita.testing._start import server_pid
 from partita.testing.distributed import execute
 
 # Functions the ranks run: module level, so the spawned processes can unpickle them.
@@ -293,7 +294,7 @@ def test_ranks_fork_from_one_server_with_the_callers_environment_and_output(
     """Ranks are forked from the harness's fork server (started once, torch imported), yet
     see this process's environment and stdout/stderr as they are at each call, as spawned
     ranks would: not the server's from when it started."""
-    monkeypatch.delenv(START_METHOD_ENV, raising=False)  # the default start method
+    monkeypatch.delenv(TEST_START_METHOD.name, raising=False)  # the default start method
     monkeypatch.setenv("PARTITA_TEST_EARLY", "set when the server may start")
     first = run_distributed(_parent_env_and_output, 2, "first")
     server = server_pid()
@@ -319,7 +320,7 @@ def test_environment_read_at_torch_import_makes_the_run_spawn(
 ) -> None:
     """A variable torch reads when it loads (here ATEN_CPU_CAPABILITY), set otherwise than in
     the fork server, cannot reach a forked rank: that run spawns fresh interpreters."""
-    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.delenv(TEST_START_METHOD.name, raising=False)
     run_distributed(_noop, 1)  # the server is running, with this process's environment
     value = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY") == "default" else "default"
     (result,) = run_distributed(_parent_env_and_output, 1, "x", env={"ATEN_CPU_CAPABILITY": value})
@@ -338,7 +339,7 @@ def test_start_process_is_started_like_a_rank(
 ) -> None:
     """`start_process` (no process group): forked from the fork server, torch imported, with
     this process's environment at the call and its output."""
-    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.delenv(TEST_START_METHOD.name, raising=False)
     run_distributed(_noop, 1)  # the server is running
     monkeypatch.setenv("PARTITA_TEST_LATE", "late")
     out = tmp_path / "env.txt"

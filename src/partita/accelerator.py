@@ -17,6 +17,8 @@ from functools import lru_cache
 import psutil
 import torch
 
+from partita import env
+
 
 class Accelerator:
     """One device type's operations. `device_type` is "cuda" or "cpu"."""
@@ -155,7 +157,7 @@ def configure_host_allocator() -> bool:
     from partita.host_cache import install_host_cache
 
     cached = install_host_cache()
-    threshold = int(os.environ.get("PARTITA_MMAP_THRESHOLD", str(1 << 20)))
+    threshold = env.mmap_threshold()
     if threshold <= 0 or not sys.platform.startswith("linux"):
         return cached
     try:
@@ -168,7 +170,7 @@ def configure_host_allocator() -> bool:
 @lru_cache(maxsize=1)
 def get_accelerator() -> Accelerator:
     """The process-wide accelerator. PARTITA_ACCELERATOR=cpu forces CPU on a GPU machine."""
-    forced = os.environ.get("PARTITA_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "")).lower()
+    forced = env.forced_accelerator()
     if forced == "cpu" or not torch.cuda.is_available():
         return Accelerator("cpu")
     return Accelerator("cuda")

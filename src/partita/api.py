@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from partita import cluster_env, comm, engine_setup
+from partita import cluster_env, comm, engine_setup, env
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
 from partita.data import DistributedDataLoader
@@ -140,7 +139,7 @@ def initialize(
             world_size=dims.dp_world_size,
             collate_fn=collate_fn,
             drop_last=cfg.dataloader_drop_last,
-            seed=int(os.environ.get("PARTITA_DATA_SEED", "0")),
+            seed=env.data_seed(),
         )
         engine.training_dataloader = loader
     # An engine built without an optimizer returns None in its place, as DeepSpeed does.

@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from partita import env as env_vars
+
 DEFAULT_MASTER_PORT = 29500
 
 
@@ -160,13 +162,6 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     return ClusterEnv(0, 1, 0, 1, addr or "127.0.0.1", port, "none")
 
 
-#: Directory the launcher gives each rank for its heartbeat file (unset: no heartbeat).
-HEARTBEAT_DIR_ENV = "PARTITA_HEARTBEAT_DIR"
-#: Seconds between two heartbeats of a rank, set by the launcher from its hang timeout.
-HEARTBEAT_INTERVAL_ENV = "PARTITA_HEARTBEAT_INTERVAL"
-_DEFAULT_HEARTBEAT_INTERVAL = 5.0
-
-
 @dataclass(frozen=True)
 class HeartbeatSettings:
     """Where and how often this rank writes its heartbeat for the launcher's hang watchdog."""
@@ -176,24 +171,12 @@ class HeartbeatSettings:
 
 
 def heartbeat_settings(env: Mapping[str, str] | None = None) -> HeartbeatSettings | None:
-    """The heartbeat the ``partita`` launcher asked for, or None when it asked for none.
+    """The heartbeat the ``partita`` launcher asked for (``PARTITA_HEARTBEAT_DIR`` and
+    ``PARTITA_HEARTBEAT_INTERVAL``, see `partita.env`), or None when it asked for none.
 
     Raises ValueError naming the variable when the interval is not a positive number.
     """
-    env = os.environ if env is None else env
-    directory = env.get(HEARTBEAT_DIR_ENV)
-    if not directory:
+    directory = env_vars.heartbeat_dir(env)
+    if directory is None:
         return None
-    raw = env.get(HEARTBEAT_INTERVAL_ENV)
-    if raw is None:
-        return HeartbeatSettings(directory, _DEFAULT_HEARTBEAT_INTERVAL)
-    try:
-        interval = float(raw)
-    except ValueError:
-        interval = float("nan")
-    if not interval > 0 or interval == float("inf"):  # `not >` also rejects NaN
-        raise ValueError(
-            f"environment variable {HEARTBEAT_INTERVAL_ENV}={raw!r} must be a positive number "
-            "of seconds"
-        )
-    return HeartbeatSettings(directory, interval)
+    return HeartbeatSettings(directory, env_vars.heartbeat_interval(env))

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
-from partita import native
+from partita import env, native
 
 __all__ = [
     "HostCacheStats",
@@ -37,7 +36,7 @@ _SOURCE = native.CSRC / "host_cache.cpp"
 _SYMBOLS = ("partita_host_cache_install", "partita_host_cache_stats", "partita_host_cache_empty")
 MIN_BYTES = 1 << 20
 """Blocks at least this large go through the cache; smaller ones stay with glibc's heap."""
-HEADROOM = 0.05
+HEADROOM = env.DEFAULT_HOST_CACHE_HEADROOM
 """Idle blocks are kept while the mapped total stays within (1 + HEADROOM) x the peak of the
 bytes tensors asked for (``PARTITA_HOST_CACHE_HEADROOM`` overrides). Measured on 2 CPU ranks
 training a 23M-parameter GPT-2, page faults per step and peak RSS of rank 0: glibc with a fixed
@@ -73,8 +72,8 @@ def install_host_cache() -> bool:
         return True
     if _why_not is not None:
         return False
-    if os.environ.get("PARTITA_HOST_CACHE", "1") == "0":
-        _why_not = "disabled by PARTITA_HOST_CACHE=0"
+    if not env.host_cache_enabled():
+        _why_not = f"disabled by {env.HOST_CACHE.name}=0"
     elif not sys.platform.startswith("linux"):
         _why_not = f"not built on {sys.platform}"
     elif (cxx := native.compiler()) is None:
@@ -84,13 +83,13 @@ def install_host_cache() -> bool:
             lib = native.load_library(_SOURCE, cxx, _SYMBOLS, link_c10=True)
             lib.partita_host_cache_install.argtypes = [ctypes.c_uint64, ctypes.c_double]
             lib.partita_host_cache_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
-            headroom = float(os.environ.get("PARTITA_HOST_CACHE_HEADROOM", str(HEADROOM)))
+            headroom = env.host_cache_headroom()
             lib.partita_host_cache_install(MIN_BYTES, headroom)
             _lib = lib
         except native.LibraryError as exc:
             _why_not = str(exc)
-        except ValueError as exc:  # PARTITA_HOST_CACHE_HEADROOM is not a number
-            _why_not = f"PARTITA_HOST_CACHE_HEADROOM: {exc}"
+        except ValueError as exc:  # PARTITA_HOST_CACHE_HEADROOM is not a number (names it)
+            _why_not = str(exc)
     if _why_not is not None:
         logger.info("partita host cache not installed: %s", _why_not)
     return _lib is not None

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from partita import env
+
 __all__ = ["CSRC", "LibraryError", "build_library", "cache_dir", "compiler", "load_library"]
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class LibraryError(RuntimeError):
 def cache_dir() -> Path:
     """Where built libraries are kept (``$PARTITA_CACHE_DIR`` or ``~/.cache/partita``); used
     only when it is private to this user (see [Note: what gets loaded])."""
-    root = os.environ.get("PARTITA_CACHE_DIR") or os.path.join(
+    root = env.cache_dir() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "partita"
     )
     return Path(root)
@@ -174,7 +176,7 @@ def _cache_folder() -> tuple[Path | None, bool]:
         _warned.add(why)
         logger.warning(
             "partita: not using the helper cache (%s); building in a private temporary folder "
-            "instead (set PARTITA_CACHE_DIR to a folder of your own to cache builds)",
+            f"instead (set {env.CACHE_DIR.name} to a folder of your own to cache builds)",
             why,
         )
     return None, False

@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from partita import comm
+from partita import comm, env
 from partita.checkpoint.manifest import CheckpointError
 
 CALLS_DIR = ".partita-calls"
-TIMEOUT_ENV = "PARTITA_CHECKPOINT_TIMEOUT_S"
+TIMEOUT_ENV = env.CHECKPOINT_TIMEOUT.name
 _state = {"seq": 0}
 
 WHOLE_JOB: comm.ProcessGroup | None = None
@@ -44,13 +44,11 @@ T = TypeVar("T")
 def timeout_s() -> float:
     """Seconds a rank waits for the others to call save/load: ``$PARTITA_CHECKPOINT_TIMEOUT_S``,
     else the process group's default timeout (30 minutes, as DeepSpeed)."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw:
-        try:
-            return float(raw)
-        except ValueError:
-            raise CheckpointError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-    return comm.DEFAULT_TIMEOUT.total_seconds()
+    try:
+        seconds = env.checkpoint_timeout_s()
+    except ValueError as exc:  # names the variable and its value
+        raise CheckpointError(str(exc)) from None
+    return comm.DEFAULT_TIMEOUT.total_seconds() if seconds is None else seconds
 
 
 def _marker(folder: str, op: str, seq: int, rank: int) -> str:

@@ -11,13 +11,13 @@ time this rank spends blocked in it, for the launcher's hang watchdog (see
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from partita import env
 from partita.comm.counters import COUNTERS
 from partita.comm.heartbeat import LAST_COLLECTIVE
 from partita.comm.pairwise import pair_all_gather, pair_reduce_scatter
@@ -53,7 +53,7 @@ def _gloo_mode(group: ProcessGroup | None) -> str:
     algorithms' communication volume do), ``=all_reduce`` the all-reduce form at any size;
     NCCL always uses its native ones.
     """
-    mode = os.environ.get("PARTITA_COLLECTIVES", "auto")
+    mode = env.collectives()
     if mode == "native" or dist.get_backend(group) != "gloo":
         return "native"
     if mode != "all_reduce" and dist.get_world_size(group) == 2:

@@ -34,7 +34,10 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-ENV_SWITCH = "PARTITA_AS_DEEPSPEED"
+from partita import env
+
+# partita.env imports only os and typing: cheap enough for a module that runs at interpreter
+# start (see install_from_env).
 ALIAS = "deepspeed"
 TARGET = "partita.compat.deepspeed"
 # The DeepSpeed release whose API the compatibility tree follows. Transformers and Accelerate gate
@@ -154,7 +157,7 @@ def install() -> None:
         raise AliasError(
             f"partita cannot stand in for deepspeed: DeepSpeed is already imported in this "
             f"process (from {loaded}). Install the alias before anything imports deepspeed: "
-            f"set {ENV_SWITCH}=1 in the environment, or `import partita.as_deepspeed` first."
+            f"set {env.AS_DEEPSPEED.name}=1 in the environment, or `import partita.as_deepspeed` first."
         )
     # A cached negative or real lookup of 'deepspeed' in importlib's path caches would not
     # consult the finder again for already-imported names; nothing is imported yet (checked).
@@ -170,12 +173,11 @@ def install() -> None:
 
 def requested(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
     """Whether the environment asks partita to stand in for DeepSpeed."""
-    value = (environ if environ is not None else os.environ).get(ENV_SWITCH, "")
-    return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return env.as_deepspeed(environ)
 
 
 def install_from_env() -> None:
-    """The start-up hook's entry: installs the alias when `ENV_SWITCH` asks for it.
+    """The start-up hook's entry: installs the alias when ``PARTITA_AS_DEEPSPEED`` asks for it.
 
     Runs in every interpreter of an environment with partita installed, so it must be cheap and
     must never break start-up: a failure is printed, not raised.
@@ -185,4 +187,6 @@ def install_from_env() -> None:
     try:
         install()
     except Exception as exc:  # a start-up hook must not stop the interpreter
-        print(f"partita: {ENV_SWITCH} is set but the alias failed: {exc}", file=sys.stderr)
+        print(
+            f"partita: {env.AS_DEEPSPEED.name} is set but the alias failed: {exc}", file=sys.stderr
+        )

@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # launch.py imports torch only inside its functions, so this import keeps --help fast.
+from partita import env
 from partita.launcher.launch import (
-    ACCELERATOR_ENV,
     DEFAULT_MASTER_PORT,
     LaunchError,
     LaunchOptions,
@@ -121,7 +121,7 @@ def _epilog() -> str:
     lines = [
         "Workers get --local_rank=<N> as their first argument (unless --no_local_rank) and the",
         "env vars RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and",
-        f"{ACCELERATOR_ENV}=cpu|cuda (the device this launch is for).",
+        f"{env.ACCELERATOR.name}=cpu|cuda (the device this launch is for).",
         "",
         *textwrap.wrap(
             "DeepSpeed flags refused with a reason: "
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--num_procs",
         type=_int_at_least(1),
         metavar="N",
-        help=f"CPU workers per node (gloo); sets {ACCELERATOR_ENV}=cpu even if GPUs are present",
+        help=f"CPU workers per node (gloo); sets {env.ACCELERATOR.name}=cpu even if GPUs are present",
     )
     _add_node_flags(parser)
     _add_job_flags(parser)
@@ -235,8 +235,8 @@ def _add_job_flags(parser: argparse.ArgumentParser) -> None:
         type=_seconds,
         metavar="S",
         help="end the job when a rank makes no progress for S seconds: its heartbeat stops, or "
-        "it leaves the others waiting in a collective (default: $PARTITA_HANG_TIMEOUT, else "
-        "240; 0 disables)",
+        f"it leaves the others waiting in a collective (default: ${env.HANG_TIMEOUT.name}, else "
+        f"{env.DEFAULT_HANG_TIMEOUT:g}; 0 disables)",
     )
 
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from partita import env as env_vars
+
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
@@ -45,7 +47,6 @@ if TYPE_CHECKING:
     from partita.launcher.watchdog import Watchdog
 
 __all__ = [
-    "ACCELERATOR_ENV",
     "DEFAULT_MASTER_PORT",
     "LaunchError",
     "LaunchOptions",
@@ -63,11 +64,6 @@ __all__ = [
     "worker_env",
 ]
 
-#: Environment variable the launcher sets in every worker: ``cpu`` or ``cuda``.
-ACCELERATOR_ENV = "PARTITA_ACCELERATOR"
-AS_DEEPSPEED_ENV = (
-    "PARTITA_AS_DEEPSPEED"  # partita.compat.alias.ENV_SWITCH (no import: keeps --help fast)
-)
 
 #: Port used for multi-node launches when ``--master_port`` is not given. Every node must agree
 #: on it, so it cannot be picked at random; 29500 is the torch and DeepSpeed default.
@@ -202,10 +198,10 @@ def _usable_cpus() -> int:
 
 def worker_env(plan: WorkerPlan, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to add to the launcher's environment, which every worker inherits."""
-    env: dict[str, str] = {ACCELERATOR_ENV: plan.device}
+    env: dict[str, str] = {env_vars.ACCELERATOR.name: plan.device}
     # Under the partita launcher `import deepspeed` is partita (Hugging Face's Trainer and
     # Accelerate find it there); the start-up hook installed with the package reads this.
-    env[AS_DEEPSPEED_ENV] = "1"
+    env[env_vars.AS_DEEPSPEED.name] = "1"
     if "OMP_NUM_THREADS" not in environ:
         # Without a limit every worker starts one thread per core and they fight for the
         # cores; CPU workers share the cores, GPU workers get one each (torchrun's default).
@@ -363,26 +359,23 @@ def _failure_headline(err: ChildFailedError, node_rank: int) -> str:
 
 
 def _hang_timeout(options: LaunchOptions) -> float:
-    from partita.launcher.watchdog import hang_timeout_from_env
-
     if options.hang_timeout is not None:
         return options.hang_timeout
     try:
-        return hang_timeout_from_env(os.environ)
+        return env_vars.hang_timeout()
     except ValueError as err:
         raise LaunchError(str(err)) from None
 
 
 def _start_watchdog(directory: Path, timeout: float) -> Watchdog | None:
     """Starts the hang watchdog over ``directory`` and tells the workers to beat there."""
-    from partita.cluster_env import HEARTBEAT_DIR_ENV, HEARTBEAT_INTERVAL_ENV
     from partita.launcher.watchdog import Watchdog, heartbeat_interval
 
     if timeout == 0:
         return None
     interval = heartbeat_interval(timeout)
-    os.environ[HEARTBEAT_DIR_ENV] = str(directory)
-    os.environ[HEARTBEAT_INTERVAL_ENV] = str(interval)
+    os.environ[env_vars.HEARTBEAT_DIR.name] = str(directory)
+    os.environ[env_vars.HEARTBEAT_INTERVAL.name] = str(interval)
     watchdog = Watchdog(directory, timeout, poll=interval)
     watchdog.start()
     return watchdog
@@ -390,12 +383,10 @@ def _start_watchdog(directory: Path, timeout: float) -> Watchdog | None:
 
 def _prepare_environment(options: LaunchOptions, plan: WorkerPlan, bind_addr: str | None) -> None:
     """What every worker inherits (the agent copies this process's environment)."""
-    from partita.launcher.worker_exec import LAUNCHER_PID_ENV
-
     os.environ.update(worker_env(plan, os.environ))
     if options.num_nodes == 1 and bind_addr is not None and _is_loopback(bind_addr):
         os.environ.update(loopback_env(os.environ))
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[env_vars.LAUNCHER_PID.name] = str(os.getpid())
 
 
 def launch(options: LaunchOptions) -> int:

@@ -18,58 +18,29 @@ a heartbeat (scripts that do not use partita's process group) are not watched.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from partita.comm.heartbeat import Beat, read_beats
+from partita.env import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT
+from partita.env import hang_timeout as hang_timeout_from_env
 
 __all__ = [
     "DEFAULT_HANG_TIMEOUT",
-    "HANG_TIMEOUT_ENV",
     "Hang",
     "Watchdog",
     "find_hang",
     "hang_timeout_from_env",
     "heartbeat_interval",
 ]
-
-#: Seconds a rank may go without progress before the job counts as hung; 0 disables.
-HANG_TIMEOUT_ENV = "PARTITA_HANG_TIMEOUT"
-#: The bound when neither ``--hang_timeout`` nor the variable is given. A hang is noticed at
-#: most one poll (5 s) after the bound and the agent then needs seconds to stop the workers,
-#: so 240 s keeps a hung job's end within 5 minutes of the hang.
-DEFAULT_HANG_TIMEOUT = 240.0
-
-
-def _checked_timeout(value: float, name: str, raw: str) -> float:
-    if math.isnan(value) or math.isinf(value) or value < 0:
-        raise ValueError(f"{name}={raw!r} must be a number of seconds >= 0 (0 disables it)")
-    return value
-
-
-def hang_timeout_from_env(env: Mapping[str, str] | None = None) -> float:
-    """The hang bound from ``PARTITA_HANG_TIMEOUT`` (default 240 s; 0 disables the watchdog).
-
-    Raises ValueError naming the variable and its value when it is not a number >= 0.
-    """
-    env = os.environ if env is None else env
-    raw = env.get(HANG_TIMEOUT_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_HANG_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    return _checked_timeout(value, f"environment variable {HANG_TIMEOUT_ENV}", raw)
 
 
 def heartbeat_interval(timeout: float) -> float:
@@ -128,7 +99,8 @@ def _headline(beats: Sequence[Beat], now: float, timeout: float) -> tuple[list[B
 
 
 def find_hang(beats: Sequence[Beat], now: float, timeout: float) -> Hang | None:
-    """Applies the watchdog's rules (module docstring) to this node's heartbeats at ``now``."""
+    """Applies the watchdog's rules (module docstring; [Note: hang watchdog] in
+    `partita.comm.heartbeat`) to this node's heartbeats at ``now``."""
     beats = sorted(beats, key=lambda b: b.rank)
     found = _headline(beats, now, timeout)
     if found is None:
@@ -136,7 +108,7 @@ def find_hang(beats: Sequence[Beat], now: float, timeout: float) -> Hang | None:
     culprits, headline = found
     lines = [
         f"partita: hang: {headline}; stopping rank(s) {_ranks(culprits)} "
-        f"(hang timeout {timeout:g} s: --hang_timeout or {HANG_TIMEOUT_ENV}).",
+        f"(hang timeout {timeout:g} s: --hang_timeout or {HANG_TIMEOUT.name}).",
         "Last collective of each rank on this node:",
         *(_describe(b, now, timeout) for b in beats),
     ]

@@ -20,9 +20,10 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["LAUNCHER_PID_ENV", "main", "set_parent_death_signal"]
+from partita import env
 
-LAUNCHER_PID_ENV = "PARTITA_LAUNCHER_PID"
+__all__ = ["main", "set_parent_death_signal"]
+
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -42,7 +43,7 @@ def main(argv: Sequence[str]) -> int:
         print("usage: python -m partita.launcher.worker_exec PROGRAM [ARGS...]", file=sys.stderr)
         return 2
     set_parent_death_signal()
-    expected = os.environ.get(LAUNCHER_PID_ENV)
+    expected = env.launcher_pid()
     if expected and os.getppid() != int(expected):
         print(
             f"partita: launcher (pid {expected}) is gone; not starting {argv[0]}", file=sys.stderr

@@ -21,14 +21,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from partita import native
+from partita import env, native
 
 __all__ = [
     "OUT_DTYPES",
@@ -100,8 +99,8 @@ def available() -> bool:
 def _load() -> str | None:
     """Builds, loads and checks the kernel (sets ``_lib``); returns why not, or None."""
     global _lib, _isa, _vector_width
-    if os.environ.get("PARTITA_CPU_ADAM", "1") == "0":
-        return "disabled by PARTITA_CPU_ADAM=0"
+    if not env.cpu_adam_enabled():
+        return f"disabled by {env.CPU_ADAM.name}=0"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _WIDTHS:
         return f"torch's CPU kernels use {capability!r}, not AVX512 or AVX2"

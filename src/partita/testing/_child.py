@@ -26,9 +26,6 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-RUN_DIR_ENV = "PARTITA_TEST_RUN_DIR"
-"""Environment variable naming the run's temporary directory inside each rank."""
-
 _PR_SET_PDEATHSIG = 1
 
 # Kept referenced for the life of the process: faulthandler writes to its file descriptor.

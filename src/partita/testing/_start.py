@@ -17,8 +17,9 @@ What a forked rank still gets fresh, as a spawned one does:
 The server never runs a tensor op (no OpenMP pool exists to be forked) and is single-threaded
 in Python. Variables that torch and its libraries read at import (`_IMPORT_TIME_ENV`) cannot
 reach a rank forked from a server that imported torch under other values: a run whose
-environment differs there from the server's starts by spawn instead. `START_METHOD_ENV=spawn`
-spawns every run (for comparison, or when a fork server misbehaves).
+environment differs there from the server's starts by spawn instead.
+``PARTITA_TEST_START_METHOD=spawn`` spawns every run (for comparison, or when a fork server
+misbehaves).
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-START_METHOD_ENV = "PARTITA_TEST_START_METHOD"
-"""``forkserver`` (default) or ``spawn``: how the harness starts rank processes."""
+from partita import env as env_vars
 
 PRELOAD = ["torch", "torch._dynamo"]
 """Modules the fork server imports once (torch's optimizers import torch._dynamo lazily)."""
@@ -45,7 +45,7 @@ PRELOAD = ["torch", "torch._dynamo"]
 # torch.set_num_threads, which overrides what OpenMP and MKL read at load.
 _IMPORT_TIME_ENV = re.compile(
     r"^(ATEN_|ONEDNN_|DNNL_|MKL_|OMP_|KMP_|GOMP_|OPENBLAS_|TORCH|PYTORCH_|CUDA_|LD_|PYTHON"
-    r"|PARTITA_AS_DEEPSPEED$)"
+    rf"|{re.escape(env_vars.AS_DEEPSPEED.name)}$)"
 )
 _SET_PER_RANK = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS"})
 
@@ -66,7 +66,7 @@ def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext
     spawn_ctx = multiprocessing.get_context("spawn")
     assert isinstance(spawn_ctx, SpawnContext)
     spawn = spawn_ctx, os.getpid()
-    if os.environ.get(START_METHOD_ENV, "forkserver") == "spawn":
+    if env_vars.harness_start_method() == "spawn":
         return spawn
     try:
         ctx = multiprocessing.get_context("forkserver")

@@ -44,8 +44,9 @@ from typing import Any
 
 import psutil
 
+from partita import env as env_vars
 from partita.testing import deadline
-from partita.testing._child import RUN_DIR_ENV, ChildSpec, RunFiles, child_main
+from partita.testing._child import ChildSpec, RunFiles, child_main
 from partita.testing._start import InheritedStdio, rank_environ, start_context
 
 STARTUP_TIMEOUT_S = 120.0
@@ -187,10 +188,10 @@ def _rank_env(world_size: int, run_dir: str, env: dict[str, str] | None) -> dict
         "MASTER_ADDR": "127.0.0.1",
         # The FileStore does the rendezvous; a free port keeps env:// users from colliding.
         "MASTER_PORT": str(_free_port()),
-        "PARTITA_ACCELERATOR": "cpu",
+        env_vars.ACCELERATOR.name: "cpu",
         "OMP_NUM_THREADS": threads,
         "MKL_NUM_THREADS": threads,
-        RUN_DIR_ENV: run_dir,
+        env_vars.TEST_RUN_DIR.name: run_dir,
     }
     return {**base, **(env or {})}
 
@@ -203,7 +204,8 @@ def _supervise(
 ) -> None:
     """Waits until every rank exits cleanly; raises on the first failure or a timeout.
     ``bounds``: the run's timeout, start-up's, and the monotonic time by which either must
-    have been reported to beat pytest's timeout (None: no such limit)."""
+    have been reported to beat pytest's timeout (None: no such limit). See [Note: failure
+    handling]."""
     timeout, startup, limit = bounds
     started = time.monotonic()
     deadline: float | None = None
@@ -336,7 +338,8 @@ def _load_result(files: RunFiles, rank: int, label: str) -> Any:
 
 
 def _kill_all(ranks: list[_RankState]) -> None:
-    """Kills every rank, everything in its session and its process tree; reaps the ranks."""
+    """Kills every rank, everything in its session and its process tree; reaps the ranks
+    (whatever happened: [Note: failure handling])."""
     descendants: list[psutil.Process] = []
     for state in ranks:
         pid = state.proc.pid

@@ -27,7 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partita.testing._child import RUN_DIR_ENV, RunFiles, write_atomic
+from partita import env as env_vars
+from partita.testing._child import RunFiles, write_atomic
 from partita.testing.distributed import DistributedTestError, execute, fn_name
 
 
@@ -76,7 +77,7 @@ def _grid_runner(fn: Callable[..., Any], cases: list[dict[str, Any]]) -> list[An
     from partita.comm import COUNTERS
 
     rank = int(os.environ["RANK"])
-    files = RunFiles(os.environ[RUN_DIR_ENV])
+    files = RunFiles(env_vars.harness_run_dir())
     results = []
     for index, case in enumerate(cases):
         COUNTERS.reset()

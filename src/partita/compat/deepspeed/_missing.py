@@ -4,6 +4,8 @@ AttributeError or ModuleNotFoundError."""
 
 from __future__ import annotations
 
+from partita.env import AS_DEEPSPEED
+
 # DeepSpeed modules (dotted, without the leading "deepspeed.") -> the feature they belong to.
 FEATURES: dict[str, str] = {
     "sequence": "sequence parallelism (Ulysses)",
@@ -40,7 +42,7 @@ def missing_module_message(fullname: str) -> str:
     what = f" ({feature} is not implemented by partita)" if feature else ""
     return (
         f"No module named {fullname!r}: partita stands in for deepspeed in this process "
-        f"(PARTITA_AS_DEEPSPEED / partita.as_deepspeed) and has no {fullname}{what}"
+        f"({AS_DEEPSPEED.name} / partita.as_deepspeed) and has no {fullname}{what}"
     )
 
 
