@@ -18,7 +18,13 @@ from typing import Any
 import torch.distributed as dist
 
 from partita.comm.collectives import all_gather_object
-from partita.comm.process_group import ProcessGroup, get_rank, get_world_size, is_initialized
+from partita.comm.process_group import (
+    ProcessGroup,
+    get_rank,
+    get_world_size,
+    is_initialized,
+    new_group,
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,21 @@ class ParallelDims:
     """The data-parallel group; None means the default group (every rank)."""
     dp_ranks: tuple[int, ...]
     """Global ranks of the data-parallel group, in data-parallel rank order."""
+    tp_group: ProcessGroup | None = None
+    """The tensor-parallel group (inference); None with `tp_ranks` empty: no tensor
+    parallelism, None with `tp_ranks` the world: the default group."""
+    tp_ranks: tuple[int, ...] = ()
+    """Global ranks of the tensor-parallel group, in tensor-parallel rank order."""
+
+    @property
+    def tp_rank(self) -> int:
+        """Rank within the tensor-parallel group (0 without tensor parallelism)."""
+        return self.tp_ranks.index(self.rank) if self.tp_ranks else 0
+
+    @property
+    def tp_world_size(self) -> int:
+        """Ranks one model is split across (1 without tensor parallelism)."""
+        return len(self.tp_ranks) or 1
 
     @property
     def dp_rank(self) -> int:
@@ -101,6 +122,39 @@ class ParallelDims:
         # Group ranks in group order: dp rank i is global rank ranks[i].
         ordered = tuple(dist.get_global_rank(group, i) for i in range(len(ranks)))
         return cls(rank, world, group, ordered)
+
+    @classmethod
+    def tensor_parallel(cls, tp_size: int) -> ParallelDims:
+        """Tensor parallelism over blocks of `tp_size` consecutive ranks; the ranks holding
+        the same slice in each block form the data-parallel groups (replicas of the model).
+        Collective over the world when groups must be made (every rank calls it)."""
+        rank, world = get_rank(), get_world_size()
+        if tp_size < 1 or world % tp_size:
+            raise ValueError(
+                f"rank {rank}: tensor-parallel size {tp_size} does not divide the world size "
+                f"{world}"
+            )
+        if tp_size == 1:
+            return cls.world()
+        first = rank - rank % tp_size
+        tp_ranks = tuple(range(first, first + tp_size))
+        dp_ranks = tuple(range(rank % tp_size, world, tp_size))
+        tp_group = dp_group = None
+        # new_group is collective: every rank makes every group, in the same order.
+        if 1 < tp_size < world:
+            for start in range(0, world, tp_size):
+                made = new_group(list(range(start, start + tp_size)))
+                tp_group = made if start == first else tp_group
+            for lane in range(tp_size):
+                made = new_group(list(range(lane, world, tp_size)))
+                dp_group = made if lane == rank % tp_size else dp_group
+        elif tp_size == world > 1:
+            # Each replica is one rank: no data-parallel traffic exists, so each rank's
+            # data-parallel group is itself.
+            for r in range(world):
+                made = new_group([r])
+                dp_group = made if r == rank else dp_group
+        return cls(rank, world, dp_group, dp_ranks, tp_group, tp_ranks)
 
     @classmethod
     def from_mpu(cls, mpu: Any) -> ParallelDims:

@@ -1,0 +1,142 @@
+"""Tiny Hugging Face models of nine families and the rank side of tests/test_inference_tp.py.
+
+Models are built from small configs with seeded random weights and saved with
+``save_pretrained``; nothing is downloaded. `tp_worker` runs on four ranks: ranks {0, 1} and
+{2, 3} are two tensor-parallel groups of 2 (fp32 on the first, bf16 on the second), then all
+four split two families at TP 4 and load a larger model for the memory check.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "opt", "gpt_neox", "falcon", "phi")
+TP4_FAMILIES = ("llama", "gpt2")
+PROMPT = [[3, 17, 42, 99, 5, 64, 7, 11], [8, 1, 2, 120, 33, 4, 90, 15]]
+NEW_TOKENS = 6
+_SMALL = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def family_config(family: str) -> Any:
+    """A tiny config of `family` (2 layers, hidden 64; heads split by 2 and 4)."""
+    import transformers as t
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **_SMALL)
+    llama_like = dict(common, intermediate_size=96, num_key_value_heads=2,
+                      max_position_embeddings=64)  # fmt: skip
+    if family == "gpt2":
+        return t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **_SMALL)
+    if family == "llama":  # 8 heads, 4 key/value heads: GQA that splits at TP 4
+        return t.LlamaConfig(**dict(llama_like, num_attention_heads=8, num_key_value_heads=4))
+    if family == "qwen2":
+        return t.Qwen2Config(**llama_like)
+    if family == "mistral":
+        return t.MistralConfig(**llama_like, sliding_window=None)
+    if family == "mixtral":
+        return t.MixtralConfig(**llama_like, num_local_experts=4, num_experts_per_tok=2)
+    if family == "opt":
+        return t.OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           ffn_dim=96, word_embed_proj_dim=64, max_position_embeddings=64,
+                           **_SMALL)  # fmt: skip
+    if family == "gpt_neox":
+        return t.GPTNeoXConfig(**common, intermediate_size=96, max_position_embeddings=64)
+    if family == "falcon":  # Falcon-7B's layout: multi-query attention, parallel blocks
+        return t.FalconConfig(**common, multi_query=True, parallel_attn=True, alibi=False)
+    if family == "phi":
+        return t.PhiConfig(**common, intermediate_size=96, max_position_embeddings=64)
+    raise ValueError(family)
+
+
+def save_family(family: str, folder: str, seed: int = 0) -> None:
+    """Builds `family`'s tiny model with seeded weights and saves it into `folder`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family))
+    with torch.no_grad():  # biases and norms away from their constant inits
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(folder)
+
+
+def reference(folder: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Logits and greedy tokens of the one-process model of `folder` in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+        tokens = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return {"logits": logits, "tokens": tokens}
+
+
+def _run_case(folder: str, dtype: torch.dtype, tp: dict[str, Any]) -> dict[str, Any]:
+    import partita
+    from partita.comm import COUNTERS
+    from partita.inference import from_pretrained
+
+    engine = from_pretrained(folder, tensor_parallel=tp, dtype=dtype)
+    ids = torch.tensor(PROMPT)
+    before = COUNTERS.total_calls[("all_reduce", "tp")]
+    logits = engine(ids).logits.float()
+    calls = COUNTERS.total_calls[("all_reduce", "tp")] - before
+    tokens = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    del partita
+    return {
+        "logits": logits,
+        "tokens": tokens,
+        "all_reduces": calls,
+        "planned": engine.all_reduces_per_forward,
+        "tp": (engine.dims.tp_rank, engine.dims.tp_world_size),
+    }
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def memory_case(folder: str) -> dict[str, Any]:
+    """Loads `folder` at TP 4 and reports this rank's peak RSS growth while loading."""
+    from partita.inference import from_pretrained
+    from partita.inference.load import build_skeleton
+
+    build_skeleton(folder, torch.float32)  # imports and lazy module set-up, not loading
+    gc.collect()
+    start = _rss_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset this process's VmHWM
+        f.write("5")
+    engine = from_pretrained(folder, tensor_parallel={"tp_size": 4}, dtype=torch.float32)
+    peak = _rss_kb("VmHWM")
+    held = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    return {"growth": (peak - start) * 1024, "held": held}
+
+
+def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
+    """Every case of tests/test_inference_tp.py on this rank (see the module docstring)."""
+    from partita import comm
+    from partita.comm import ParallelDims
+
+    rank = comm.get_rank()
+    groups = [comm.new_group([0, 1]), comm.new_group([2, 3])]
+    group = groups[rank // 2]
+    dtype = torch.float32 if rank < 2 else torch.bfloat16
+    out: dict[str, Any] = {"tp2": {}, "tp4": {}}
+    for family in FAMILIES:
+        tp = {"tp_size": 2, "tp_group": group}
+        out["tp2"][family] = _run_case(folders[family], dtype, tp)
+    for family in TP4_FAMILIES:
+        out["tp4"][family] = _run_case(folders[family], torch.float32, {"tp_size": 4})
+    dims = ParallelDims.tensor_parallel(2)
+    out["dims"] = (dims.tp_ranks, dims.tp_rank, dims.dp_ranks, dims.dp_rank)
+    out["memory"] = memory_case(memory_folder)
+    out["threads"] = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    return out
