@@ -96,6 +96,31 @@ def _run_case(folder: str, dtype: torch.dtype, tp: dict[str, Any]) -> dict[str, 
     }
 
 
+def _inplace_case(folder: str, group: Any) -> torch.Tensor:
+    """DeepSpeed's way: every rank holds the full model, init_inference slices it in place."""
+    from transformers import AutoModelForCausalLM
+
+    from partita import init_inference
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    engine = init_inference(model, tensor_parallel={"tp_size": 2, "tp_group": group},
+                            dtype=torch.float32)  # fmt: skip
+    return engine(torch.tensor(PROMPT)).logits
+
+
+def save_memory_model(folder: str) -> None:
+    """A Llama of ~200 MB in fp32 (3 layers, hidden 1024), saved in 50 MB files with an
+    index, for the loading-memory check."""
+    import transformers as t
+
+    config = t.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=3,
+                           num_attention_heads=16, num_key_value_heads=8,
+                           max_position_embeddings=64, **_SMALL)  # fmt: skip
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, max_shard_size="50MB")
+
+
 def _rss_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -135,6 +160,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
         out["tp2"][family] = _run_case(folders[family], dtype, tp)
     for family in TP4_FAMILIES:
         out["tp4"][family] = _run_case(folders[family], torch.float32, {"tp_size": 4})
+    out["inplace"] = _inplace_case(folders["gpt2"], group)
     dims = ParallelDims.tensor_parallel(2)
     out["dims"] = (dims.tp_ranks, dims.tp_rank, dims.dp_ranks, dims.dp_rank)
     out["memory"] = memory_case(memory_folder)

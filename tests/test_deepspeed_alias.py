@@ -103,7 +103,7 @@ def test_names_partita_lacks_fail_naming_the_feature() -> None:
         """
         import partita.as_deepspeed, deepspeed
         try:
-            deepspeed.init_inference
+            deepspeed.tp_model_init
         except AttributeError as e:
             print("attr:", e)
         try:
@@ -118,7 +118,7 @@ def test_names_partita_lacks_fail_naming_the_feature() -> None:
     )
     lines = out.stdout.splitlines()
     assert any(
-        "init_inference" in ln and "inference" in ln.split("init_inference")[1] for ln in lines
+        "tp_model_init" in ln and "AutoTP training" in ln.split("tp_model_init")[1] for ln in lines
     )
     assert any(ln.startswith("module:") and "sequence parallelism" in ln for ln in lines)
     assert "hasattr: False" in lines

@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute or None for the module itself)
 _LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("partita.api", "initialize"),
+    "init_inference": ("partita.inference", "init_inference"),
     "init_distributed": ("partita.comm", "init_distributed"),
     "add_config_arguments": ("partita.api", "add_config_arguments"),
     "DeepSpeedEngine": ("partita.engine", "Engine"),

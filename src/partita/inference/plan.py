@@ -123,8 +123,9 @@ class _Styles:
         self.owner: dict[str, type] = {}
         for name, module in model.named_modules():
             if type(module) in self.classes:
-                for sub, _ in module.named_modules(prefix=name):
-                    self.owner.setdefault(sub, type(module))
+                for sub, child in module.named_modules(prefix=name):
+                    if _is_linear(child):
+                        self.owner.setdefault(sub, type(module))
 
     def _relative(self, name: str) -> str:
         return name[len(self.prefix) :] if name.startswith(self.prefix) else name
@@ -139,7 +140,9 @@ class _Styles:
                 owner = self.owner.get(name)
                 if owner is not None:
                     leaf = name.rsplit(".", 1)[-1]
-                    return "rowwise" if leaf in self.classes[owner] else _rule_style(leaf)
+                    if leaf in self.classes[owner]:  # DeepSpeed: the named linears sum
+                        return "rowwise"
+                    return "fused_qkv" if leaf in FUSED_QKV_NAMES else "colwise"
         return None
 
     @property
@@ -258,7 +261,9 @@ def _module_style(styles: _Styles, name: str, module: nn.Module) -> str:
             raise PlanError(f"{name}: the plan's style {style!r} is not supported by partita "
                             f"(supported: {', '.join(sorted(STYLES))})")  # fmt: skip
         return style
-    if styles.has_plan or not _in_block(name) or not _is_linear(module):
+    # Hugging Face's plans list what they split: the rest is replicated. Without one, an
+    # explicit policy overrides the named layers and the rules place the others.
+    if styles.hf or not _in_block(name) or not _is_linear(module):
         return "replicate"
     return _rule_style(name.rsplit(".", 1)[-1])
 

@@ -53,6 +53,7 @@ __all__ = [
     "comm",
     "get_accelerator",
     "init_distributed",
+    "init_inference",
     "initialize",
     "launcher",
     "logger",
@@ -63,9 +64,17 @@ __all__ = [
     "zero",
 ]
 
+
+def init_inference(model: Any, config: Any = None, **kwargs: Any) -> Any:
+    """DeepSpeed's ``init_inference``: partita's tensor-parallel inference engine (see
+    `partita.inference.init_inference`; imported on first call, keeping this package cheap)."""
+    from partita.inference import init_inference as _init_inference
+
+    return _init_inference(model, config, **kwargs)
+
+
 # DeepSpeed top-level names partita does not implement, with the feature each belongs to.
 _UNSUPPORTED = {
-    "init_inference": "DeepSpeed inference (kernel injection / AutoTP inference)",
     "tp_model_init": "AutoTP training (tensor_parallel.autotp_size > 1)",
     "PipelineModule": "pipeline parallelism",
     "PipelineEngine": "pipeline parallelism",

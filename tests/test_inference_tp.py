@@ -1,0 +1,194 @@
+"""Tensor-parallel inference (issue 17): `partita.init_inference` on nine Hugging Face families.
+
+One four-rank spawn (`inference_workers.tp_worker`) runs every distributed case: two TP-2
+groups (fp32 on ranks 0-1, bf16 on ranks 2-3) over all families loaded sharded from
+``save_pretrained`` folders, TP 4 for two families, DeepSpeed's in-place path, and a loading
+memory check. The one-process references are computed here, from the same folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import inference_workers as w
+from partita.config import ConfigError
+from partita.inference import PlanError, build_plan, load_inference_config
+from partita.testing import run_distributed
+
+LAYERS = 2
+MEMORY_CONSTANT = 24 * 2**20
+"""What a rank's loading may hold beyond its own slices and one full tensor: the safetensors
+headers, Python objects of the model, allocator slack (bytes)."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("tp-models")
+    folders = {f: str(root / f) for f in w.FAMILIES}
+    refs: dict[str, Any] = {}
+    for family, folder in folders.items():
+        w.save_family(family, folder)
+        refs[family] = {d: w.reference(folder, d) for d in (torch.float32, torch.bfloat16)}
+    memory = str(root / "memory")
+    w.save_memory_model(memory)
+    ranks = run_distributed(w.tp_worker, 4, folders, memory, timeout=300)
+    return {"ranks": ranks, "refs": refs, "memory": memory}
+
+
+@pytest.mark.parametrize("family", w.FAMILIES)
+def test_tp2_fp32_logits_and_tokens_match_one_process(runs: dict, family: str) -> None:
+    ref = runs["refs"][family][torch.float32]
+    for rank in (0, 1):
+        got = runs["ranks"][rank]["tp2"][family]
+        assert got["tp"] == (rank, 2)
+        err = (got["logits"] - ref["logits"]).abs().max().item()
+        assert err <= 1e-5, f"{family} rank {rank}: max |logit diff| {err}"
+        assert torch.equal(got["tokens"], ref["tokens"]), family
+
+
+@pytest.mark.parametrize("family", w.FAMILIES)
+def test_tp2_bf16_within_bf16_tolerance(runs: dict, family: str) -> None:
+    """Against the one-process bf16 model: torch's bf16 tolerance (rtol 1.6e-2), atol the
+    same relative to the largest logit (rounding of a sum in another order)."""
+    ref = runs["refs"][family][torch.bfloat16]["logits"]
+    for rank in (2, 3):
+        got = runs["ranks"][rank]["tp2"][family]["logits"]
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got, ref, rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+@pytest.mark.parametrize("family", w.TP4_FAMILIES)
+def test_tp4_matches_one_process(runs: dict, family: str) -> None:
+    ref = runs["refs"][family][torch.float32]
+    for rank in range(4):
+        got = runs["ranks"][rank]["tp4"][family]
+        assert got["tp"] == (rank, 4)
+        assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-5, (family, rank)
+        assert torch.equal(got["tokens"], ref["tokens"]), (family, rank)
+
+
+@pytest.mark.parametrize("family", w.FAMILIES)
+def test_two_all_reduces_per_block_per_forward(runs: dict, family: str) -> None:
+    """Counted by partita.comm: attention and MLP each sum once (Mixtral: attention and the
+    experts; Falcon's and Phi's parallel blocks: still one each)."""
+    for rank in range(4):
+        got = runs["ranks"][rank]["tp2"][family]
+        assert got["all_reduces"] == got["planned"] == 2 * LAYERS, (family, rank)
+    for family4 in w.TP4_FAMILIES:
+        assert runs["ranks"][0]["tp4"][family4]["all_reduces"] == 2 * LAYERS
+
+
+def test_in_place_sharding_of_a_full_model(runs: dict) -> None:
+    """DeepSpeed's path: the full model on every rank, sliced by init_inference."""
+    ref = runs["refs"]["gpt2"][torch.float32]["logits"]
+    for rank in range(4):
+        assert (runs["ranks"][rank]["inplace"] - ref).abs().max().item() <= 1e-5
+
+
+def test_parallel_dims_tensor_parallel_groups(runs: dict) -> None:
+    for rank in range(4):
+        tp_ranks, tp_rank, dp_ranks, dp_rank = runs["ranks"][rank]["dims"]
+        assert tp_ranks == ((0, 1) if rank < 2 else (2, 3))
+        assert tp_rank == rank % 2
+        assert dp_ranks == (rank % 2, rank % 2 + 2) and dp_rank == rank // 2
+
+
+def test_loading_reads_only_this_ranks_slices(runs: dict) -> None:
+    """Peak RSS growth while loading at TP 4 stays under the rank's own slices plus the
+    largest tensor plus `MEMORY_CONSTANT`, far below the whole model."""
+    from safetensors import safe_open
+
+    from partita.inference.load import checkpoint_index
+
+    index = checkpoint_index(runs["memory"])
+    assert len(set(index.values())) > 1  # sharded files with an index
+    total = largest = 0
+    for key, path in index.items():
+        with safe_open(path, "pt") as f:
+            t = f.get_slice(key)
+            n = 4 * int(torch.tensor(t.get_shape()).prod())
+        total, largest = total + n, max(largest, n)
+    for rank in range(4):
+        mem = runs["ranks"][rank]["memory"]
+        bound = mem["held"] + largest + MEMORY_CONSTANT
+        assert mem["growth"] <= bound, (rank, mem, largest, total)
+        assert mem["held"] < 0.3 * total  # the bound is meaningful: a quarter plus norms
+
+
+# --- refusals, before any process group (single process) -------------------------------
+
+
+def test_unknown_key_named_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"tensor_paralel: unknown key; did you mean "):
+        load_inference_config({"tensor_paralel": {"tp_size": 2}})
+    with pytest.raises(ConfigError, match=r"tensor_parallel.tp_sise: unknown key; did you mean"):
+        load_inference_config(tensor_parallel={"tp_sise": 2})
+
+
+def test_unsupported_features_refused_by_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        load_inference_config(replace_with_kernel_inject=True, dtype=torch.int8, use_triton=True)
+    text = str(e.value)
+    assert "replace_with_kernel_inject: True is not supported: kernel injection" in text
+    assert "dtype: int8" in text and "use_triton" in text
+    load_inference_config(kernel_inject=False, tp={"tp_size": 2}, dtype="bf16")  # aliases
+    with pytest.raises(ConfigError, match="given as"):
+        load_inference_config({"dtype": "fp16"}, dtype=torch.float32)
+
+
+def _meta_model(family: str, **overrides: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = w.family_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_heads_that_do_not_split_are_refused_naming_the_module() -> None:
+    # 8 query heads, 4 key/value heads: TP 8 splits the projections but not the kv heads.
+    with pytest.raises(PlanError, match=r"model.layers.0.self_attn: 8 attention heads and 4 "):
+        build_plan(_meta_model("llama"), 8, 0)
+    with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn \(query heads\): size 64"):
+        build_plan(_meta_model("gpt2"), 3, 0)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.mixer, self.o_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Block()])
+
+
+def test_unknown_layer_refused_and_policy_overrides() -> None:
+    with pytest.raises(PlanError, match=r"layers.0.mixer \(Linear\): no rule says how"):
+        build_plan(_Toy(), 2, 0)
+    plan = build_plan(_Toy(), 2, 1, policy={"layers.*.mixer": "replicate"})
+    assert plan.styles == {"layers.0.q_proj": "colwise", "layers.0.o_proj": "rowwise"}
+    assert plan.reduce == ["layers.0.o_proj"]
+    plan = build_plan(_Toy(), 2, 1, policy={_Block: ("mixer",)})  # DeepSpeed's form
+    assert (
+        plan.styles["layers.0.mixer"] == "rowwise" and plan.styles["layers.0.o_proj"] == "colwise"
+    )
+    with pytest.raises(PlanError, match="injection_policy: entry"):
+        build_plan(_Toy(), 2, 0, policy={"layers.*.mixer": "diagonal"})
+
+
+def test_meta_model_without_checkpoint_refused(tmp_path: Path) -> None:
+    from partita.inference import init_inference
+
+    with pytest.raises(ValueError, match="meta device; pass checkpoint="):
+        init_inference(_meta_model("gpt2"), dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"checkpoint: .* is not a folder"):
+        init_inference(_meta_model("gpt2"), checkpoint=str(tmp_path / "nope"))
