@@ -19,8 +19,8 @@ import torch
 from partita.offload import (
     ALIGNMENT,
     AsyncIOError,
-    BufferPool,
     FileHandle,
+    SwapBufferPool,
     SwapSpace,
     Syscalls,
     ThreadPoolIO,
@@ -190,7 +190,7 @@ def test_cleanup_on_normal_exit_and_after_a_crash(tmp_path: Path) -> None:
 
 
 def test_buffer_pool_bounds_buffers() -> None:
-    pool = BufferPool(2, 1000, torch.float32)
+    pool = SwapBufferPool(2, 1000, torch.float32)
     assert pool.nbytes >= 2 * 4000
     a = pool.acquire()
     with pool.borrow() as b:

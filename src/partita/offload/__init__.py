@@ -5,16 +5,17 @@ never ``zero/`` or the engine. The pieces:
 
 - `aio`: asynchronous aligned file I/O (`ThreadPoolIO` behind the `AsyncIO` protocol);
 - `swap`: per-rank preallocated swap files (`SwapSpace`) and a bounded host buffer pool
-  (`BufferPool`);
+  (`SwapBufferPool`);
 - `swapped`: a tensor kept in a swap file between uses (`SwappedTensor`);
 - `checks`: start-up checks of the NVMe paths (`check_offload_config`);
-- `cpu_adam`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`);
+- `adam_step`: the CPU Adam/AdamW step (`cpu_adam_step`, `make_cpu_adam`);
 - `copy_back`: where a host step's updated weights go, and their copies to the device
   (`CopyBack`).
 """
 
 from __future__ import annotations
 
+from .adam_step import AdamHyper, cpu_adam_step, make_cpu_adam
 from .aio import (
     ALIGNMENT,
     AsyncIO,
@@ -30,8 +31,7 @@ from .aio import (
 )
 from .checks import DirectoryProbe, check_offload_config, probe_directory
 from .copy_back import CopyBack
-from .cpu_adam import AdamHyper, cpu_adam_step, make_cpu_adam
-from .swap import BufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
+from .swap import SwapBufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
 from .swapped import SwappedTensor, has_storage, release_storage, restore_storage
 
 __all__ = [
@@ -39,10 +39,10 @@ __all__ = [
     "AdamHyper",
     "AsyncIO",
     "AsyncIOError",
-    "BufferPool",
     "CopyBack",
     "DirectoryProbe",
     "FileHandle",
+    "SwapBufferPool",
     "SwapSlot",
     "SwapSpace",
     "SwappedTensor",

@@ -3,7 +3,7 @@
 `SwapSpace` owns ``<nvme_path>/partita-swap-<run id>-rank<r>/``: one file per registered key
 (``register``), sized and preallocated up front so that running out of disk shows at set-up,
 not mid-step. ``swap_out``/``swap_in`` move a whole tensor to/from its file through an
-`AsyncIO` backend and return Futures. `BufferPool` holds a fixed number of aligned (and, on
+`AsyncIO` backend and return Futures. `SwapBufferPool` holds a fixed number of aligned (and, on
 CUDA, pinned) host buffers, so the memory used for swapping is bounded by the config's
 ``buffer_count`` x ``buffer_size``.
 
@@ -52,7 +52,7 @@ from .aio import (
 __all__ = [
     "OWNER_FILE",
     "SWAP_DIR_PREFIX",
-    "BufferPool",
+    "SwapBufferPool",
     "SwapSlot",
     "SwapSpace",
     "remove_stale_swap_dirs",
@@ -95,7 +95,8 @@ def _process_start_time(pid: int) -> float | None:
 
 def _owner_alive(owner: dict[str, Any]) -> bool:
     started = _process_start_time(int(owner["pid"]))
-    # A live process with another start time is a reused pid: the owner is gone.
+    # A live process with another start time is a reused pid: the owner is gone ([Note: swap
+    # directory lifetime]).
     return started is not None and abs(started - float(owner["start_time"])) < 1.0
 
 
@@ -144,7 +145,7 @@ def _close_and_remove(
     directory: Path, handles: dict[str, FileHandle], owner_pid: int, aio: AsyncIO | None
 ) -> None:
     """Finaliser body: close files, stop an owned backend, delete the directory (owner only)."""
-    if os.getpid() != owner_pid:
+    if os.getpid() != owner_pid:  # a forked child: [Note: swap directory lifetime]
         return
     if aio is not None:
         aio.close()
@@ -183,7 +184,7 @@ class SwapSpace:
         run = _safe_name(run_id or f"{socket.gethostname()}-{os.getpid()}")
         self.directory = root / f"{SWAP_DIR_PREFIX}{run}-rank{rank}"
         self.directory.mkdir()  # exists already: another live run uses this id; do not share
-        self._write_owner(rank)
+        self._write_owner(rank)  # what a later run's cleanup reads: [Note: swap directory lifetime]
         self.rank = rank
         self.aio: AsyncIO = aio if aio is not None else ThreadPoolIO()
         self._direct = direct
@@ -335,7 +336,7 @@ class SwapSpace:
         self.close()
 
 
-class BufferPool:
+class SwapBufferPool:
     """A fixed set of ``count`` aligned host buffers of ``numel`` elements of ``dtype``.
 
     Swapping goes through these buffers so that the host memory used for NVMe traffic is
@@ -347,7 +348,7 @@ class BufferPool:
         self, count: int, numel: int, dtype: torch.dtype, *, pin_memory: bool = False
     ) -> None:
         if count <= 0 or numel <= 0:
-            raise ValueError(f"BufferPool needs positive count and numel, got {count}, {numel}")
+            raise ValueError(f"SwapBufferPool needs positive count and numel, got {count}, {numel}")
         self.count = count
         self.numel = numel
         self.dtype = dtype
@@ -384,7 +385,7 @@ class BufferPool:
                     self._free.append(index)
                     self._cond.notify()
                 return
-        raise ValueError("tensor does not belong to this BufferPool")
+        raise ValueError("tensor does not belong to this SwapBufferPool")
 
     @contextlib.contextmanager
     def borrow(self, timeout: float | None = None) -> Iterator[torch.Tensor]:

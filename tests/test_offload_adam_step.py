@@ -1,4 +1,4 @@
-"""partita.offload.cpu_adam: the CPU Adam/AdamW step of offloaded state, applied in tiles."""
+"""partita.offload.adam_step: the CPU Adam/AdamW step of offloaded state, applied in tiles."""
 
 from __future__ import annotations
 
