@@ -102,7 +102,8 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="partita-heartbeat", daemon=True)
 
     def beat(self) -> Beat:
-        """The current state of this rank."""
+        """The current state of this rank (``time.monotonic()`` times, comparable across the
+        machine's processes: [Note: hang watchdog])."""
         seq, op, tag = self.log.last
         return Beat(
             rank=self.rank,
@@ -146,7 +147,8 @@ _ACTIVE: Heartbeat | None = None
 
 
 def start_heartbeat(rank: int) -> None:
-    """Starts this rank's heartbeat if the launcher asked for one (idempotent)."""
+    """Starts this rank's heartbeat if the launcher asked for one (idempotent; see [Note: hang
+    watchdog])."""
     global _ACTIVE
     settings = cluster_env.heartbeat_settings()
     if settings is None or _ACTIVE is not None:

@@ -56,7 +56,8 @@ def pair_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool
 ) -> Exchange | None:
     """Sum-reduce-scatter of `input` (2 x output.numel()) over a two-rank `group`; `output`
-    may be this rank's half of `input` (in place)."""
+    may be this rank's half of `input` (in place). One swap of halves: see [Note: two-rank
+    exchange]."""
     me, n = dist.get_rank(group), output.numel()
     flat = input.reshape(-1)
     mine, theirs = flat[me * n : (me + 1) * n], flat[(1 - me) * n : (2 - me) * n]
@@ -66,6 +67,7 @@ def pair_reduce_scatter(
     works = [dist.isend(theirs, peer, group=group), dist.irecv(received, peer, group=group)]
 
     def finish() -> None:
+        # Either order of the two-term sum is bitwise an all-reduce's: [Note: two-rank exchange].
         if in_place:
             mine.add_(received)
         else:
@@ -78,7 +80,8 @@ def pair_all_gather(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, async_op: bool
 ) -> Exchange | None:
     """All-gather of `input` into `output` (2 x input.numel(), rank order) over a two-rank
-    `group`; `input` may be this rank's slot of `output`."""
+    `group`; `input` may be this rank's slot of `output`. One swap of halves: see [Note:
+    two-rank exchange]."""
     me, n = dist.get_rank(group), input.numel()
     flat = output.view(-1)
     mine, theirs = flat[me * n : (me + 1) * n], flat[(1 - me) * n : (2 - me) * n]

@@ -87,7 +87,8 @@ class Monitor:
     """Fans ``(name, value, step)`` events out to the backends of this rank.
 
     Built by `build_monitor`; on ranks other than 0, or when no backend is enabled, it has no
-    backends and every method is a no-op. See the module note for `enabled` vs `is_writer`.
+    backends and every method is a no-op. See [Note: two flags, two uses] for `enabled` vs
+    `is_writer`.
     """
 
     def __init__(self, sinks: Sequence[Sink], *, enabled: bool, rank: int) -> None:
@@ -99,12 +100,14 @@ class Monitor:
 
     @property
     def enabled(self) -> bool:
-        """True when the config enables any backend, on every rank alike."""
+        """True when the config enables any backend, on every rank alike: safe to gate
+        collectives on (see [Note: two flags, two uses])."""
         return self._enabled
 
     @property
     def is_writer(self) -> bool:
-        """True when this rank writes events (rank 0 with at least one backend enabled)."""
+        """True when this rank writes events (rank 0 with at least one backend enabled): gate
+        local work only on it (see [Note: two flags, two uses])."""
         return bool(self._sinks)
 
     @property

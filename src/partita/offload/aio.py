@@ -358,7 +358,7 @@ class ThreadPoolIO:
                 f"{op} of '{handle.path}' needs a contiguous CPU tensor, got device "
                 f"{tensor.device} contiguous={tensor.is_contiguous()}"
             )
-        if offset < 0 or (handle.direct and offset % ALIGNMENT):
+        if offset < 0 or (handle.direct and offset % ALIGNMENT):  # [Note: direct I/O alignment]
             raise ValueError(
                 f"{op} of '{handle.path}' at offset {offset}: direct I/O offsets must be "
                 f"non-negative multiples of {ALIGNMENT}"
@@ -398,7 +398,7 @@ class ThreadPoolIO:
         self, op: Op, handle: FileHandle, offset: int, tensor: torch.Tensor, start: int, length: int
     ) -> int:
         """Move one block; returns its length. Direct handles with unaligned memory or a partial
-        block go through the thread's bounce buffer (see the module note)."""
+        block go through the thread's bounce buffer (see [Note: direct I/O alignment])."""
         zero_copy = not handle.direct or (
             (tensor.data_ptr() + start) % ALIGNMENT == 0 and length % ALIGNMENT == 0
         )

@@ -66,6 +66,7 @@ class CopyBack:
 
     def begin(self) -> None:
         """Before the step: copies to the weights wait for the work already queued on them."""
+        # See [Note: stream order].
         self._accelerator.wait_stream(self._stream, None)
 
     def outs(self, k: int) -> list[torch.Tensor | None]:
@@ -98,4 +99,5 @@ class CopyBack:
 
     def finish(self) -> None:
         """After the step: later work on the compute stream follows the copies."""
+        # See [Note: stream order].
         self._accelerator.wait_stream(None, self._stream)

@@ -227,6 +227,7 @@ def _build_adam(name: str, kwargs: dict[str, Any], groups: list[Any]) -> torch.o
         return _construct(cls, groups, kwargs)
     # FusedAdam's default weight decay is 0, torch.optim.AdamW's is 0.01.
     kwargs.setdefault("weight_decay", 0.0)
+    # fused=True where torch has fused kernels, unless the params chose: [Note: fused AdamW].
     user_chose = "fused" in kwargs or "foreach" in kwargs or kwargs.get("differentiable")
     if not user_chose and fused_supported(groups):
         kwargs["fused"] = True

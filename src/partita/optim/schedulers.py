@@ -75,6 +75,7 @@ class _Schedule:
     _last_lr: list[float] | None
 
     def _attach(self, optimizer: Any, last_batch_iteration: int) -> None:
+        # Subclasses apply the value for this counter right away: [Note: step semantics].
         self.optimizer = _resolve_optimizer(optimizer)
         self.last_batch_iteration = _int(last_batch_iteration, "last_batch_iteration", -1)
         self._last_lr = None
@@ -93,7 +94,8 @@ class _Schedule:
         return self._last_lr
 
     def step(self, last_batch_iteration: int | None = None) -> None:
-        """Advance to ``last_batch_iteration`` (default: one past the current) and apply it."""
+        """Advance to ``last_batch_iteration`` (default: one past the current) and apply it
+        (see [Note: step semantics])."""
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
         self.last_batch_iteration = _int(last_batch_iteration, "last_batch_iteration", -1)

@@ -104,7 +104,7 @@ class Segment:
 class FlatLayout:
     """Offsets of a group's tensors in one flat buffer and the even split of it over ranks.
 
-    Build with :meth:`build`; see the module note for the invariants.
+    Build with :meth:`build`; see [Note: layout invariants].
     """
 
     numels: tuple[int, ...]
@@ -148,6 +148,7 @@ class FlatLayout:
                 segment_of[i] = seg_id
                 seg_offsets.append(pos)
                 pos += numels[i]
+            # Equal, aligned chunks on every rank: [Note: layout invariants].
             padded = round_up(pos - flat_pos, world_size * align)
             segments.append(
                 Segment(indices, tuple(seg_offsets), flat_pos, padded, shard_pos, world_size)
@@ -229,7 +230,8 @@ class FlatLayout:
         return self.shard_numel - sum(p.length for p in self.shard_pieces(rank))
 
     def gaps(self) -> list[tuple[int, int]]:
-        """Flat ranges ``[start, end)`` that belong to no tensor, ascending."""
+        """Flat ranges ``[start, end)`` that belong to no tensor, ascending (kept at zero by
+        their users: see [Note: layout invariants])."""
         out: list[tuple[int, int]] = []
         for seg in self.segments:
             pos = seg.flat_start

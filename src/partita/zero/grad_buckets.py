@@ -93,6 +93,8 @@ class GradientBuckets:
             self._add_bucket(current)
 
     def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
+        # Each .grad becomes a view into the bucket buffer: see [Note: bucket buffers and
+        # gradient views].
         dtype, device = params[0].dtype, params[0].device
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
         views, offset = [], 0
@@ -122,7 +124,7 @@ class GradientBuckets:
         b_idx, i = self._where[p]  # type: ignore[index]
         bucket = self.buckets[b_idx]
         view = bucket.views[i]
-        if p.grad is not view:
+        if p.grad is not view:  # replaced, e.g. by zero_grad(set_to_none=True): see the Note
             self._reinstate_view(p, view)
         if not self.sync_enabled:
             return
@@ -138,6 +140,8 @@ class GradientBuckets:
         p.grad = view
 
     def _launch_ready(self) -> None:
+        # Strictly in index order on every rank, so the all-reduces pair up across ranks
+        # ([Note: bucket buffers and gradient views]).
         while (
             self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0
         ):

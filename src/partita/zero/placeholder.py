@@ -52,7 +52,8 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class ShardedParameter(torch.nn.Parameter):
-    """The class of a parameter while ZeRO-3 holds it sharded (see the module note)."""
+    """The class of a parameter while ZeRO-3 holds it sharded (see [Note: sharded
+    parameters])."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -75,6 +76,7 @@ class ShardedParameter(torch.nn.Parameter):
 
 def mark_sharded(param: torch.Tensor, unit: str) -> None:
     """Gives `param` its NaN placeholder and, for plain parameters, the sharded class."""
+    # Only plain nn.Parameters switch class: [Note: sharded parameters].
     param.data = nan_placeholder(param)
     if type(param) is torch.nn.Parameter:
         _OWNER[param] = unit
@@ -83,6 +85,6 @@ def mark_sharded(param: torch.Tensor, unit: str) -> None:
 
 def mark_gathered(param: torch.Tensor, value: torch.Tensor) -> None:
     """Points `param` at its gathered `value` and gives it back its plain class."""
-    if type(param) is ShardedParameter:
+    if type(param) is ShardedParameter:  # gathered compute pays nothing: see the Note
         param.__class__ = torch.nn.Parameter  # type: ignore[assignment]
     param.data = value
