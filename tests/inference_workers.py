@@ -166,3 +166,18 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     out["memory"] = memory_case(memory_folder)
     out["threads"] = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     return out
+
+
+def save_tokenizer(folder: str) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("[PAD]", "[BOS]", "[EOS]", "w3" ...
+    "w127"), so ``partita generate`` can run on the tiny models without a download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", bos_token="[BOS]",
+                                   eos_token="[EOS]")  # fmt: skip
+    fast.save_pretrained(folder)

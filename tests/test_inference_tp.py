@@ -192,3 +192,57 @@ def test_meta_model_without_checkpoint_refused(tmp_path: Path) -> None:
         init_inference(_meta_model("gpt2"), dtype=torch.float32)
     with pytest.raises(ConfigError, match=r"checkpoint: .* is not a folder"):
         init_inference(_meta_model("gpt2"), checkpoint=str(tmp_path / "nope"))
+
+
+# --- partita generate ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = str(tmp_path_factory.mktemp("cli-model"))
+    w.save_family("llama", folder)
+    w.save_tokenizer(folder)
+    return folder
+
+
+def _bad(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from partita.launcher.cli import main
+
+    assert main(["generate", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_generate_bad_input_one_line_before_any_rank(
+    cli_model: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = str(tmp_path / "missing")
+    assert "no such folder" in _bad(["--model", missing, "--tp", "2", "--prompt", "x"], capsys)
+    err = _bad(["--model", cli_model, "--tp", "3", "--prompt", "x"], capsys)
+    assert "--tp 3: the model's 8 attention heads do not split over 3 ranks" in err
+    err = _bad(["--model", cli_model, "--tp", "8", "--prompt", "x"], capsys)
+    assert "4 key/value heads" in err
+    err = _bad(["--model", cli_model, "--prompt_file", missing], capsys)
+    assert f"--prompt_file {missing}: no such file" in err
+    assert "no config.json" in _bad(["--model", str(tmp_path), "--prompt", "x"], capsys)
+
+
+def test_generate_rank_prints_the_greedy_text(
+    cli_model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank's side of ``partita generate`` (one rank, in this process): the text is the
+    one-process model's greedy continuation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from partita.inference.cli import rank_main
+
+    prompt = "w5 w17 w42"
+    assert rank_main(["--model", cli_model, "--prompt", prompt, "--max_new_tokens", "5"]) == 0
+    text, speed = capsys.readouterr().out.strip().splitlines()[-2:]
+    tok = AutoTokenizer.from_pretrained(cli_model)
+    model = AutoModelForCausalLM.from_pretrained(cli_model).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert text == tok.decode(out[0], skip_special_tokens=True)
+    assert "5 new tokens" in speed and "tokens/s" in speed

@@ -35,7 +35,10 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_launch_args"]
 #: Subcommand name -> ``"module:function"``; the function takes the remaining argv and returns
 #: an exit status. Loaded only when used. A script whose name equals a subcommand is launched
 #: by giving its path (``partita ./export``).
-SUBCOMMANDS: dict[str, str] = {"export": "partita.checkpoint.export:main"}
+SUBCOMMANDS: dict[str, str] = {
+    "export": "partita.checkpoint.export:main",
+    "generate": "partita.inference.cli:main",
+}
 
 # DeepSpeed launcher flags partita recognises but does not implement, with what to do instead;
 # a clear refusal beats argparse's "unrecognized arguments" or a silently ignored flag.
