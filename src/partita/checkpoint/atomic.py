@@ -59,6 +59,7 @@ def atomic_writer(final_path: str, tmp: str | None = None) -> Iterator[BinaryIO]
         f.flush()
         os.fsync(f.fileno())
         f.close()
+        # See [Note: commit order].
         os.replace(tmp, final_path)
     except BaseException:
         f.close()
@@ -186,7 +187,8 @@ class Staging:
         raise OSError(f"{self.save_dir}: could not create a save lock (8 attempts)")
 
     def commit(self) -> None:
-        """Puts the staging folder (manifest written) in place of ``save_dir/tag``."""
+        """Puts the staging folder (manifest written) in place of ``save_dir/tag``. See
+        [Note: staging and replacement]."""
         target = os.path.join(self.save_dir, self.tag)
         if not os.path.lexists(target):
             os.rename(self.path, target)

@@ -4,7 +4,7 @@
 A saved trainable parameter is a list of `Segment`s: (offset, length) ranges of its flattened
 fp32 state, each stored somewhere in a source (a shard file for partita checkpoints, a rank's
 flat partition for DeepSpeed ones). A loading rank asks for the ranges *it* owns under its own
-world size and stage (`Strategy.owned_ranges`); `StateSource.read` intersects them with the
+world size and stage (`ParamStates.owned_ranges`); `StateSource.read` intersects them with the
 saved segments and copies the overlaps. Padding is never saved, so any world size and stage can
 load any other: nothing is converted offline.
 """
@@ -96,7 +96,8 @@ class StateSource:
 
     def read(self, name: str, what: str, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
         """The saved elements of `ranges` (concatenated, fp32) of state `what` of `name`;
-        None when the checkpoint has no such state for the parameter."""
+        None when the checkpoint has no such state for the parameter. Overlaps of saved
+        segments and asked ranges: see [Note: resharding]."""
         segments = self.segments.get(name)
         if not segments:
             raise CheckpointError(f"{self.folder}: no saved state for parameter {name!r}")

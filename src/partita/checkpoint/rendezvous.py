@@ -56,7 +56,7 @@ def _marker(folder: str, op: str, seq: int, rank: int) -> str:
 
 
 class Arrival:
-    """This rank's marker for one checkpoint call (see the module note)."""
+    """This rank's marker for one checkpoint call (see [Note: arrival markers])."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -152,7 +152,7 @@ def _removable(marker: str, members: list[tuple[str, int]]) -> bool:
 def gather_agreed(fn: Callable[[], T], group: comm.ProcessGroup | None) -> list[T]:
     """Runs `fn` on every rank of `group` and returns every rank's result (rank order); if it
     fails on any rank, every rank raises the same `CheckpointError` (the failing rank chains
-    its own exception as the cause)."""
+    its own exception as the cause). See [Note: agreeing on failure]."""
     try:
         value: T | None = fn()
         error: str | None = None
