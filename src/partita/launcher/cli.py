@@ -36,8 +36,10 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_launch_args"]
 #: an exit status. Loaded only when used. A script whose name equals a subcommand is launched
 #: by giving its path (``partita ./export``).
 SUBCOMMANDS: dict[str, str] = {
+    "estimate": "partita.estimate.cli:estimate_main",
     "export": "partita.checkpoint.export:main",
     "generate": "partita.inference.cli:main",
+    "plan": "partita.estimate.cli:plan_main",
 }
 
 # DeepSpeed launcher flags partita recognises but does not implement, with what to do instead;

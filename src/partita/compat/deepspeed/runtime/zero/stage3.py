@@ -1,0 +1,16 @@
+"""``deepspeed.runtime.zero.stage3``: DeepSpeed's ZeRO-3 memory estimators, answering with
+partita's figures (`partita.estimate.deepspeed_api`)."""
+
+from partita.estimate.deepspeed_api import (
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+    model_to_params,
+)
+
+__all__ = [
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
+    "model_to_params",
+]

@@ -1,0 +1,58 @@
+"""Know before you launch: per-rank memory of every ZeRO configuration, itemised from
+partita's own storage layout, and a planner that picks the fastest one that fits.
+
+- `ModelShape` (``model.py``): a model by parameter count, module or Hugging Face config, with
+  activations traced once on meta/fake tensors (``activations.py``).
+- `estimate` (``memory.py``): one configuration's itemised bytes on device, host and NVMe.
+- ``plan.py``: step time from the comm model, compute and offload rates; ``ds_config.json``.
+- ``deepspeed_api.py``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_*`` names.
+- ``cli.py``: ``partita estimate`` and ``partita plan``; ``plot.py``: ``--plot FILE.png``.
+"""
+
+from partita.estimate.activations import ActivationProfile, trace_activations
+from partita.estimate.deepspeed_api import (
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_cold,
+    estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_cold,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
+from partita.estimate.memory import (
+    MODEL_STATES,
+    Candidate,
+    Estimate,
+    Hardware,
+    Item,
+    Settings,
+    candidates,
+    estimate,
+)
+from partita.estimate.model import ModelShape, describe_module, from_hf_config
+from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
+
+__all__ = [
+    "MODEL_STATES",
+    "ActivationProfile",
+    "Candidate",
+    "Estimate",
+    "EstimateError",
+    "Hardware",
+    "Item",
+    "ModelShape",
+    "Settings",
+    "candidates",
+    "describe_module",
+    "estimate",
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
+    "format_bytes",
+    "from_hf_config",
+    "parse_bytes",
+    "parse_count",
+    "trace_activations",
+]

@@ -1,0 +1,190 @@
+"""``partita estimate`` and ``partita plan``: per-rank memory of every ZeRO configuration for a
+model on given machines, and the fastest one that fits written as ``ds_config.json``.
+
+Exit status 0, 1 when nothing fits (said plainly), 2 on bad input (one line naming the value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
+from partita.estimate.model import ModelShape
+from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
+
+__all__ = ["estimate_main", "plan_main"]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="Hugging Face model folder (its config.json; no weights)")
+    src.add_argument("--params", help="parameter count, e.g. 70B, 350M, 13e9")
+    ap.add_argument("--largest_unit", help="with --params: parameters of the largest block")
+    ap.add_argument("--devices_per_node", "--num_gpus", type=_positive, default=1)
+    ap.add_argument("--nodes", "--num_nodes", type=_positive, default=1)
+    ap.add_argument("--device_memory", help="per device, e.g. 80GB, 24GiB")
+    ap.add_argument("--host_memory", help="per node, e.g. 512GB")
+    ap.add_argument("--nvme", help="NVMe space per node, e.g. 4TB (enables NVMe offload)")
+    ap.add_argument("--micro_batch", type=_positive, default=1)
+    ap.add_argument("--seq_len", type=_positive, default=2048)
+    ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument(
+        "--checkpointing", choices=["on", "off", "both"], default="both",
+        help="activation checkpointing (default: consider both)",
+    )  # fmt: skip
+    ap.add_argument("--cpu", action="store_true", help="ranks are CPU processes (no pinning)")
+    ap.add_argument("--detail", action="store_true", help="print every item of every config")
+    ap.add_argument("--plot", metavar="FILE.png", help="stacked bars per configuration")
+    return ap
+
+
+def _model(args: argparse.Namespace) -> ModelShape:
+    if args.params is not None:
+        largest = (
+            None if args.largest_unit is None else parse_count(args.largest_unit, "--largest_unit")
+        )
+        return ModelShape.from_count(parse_count(args.params, "--params"), largest)
+    import torch
+
+    from partita.estimate.model import from_hf_config
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+    return from_hf_config(args.model, args.micro_batch, args.seq_len, dtype)
+
+
+def _estimates(args: argparse.Namespace) -> tuple[ModelShape, list[Estimate]]:
+    hw = Hardware(
+        args.devices_per_node,
+        args.nodes,
+        None if args.device_memory is None else parse_bytes(args.device_memory, "--device_memory"),
+        None if args.host_memory is None else parse_bytes(args.host_memory, "--host_memory"),
+        None if args.nvme is None else parse_bytes(args.nvme, "--nvme"),
+        "cpu" if args.cpu else "cuda",
+    )
+    model = _model(args)
+    ckpt = {"on": True, "off": False, "both": None}[args.checkpointing]
+    if model.activations is None:
+        ckpt = False  # without shapes checkpointing changes nothing estimated
+    cands = [
+        c
+        for c in candidates(args.precision, ckpt)
+        if hw.nvme is not None or "nvme" not in (c.offload_optimizer, c.offload_param)
+    ]
+    return model, [estimate(model, c, hw, Settings()) for c in cands]
+
+
+def _row(e: Estimate) -> str:
+    verdict = "fits" if e.fits else "NO: " + "; ".join(e.shortfalls())
+    return (
+        f"{e.candidate.label:30s} {format_bytes(e.device):>10s} {format_bytes(e.host_per_node):>10s}"
+        f" {format_bytes(e.nvme_per_node):>10s}  {verdict}"
+    )
+
+
+def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
+    hw = estimates[0].hardware
+    print(
+        f"{model.name}: {model.trainable / 1e9:.3g}B trainable parameters on {hw.nodes} node(s) "
+        f"x {hw.devices_per_node} device(s)"
+        + (f", micro-batch {model.micro_batch} x {model.seq_len} tokens" if model.seq_len else "")
+    )
+    print(f"{'configuration':30s} {'device/rank':>10s} {'host/node':>10s} {'nvme/node':>10s}")
+    for e in estimates:
+        print(_row(e))
+        if detail:
+            for i in e.items:
+                print(
+                    f"    {i.name:20s} {format_bytes(i.device):>10s} {format_bytes(i.host):>10s}"
+                    f" {format_bytes(i.nvme):>10s}  (per rank)"
+                )
+    for note in estimates[0].notes:
+        print(f"note: {note}")
+
+
+def _nothing_fits(estimates: list[Estimate]) -> str:
+    best = min(estimates, key=lambda e: e.device)
+    return (
+        "Nothing fits: no configuration meets the memory given. The least device memory is "
+        f"{best.candidate.label} at {format_bytes(best.device)} per device "
+        f"({'; '.join(best.shortfalls())})."
+    )
+
+
+def estimate_main(argv: Sequence[str]) -> int:
+    """``partita estimate``: prints every configuration's per-rank memory and whether it fits."""
+    args = _parser("partita estimate", estimate_main.__doc__ or "").parse_args(list(argv))
+    try:
+        model, estimates = _estimates(args)
+        _print(model, estimates, args.detail)
+        if args.plot:
+            from partita.estimate.plot import plot_estimates
+
+            plot_estimates(estimates, args.plot)
+            print(f"wrote {args.plot}")
+    except EstimateError as error:
+        print(f"partita estimate: error: {error}", file=sys.stderr)
+        return 2
+    if not any(e.fits for e in estimates):
+        print(_nothing_fits(estimates))
+        return 1
+    return 0
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    """``partita plan``: ranks the configurations that fit by predicted step time and writes
+    the fastest as a DeepSpeed config."""
+    ap = _parser("partita plan", plan_main.__doc__ or "")
+    ap.add_argument("--flops", help="sustained FLOP/s per device (default: a short calibration)")
+    ap.add_argument("--link_bandwidth", default="100GB", help="collective bytes/s per rank")
+    ap.add_argument("--host_bandwidth", default="20GB", help="device-host bytes/s per rank")
+    ap.add_argument("--adam_rate", default="1B", help="CPU Adam parameters/s per rank")
+    ap.add_argument("--disk_bandwidth", default="3GB", help="NVMe bytes/s per node")
+    ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
+    ap.add_argument("--output", default="ds_config.json", help="where to write the config")
+    args = ap.parse_args(list(argv))
+    from partita.estimate.plan import Rates, calibrate_flops, ds_config, rank, write_ds_config
+
+    try:
+        flops = float(parse_count(args.flops, "--flops")) if args.flops else calibrate_flops()
+        rates = Rates(
+            flops,
+            parse_bytes(args.link_bandwidth, "--link_bandwidth"),
+            parse_bytes(args.host_bandwidth, "--host_bandwidth"),
+            parse_count(args.adam_rate, "--adam_rate"),
+            parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
+        )
+        model, estimates = _estimates(args)
+    except EstimateError as error:
+        print(f"partita plan: error: {error}", file=sys.stderr)
+        return 2
+    tokens = args.micro_batch * args.seq_len
+    ranked = rank(estimates, model.trainable, tokens, rates)
+    if not ranked:
+        print(_nothing_fits(estimates))
+        return 1
+    print(
+        f"{'configuration':30s} {'step s':>8s} {'compute':>8s} {'comm':>8s} {'offload':>8s} {'nvme':>8s}"
+    )
+    for e, t in ranked:
+        print(
+            f"{e.candidate.label:30s} {t.total:8.3g} {t.compute:8.3g} {t.comm:8.3g}"
+            f" {t.offload:8.3g} {t.nvme:8.3g}"
+        )
+    best: Candidate = ranked[0][0].candidate
+    write_ds_config(args.output, ds_config(best, args.micro_batch, args.nvme_path))
+    extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
+    print(f"chose {best.label}; wrote {args.output}{extra}")
+    return 0

@@ -1,0 +1,312 @@
+"""Per-rank memory of one ZeRO configuration, itemised, from partita's own storage layout.
+
+What each stage holds (read from ``partita/zero``; Ψ trainable elements, N data-parallel ranks,
+p bytes per element of the module dtype, masters and their gradients fp32, Adam's two moments
+fp32):
+
+- stage 0 (``zero/stage0.py``): the module's parameters and gradient buckets (pΨ each); with a
+  16-bit module, fp32 masters *and their fp32 gradients* (4Ψ + 4Ψ); optimizer state 8Ψ.
+- stages 1-2 (``zero/sharded.py``, ``sharded_grads.py``): parameters pΨ; master, gradient and
+  optimizer shards (4 + 4 + 8)Ψ/N, on the host under ``offload_optimizer``; stage 1 also keeps
+  the full gradients (pΨ); stage 2 reduces through a pool of at most three buckets.
+- stage 3 (``zero/stage3``): parameter shards pΨ/N (host or NVMe under ``offload_param``),
+  parameters below the persistence threshold whole; masters (a copy unless the shard itself is
+  fp32 and stays with the optimizer), their gradients and optimizer state as stages 1-2; while
+  running, a window of gathered units (the current one, one prefetched, those kept for reuse,
+  at most ``stage3_max_live_parameters``) and per-unit gradient buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from partita.estimate.model import ModelShape
+from partita.estimate.units import EstimateError, format_bytes
+
+__all__ = [
+    "Candidate",
+    "Estimate",
+    "Hardware",
+    "Item",
+    "Settings",
+    "candidates",
+    "estimate",
+]
+
+Offload = Literal["none", "cpu", "nvme"]
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+_COPY_SLICE_NUMEL = 1 << 22  # partita.zero.shard_step.COPY_SLICE_NUMEL (pinned copy-back slice)
+MODEL_STATES = ("parameters", "gradients", "fp32 masters", "optimizer state")
+"""The items DeepSpeed's estimator counts ("model states")."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machines: ranks, and memory per device, per node (host) and NVMe per node."""
+
+    devices_per_node: int = 1
+    nodes: int = 1
+    device_memory: int | None = None
+    host_memory: int | None = None
+    nvme: int | None = None
+    accelerator: Literal["cuda", "cpu"] = "cuda"
+    """"cuda": host copies are staged through pinned buffers; "cpu": written directly."""
+
+    def __post_init__(self) -> None:
+        for name in ("devices_per_node", "nodes"):
+            if getattr(self, name) < 1:
+                raise EstimateError(f"{name} {getattr(self, name)} must be >= 1")
+        for name in ("device_memory", "host_memory", "nvme"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise EstimateError(f"{name} {value} must be >= 0 bytes")
+
+    @property
+    def world(self) -> int:
+        """Data-parallel ranks."""
+        return self.devices_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``zero_optimization`` values that change memory, with partita's defaults
+    (``config/sections/zero.py``: note ``reduce_bucket_size`` 4M elements, not 5e8)."""
+
+    reduce_bucket_size: int = 1 << 22
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    sub_group_size: int = 1_000_000_000
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000
+    nvme_pipeline: bool = False
+    """offload_optimizer.pipeline_read/write: up to three sub-groups resident instead of one."""
+    optimizer_bytes_per_param: int = 8
+    """Adam/AdamW: two fp32 moments."""
+    allocator_slack: float = 0.10
+    """Device memory the caching allocator holds beyond live tensors (fragmentation)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: ZeRO stage, offload targets, precision, activation checkpointing."""
+
+    stage: int
+    offload_optimizer: Offload = "none"
+    offload_param: Offload = "none"
+    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
+    checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise EstimateError(f"stage {self.stage} must be 0, 1, 2 or 3")
+        if self.precision not in _DTYPE_BYTES:
+            raise EstimateError(f"precision {self.precision!r} must be fp32, bf16 or fp16")
+        if self.stage == 0 and self.offload_optimizer != "none":
+            raise EstimateError("offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
+        if self.stage < 3 and "nvme" in (self.offload_optimizer, self.offload_param):
+            raise EstimateError(f"NVMe offload needs stage 3 (got stage {self.stage})")
+        if self.stage < 3 and self.offload_param != "none":
+            raise EstimateError(f"offload_param needs stage 3 (got stage {self.stage})")
+
+    @property
+    def label(self) -> str:
+        """Short name: ``z3 opt=cpu param=nvme bf16 ckpt``."""
+        parts = [f"z{self.stage}"]
+        if self.offload_optimizer != "none":
+            parts.append(f"opt={self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"param={self.offload_param}")
+        parts.append(self.precision + (" ckpt" if self.checkpointing else ""))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One kind of memory on one rank, by where it lives (bytes)."""
+
+    name: str
+    device: int = 0
+    host: int = 0
+    nvme: int = 0
+
+
+@dataclass
+class Estimate:
+    """The itemised per-rank memory of a candidate on some hardware."""
+
+    candidate: Candidate
+    hardware: Hardware
+    items: list[Item]
+    notes: list[str] = field(default_factory=list)
+
+    def total(self, where: Literal["device", "host", "nvme"]) -> int:
+        """Sum over items of one rank's bytes in `where`."""
+        return sum(getattr(i, where) for i in self.items)
+
+    def model_states(self, where: Literal["device", "host", "nvme"] = "device") -> int:
+        """Parameters, gradients, masters and optimizer state (DeepSpeed's "model states")."""
+        return sum(getattr(i, where) for i in self.items if i.name in MODEL_STATES)
+
+    @property
+    def device(self) -> int:
+        """Peak device bytes per rank."""
+        return self.total("device")
+
+    @property
+    def host_per_node(self) -> int:
+        """Host bytes per node (every rank of the node)."""
+        return self.total("host") * self.hardware.devices_per_node
+
+    @property
+    def nvme_per_node(self) -> int:
+        """NVMe bytes per node."""
+        return self.total("nvme") * self.hardware.devices_per_node
+
+    def shortfalls(self) -> list[str]:
+        """Why this does not fit (empty when it fits or no limits were given)."""
+        hw, out = self.hardware, []
+        for what, need, have in (
+            ("device", self.device, hw.device_memory),
+            ("host", self.host_per_node, hw.host_memory),
+            ("nvme", self.nvme_per_node, hw.nvme),
+        ):
+            if need and have is not None and need > have:
+                scope = "per device" if what == "device" else "per node"
+                out.append(f"{what} needs {format_bytes(need)} {scope}, has {format_bytes(have)}")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        """True when every limit given is met."""
+        return not self.shortfalls()
+
+
+def _place(where: Offload, nbytes: int) -> dict[str, int]:
+    key = {"none": "device", "cpu": "host", "nvme": "nvme"}[where]
+    return {key: nbytes}
+
+
+def _window(units: list[int], settings: Settings) -> int:
+    """Elements gathered at once in stage 3: the current unit and the next (when it fits the
+    prefetch bucket), or more kept for reuse, never past the live bound (one unit always)."""
+    if not units:
+        return 0
+    ordered = sorted(units, reverse=True)
+    largest = ordered[0]
+    following = ordered[1] if len(ordered) > 1 else 0
+    base = largest + (following if following <= settings.stage3_prefetch_bucket_size else 0)
+    reuse = min(sum(units), settings.stage3_max_reuse_distance + largest)
+    return max(largest, min(max(base, reuse), settings.stage3_max_live_parameters))
+
+
+def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
+    psi = m.trainable
+    master = p != 4
+    if c.stage == 0:
+        return [
+            Item("parameters", device=m.total * p),
+            Item("gradients", device=psi * p + (psi * 4 if master else 0)),
+            Item("fp32 masters", device=psi * 4 if master else 0),
+            Item("optimizer state", device=psi * s.optimizer_bytes_per_param),
+            Item("reduce buckets"),
+        ]
+    shard = -(-psi // n)
+    full_grads = psi * p if c.stage == 1 else 0
+    bucket = min(psi, 3 * max(s.reduce_bucket_size, m.largest_param)) if c.stage == 2 else 0
+    on_host = c.offload_optimizer == "cpu"
+    grads = Item("gradients", device=full_grads + (0 if on_host else shard * 4))
+    if on_host:
+        grads = Item("gradients", device=full_grads, host=shard * 4)
+    return [
+        Item("parameters", device=m.total * p),
+        grads,
+        Item("fp32 masters", **_place(c.offload_optimizer, shard * 4)),
+        Item("optimizer state", **_place(c.offload_optimizer, shard * s.optimizer_bytes_per_param)),
+        Item("reduce buckets", device=bucket * p),
+    ]
+
+
+def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
+    units, persistent = m.unit_sizes(s.stage3_param_persistence_threshold)
+    sharded = sum(units) + m.frozen
+    shard = -(-m.trainable // n)
+    aliased = p == 4 and c.offload_optimizer != "nvme" and c.offload_param != "nvme"
+    aliased = aliased and c.offload_optimizer == c.offload_param
+    largest = max(units, default=0)
+    reduce = min(sum(units) + persistent, largest + max(largest, s.reduce_bucket_size))
+    params = _place(c.offload_param, -(-sharded // n) * p)
+    params["device"] = params.get("device", 0) + persistent * p + -(-persistent // n) * p
+    opt = c.offload_optimizer
+    return [
+        Item("parameters", **params),
+        Item("gradients", **_place(opt, shard * 4)),
+        Item("fp32 masters", **_place(opt, 0 if aliased else shard * 4)),
+        Item("optimizer state", **_place(opt, shard * s.optimizer_bytes_per_param)),
+        Item("gathered units", device=_window(units, s) * p),
+        Item("reduce buckets", device=reduce * p),
+    ]
+
+
+def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> list[Item]:
+    """Host-side staging: pinned copy-back slices (offload on GPUs) and NVMe swap buffers."""
+    n = hw.world
+    out = []
+    if c.offload_optimizer != "none" and hw.accelerator == "cuda":
+        out.append(
+            Item("pinned staging", host=2 * min(_COPY_SLICE_NUMEL, -(-m.trainable // n)) * p)
+        )
+    units, _ = m.unit_sizes(s.stage3_param_persistence_threshold)
+    unit_shard = -(-max(units, default=0) // n)
+    nvme = 0
+    if c.offload_optimizer == "nvme":
+        resident = 3 if s.nvme_pipeline else 1
+        sub_group = min(s.sub_group_size, unit_shard)
+        nvme += resident * sub_group * (4 + 4 + s.optimizer_bytes_per_param)
+    if c.offload_param == "nvme":
+        ahead = min(s.param_buffer_count, len(units))
+        nvme += min(ahead * unit_shard, s.param_buffer_count * s.param_buffer_size + unit_shard) * p
+    if nvme:
+        out.append(Item("nvme buffers", host=nvme))
+    return out
+
+
+def estimate(
+    model: ModelShape,
+    candidate: Candidate,
+    hardware: Hardware,
+    settings: Settings | None = None,
+) -> Estimate:
+    """The itemised per-rank memory of `candidate` for `model` on `hardware`."""
+    s = settings or Settings()
+    p = _DTYPE_BYTES[candidate.precision]
+    n = hardware.world
+    build = _stage3 if candidate.stage == 3 else _stage012
+    items = build(candidate, model, n, s, p) + _buffers(candidate, model, hardware, s, p)
+    notes = []
+    if model.activations is not None:
+        items.append(Item("activations", device=model.activations.peak(candidate.checkpointing)))
+    else:
+        notes.append("activations not included: give a model or config for its shapes")
+    live = sum(i.device for i in items)
+    items.append(Item("allocator slack", device=int(live * s.allocator_slack)))
+    return Estimate(candidate, hardware, items, notes)
+
+
+def candidates(precision: str = "bf16", checkpointing: bool | None = None) -> list[Candidate]:
+    """Every configuration partita runs: stage 0; stages 1-2 x optimizer offload none/cpu;
+    stage 3 x (optimizer, parameter) offload. `checkpointing` None tries both."""
+    ckpts = [False, True] if checkpointing is None else [checkpointing]
+    combos: list[tuple[int, Offload, Offload]] = [(0, "none", "none")]
+    combos += [(st, o, "none") for st in (1, 2) for o in ("none", "cpu")]
+    combos += [
+        (3, "none", "none"), (3, "cpu", "none"), (3, "cpu", "cpu"),
+        (3, "nvme", "none"), (3, "nvme", "cpu"), (3, "nvme", "nvme"),
+    ]  # fmt: skip
+    return [
+        Candidate(st, o, pa, precision, ck)  # type: ignore[arg-type]
+        for st, o, pa in combos
+        for ck in ckpts
+    ]
