@@ -139,6 +139,8 @@ def test_unsupported_features_refused_by_key() -> None:
     load_inference_config(kernel_inject=False, tp={"tp_size": 2}, dtype="bf16")  # aliases
     with pytest.raises(ConfigError, match="given as"):
         load_inference_config({"dtype": "fp16"}, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="checkpoint: DeepSpeed's checkpoint descriptions"):
+        load_inference_config(checkpoint={"type": "ds_model", "checkpoints": []})
 
 
 def _meta_model(family: str, **overrides: Any) -> nn.Module:
@@ -181,6 +183,10 @@ def test_unknown_layer_refused_and_policy_overrides() -> None:
     assert (
         plan.styles["layers.0.mixer"] == "rowwise" and plan.styles["layers.0.o_proj"] == "colwise"
     )
+    toy = _Toy()
+    toy.layers[0].c_attn = nn.Linear(8, 24)  # a fused layer of a model with no known layout
+    with pytest.raises(PlanError, match=r"layers.0.c_attn: fused layer .* unknown layout"):
+        build_plan(toy, 2, 0, policy={"layers.*.mixer": "replicate"})
     with pytest.raises(PlanError, match="injection_policy: entry"):
         build_plan(_Toy(), 2, 0, policy={"layers.*.mixer": "diagonal"})
 

@@ -223,7 +223,11 @@ def load_inference_config(
     tp = _tensor_parallel(merged.get("tensor_parallel"), merged.get("mp_size"),
                           merged.get("mpu"), problems)  # fmt: skip
     checkpoint = merged.get("checkpoint")
-    if checkpoint is not None:
+    if checkpoint is not None and not isinstance(checkpoint, str | os.PathLike):
+        problems.append(Problem("checkpoint", "DeepSpeed's checkpoint descriptions are not "
+                                "supported; pass a Hugging Face safetensors folder"))  # fmt: skip
+        checkpoint = None
+    elif checkpoint is not None:
         checkpoint = os.path.join(merged.get("base_dir") or "", os.fspath(checkpoint))
         if not os.path.isdir(checkpoint):
             problems.append(Problem("checkpoint", f"{checkpoint!r} is not a folder (expected "
