@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 
 from partita import comm
 from partita.offload.copy_back import CopyBack
@@ -46,6 +47,7 @@ def global_norm(
     return norm, float(norm)
 
 
+@record_function("partita::step")
 def sharded_step(
     masters: Sequence[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
@@ -56,7 +58,8 @@ def sharded_step(
     run: Callable[[], None] | None = None,
 ) -> StepOutcome:
     """Unscale, global norm, overflow check, clip and step (the caller refreshes weights);
-    ``run`` replaces ``optimizer.step()`` (e.g. `step_with_copy_back`)."""
+    ``run`` replaces ``optimizer.step()`` (e.g. `step_with_copy_back`). A ``partita::step``
+    range in a torch profiler trace."""
     grads: list[torch.Tensor] = [m.grad for m in masters if m.grad is not None]
     if loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)

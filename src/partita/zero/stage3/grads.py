@@ -18,7 +18,7 @@ import torch
 from partita import comm
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
-from partita.zero.stage3.unit import ShardedUnit
+from partita.zero.stage3.unit import ShardedUnit, trace
 
 
 @dataclass
@@ -50,8 +50,6 @@ class UnitGradReducer:
     _in_flight_numel: int = field(default=0, init=False)
     peak_in_flight_numel: int = field(default=0, init=False)
     """Most gradient elements in flight in reduce-scatters at once."""
-    _written: dict[int, set[int]] = field(default_factory=dict, init=False)
-    """Per unit (by id) with a gradient buffer: the parameters whose gradient it holds."""
 
     @property
     def peak_buffer_bytes(self) -> int:
@@ -65,8 +63,8 @@ class UnitGradReducer:
             unit.grad_buffer = self._pool.acquire(
                 unit.layout.padded_numel, grad.dtype, grad.device, zero=False
             )
-            self._written[id(unit)] = set()
-        written = self._written[id(unit)]
+            unit.grad_written = set()
+        written = unit.grad_written
         off = unit.layout.offsets[index]
         region = unit.grad_buffer[off : off + grad.numel()]
         if index in written:
@@ -78,7 +76,7 @@ class UnitGradReducer:
     def _fill_holes(self, unit: ShardedUnit, buffer: torch.Tensor) -> None:
         """Zeroes what no gradient was written to: parameters without one this backward, and
         the layout's padding. Cheaper than zeroing the whole buffer before every backward."""
-        written = self._written.pop(id(unit), set())
+        written, unit.grad_written = unit.grad_written, set()
         spans = sorted(
             (unit.layout.offsets[i], unit.layout.offsets[i] + unit.layout.numels[i])
             for i in written
@@ -95,6 +93,10 @@ class UnitGradReducer:
         """Starts the reduce-scatter of every trainable segment of `unit`."""
         if not unit.masters:
             return
+        with trace("reduce_scatter", unit.name):
+            self._launch(unit)
+
+    def _launch(self, unit: ShardedUnit) -> None:
         if unit.grad_buffer is None:  # no gradient reached it: reduce zeros (collectives must pair)
             unit.grad_buffer = self._pool.acquire(
                 unit.layout.padded_numel, unit.flat_shard.dtype, unit.flat_full.device
@@ -149,5 +151,8 @@ class UnitGradReducer:
 
     def finish(self) -> None:
         """Waits for every reduction and adds the results into the master gradients."""
-        while self._in_flight:
-            self._retire(self._in_flight.pop(0))
+        if not self._in_flight:
+            return
+        with trace("finish_reduce_scatter"):
+            while self._in_flight:
+                self._retire(self._in_flight.pop(0))

@@ -40,10 +40,12 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from partita import comm
 from partita.offload import SwapSpace, has_storage, release_storage, restore_storage
 from partita.zero.shard_step import global_norm
+from partita.zero.stage3.unit import trace
 from partita.zero.strategy import StepOutcome
 
 logger = logging.getLogger("partita")
@@ -131,11 +133,12 @@ class SwappedOptimizerState:
     def _evict(self, i: int) -> None:
         """Starts writing sub-group i out (its memory is released by `_release`)."""
         futures = []
-        for name, t in self._tensors(i).items():
-            key = f"{i}.{name}"
-            if key not in self.space.slots:
-                self.space.register(key, t.numel(), t.dtype)
-            futures.append(self.space.swap_out(key, t))
+        with trace("nvme_write", f"sub_group.{i}"):
+            for name, t in self._tensors(i).items():
+                key = f"{i}.{name}"
+                if key not in self.space.slots:
+                    self.space.register(key, t.numel(), t.dtype)
+                futures.append(self.space.swap_out(key, t))
         self._writes[i] = futures
 
     def _release(self, i: int) -> None:
@@ -150,9 +153,10 @@ class SwappedOptimizerState:
     def _fetch(self, i: int, grads: bool = True) -> list[Future[int]]:
         futures = []
         if not self.resident[i]:
-            for name, t in self._tensors(i).items():
-                restore_storage(t)
-                futures.append(self.space.swap_in(f"{i}.{name}", t))
+            with trace("nvme_read", f"sub_group.{i}"):
+                for name, t in self._tensors(i).items():
+                    restore_storage(t)
+                    futures.append(self.space.swap_in(f"{i}.{name}", t))
             self.resident[i] = True
             self._resident_count += 1
             self.peak_resident = max(self.peak_resident, self._resident_count)
@@ -177,7 +181,8 @@ class SwappedOptimizerState:
         if self.grad_zero[i]:
             grad.zero_()
             return []
-        return [self.space.swap_in(f"{i}.grad", grad)]
+        with trace("nvme_read", f"grad.{i}"):
+            return [self.space.swap_in(f"{i}.grad", grad)]
 
     def ensure_grad(self, i: int) -> torch.Tensor:
         """Sub-group i's gradient, read in (blocking); freed again by `drop_grad`."""
@@ -206,7 +211,8 @@ class SwappedOptimizerState:
         grad = self.masters[i].grad
         assert grad is not None
         self._settle_grad(i)  # writes of one file stay in order
-        self._grad_writes[i] = self.space.swap_out(f"{i}.grad", grad)
+        with trace("nvme_write", f"grad.{i}"):
+            self._grad_writes[i] = self.space.swap_out(f"{i}.grad", grad)
         self.grad_zero[i] = False
         while len(self._grad_writes) > GRAD_WRITES_IN_FLIGHT:
             self.drop_grad(next(iter(self._grad_writes)))
@@ -240,6 +246,7 @@ class SwappedOptimizerState:
             self.drop_grad(i)
         return norms
 
+    @record_function("partita::step")
     def step(
         self,
         step_one: Callable[[int], None],

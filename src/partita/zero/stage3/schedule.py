@@ -11,6 +11,11 @@ post-backward (after the last of several calls of the same unit) starts the grad
 reduce-scatter and releases. Forward pre-hooks that run inside backward are activation-checkpoint
 recomputation: they gather but change no bookkeeping. Anything a hook did not finish (units
 whose inputs need no gradient, such as the root) is finished in `end_backward`.
+
+Each hook moves its unit's `TrainingState` (pre-forward: FORWARD, post-forward: IDLE,
+pre-backward: PRE_BACKWARD, the last post-backward: POST_BACKWARD, `end_backward`: IDLE) and
+its use count, through the unit's own methods; each is a ``partita::<hook>[<unit>]`` range in a
+profiler trace, around the unit's own ``unshard``/``wait_for_unshard``/``reshard`` ranges.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from partita.zero.stage3.unit import ShardedUnit, UnitState
+from partita.zero.stage3.unit import ShardedUnit, UnitState, trace
 
 
 class _PostBackward(torch.autograd.Function):
@@ -43,12 +48,15 @@ def _in_backward() -> bool:
 
 
 class UnitScheduler:
-    """Drives gather/release of `units` (each bound to a module) during forward and backward."""
+    """Drives gather/release of `units` (each bound to a module) during forward and backward.
+
+    Per-unit counters and training state live on the units ([Note: ZeRO-3 state map]); this
+    object keeps the recorded order (a list of units), its cursors and the live-set bounds."""
 
     def __init__(
         self,
         units: list[ShardedUnit],
-        bindings: list[tuple[int, torch.nn.Module]],
+        bindings: list[tuple[ShardedUnit, torch.nn.Module]],
         on_post_backward: Callable[[ShardedUnit], None],
         prefetch_numel: int,
         max_live_numel: int,
@@ -60,28 +68,24 @@ class UnitScheduler:
         """NVMe parameter offload: shards read ahead of their gathers, at most this many and
         (beyond the first) this many elements (``offload_param.buffer_count`` and
         ``buffer_count x buffer_size``); see `_read_ahead`."""
-        self.index = {id(u): i for i, u in enumerate(units)}
         self.on_post_backward = on_post_backward
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.max_reuse_distance = max_reuse_distance
-        self.order: list[int] = []
+        self.order: list[ShardedUnit] = []
+        """Units in the order the first training forward used them (one entry per use)."""
         self.recording = True
-        self.in_use = [0] * len(units)
-        self.forward_calls = [0] * len(units)
-        self.backward_calls = [0] * len(units)
-        self.reduced = [False] * len(units)
         self.peak_live_numel = 0
         self._cursor = 0
         self._bcursor = 0
-        self._pos: dict[int, int] = {}
+        self._pos: dict[ShardedUnit, int] = {}
+        """Position in `order` of each unit's current use."""
         self.gathers: list[tuple[str, int]] = []
         """(unit name, live numel after the gather): instrumentation for tests."""
         self.peak_resident_shards = 0
         """NVMe parameter offload: most swapped shards in memory after a read-ahead (tests)."""
         self._handles = []
-        for unit_index, module in bindings:
-            unit = units[unit_index]
+        for unit, module in bindings:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True)
             )
@@ -95,10 +99,10 @@ class UnitScheduler:
         return sum(u.gathered_numel for u in self.units if not u.persistent)
 
     def _make_room(self, unit: ShardedUnit) -> None:
-        for i, other in enumerate(self.units):
+        for other in self.units:
             if self.live_numel() + unit.numel <= self.max_live_numel:
                 return
-            if other is not unit and self.in_use[i] == 0 and other.state is UnitState.UNSHARDED:
+            if other is not unit and other.in_use == 0 and other.state is UnitState.UNSHARDED:
                 other.reshard()
 
     def _gather(self, unit: ShardedUnit, wait: bool) -> None:
@@ -115,12 +119,13 @@ class UnitScheduler:
         target = position + step
         if not (0 <= target < len(self.order)):
             return
-        unit = self.units[self.order[target]]
+        unit = self.order[target]
         self._read_ahead(target + step, step)
         if unit.state is not UnitState.SHARDED or unit.numel > self.prefetch_numel:
             return
         if self.live_numel() + unit.numel <= self.max_live_numel:
-            self._gather(unit, wait=False)
+            with trace("prefetch", unit.name):
+                self._gather(unit, wait=False)
 
     def _read_ahead(self, start: int, step: int) -> None:
         """NVMe parameter offload: starts reading the shards of the units from position `start`
@@ -130,7 +135,7 @@ class UnitScheduler:
         count = numel = 0
         pos = start
         while 0 <= pos < len(self.order) and count < self.read_ahead_count:
-            unit = self.units[self.order[pos]]
+            unit = self.order[pos]
             pos += step
             size = unit.swapped_shard_numel
             if size == 0 or unit.state is not UnitState.SHARDED:
@@ -144,62 +149,60 @@ class UnitScheduler:
             resident = sum(1 for u in self.units if u.swapped_shard_numel and u.shard_bytes)
             self.peak_resident_shards = max(self.peak_resident_shards, resident)
 
-    def _locate(self, i: int, backward: bool) -> int:
-        """Position of this use of unit `i` in the recorded order, advancing the cursor."""
+    def _locate(self, unit: ShardedUnit, backward: bool) -> int:
+        """Position of this use of `unit` in the recorded order, advancing the cursor."""
         if backward:
             candidates = [
                 k
                 for k in range(min(self._bcursor, len(self.order) - 1), -1, -1)
-                if self.order[k] == i
+                if self.order[k] is unit
             ]
             pos = candidates[0] if candidates else -1
             self._bcursor = pos - 1 if pos >= 0 else self._bcursor
         else:
-            candidates = [k for k in range(self._cursor, len(self.order)) if self.order[k] == i]
+            candidates = [k for k in range(self._cursor, len(self.order)) if self.order[k] is unit]
             pos = candidates[0] if candidates else -1
             self._cursor = pos + 1 if pos >= 0 else self._cursor
-        self._pos[i] = pos
+        self._pos[unit] = pos
         return pos
 
-    def _distinct_numel(self, positions: range, i: int) -> int:
-        return sum(self.units[j].numel for j in {self.order[k] for k in positions} if j != i)
+    def _distinct_numel(self, positions: range, unit: ShardedUnit) -> int:
+        return sum(u.numel for u in {self.order[k] for k in positions} if u is not unit)
 
-    def _reuse_distance(self, i: int, backward: bool) -> int:
-        """Elements other units gather before unit `i` is needed again (from the recorded
-        order: later in this pass, else on the way back in the other direction)."""
-        pos = self._pos.get(i, -1)
+    def _reuse_distance(self, unit: ShardedUnit, backward: bool) -> int:
+        """Elements other units gather before `unit` is needed again (from the recorded order:
+        later in this pass, else on the way back in the other direction)."""
+        pos = self._pos.get(unit, -1)
         if pos < 0:
             return 0
         n = len(self.order)
         if not backward:
-            later = [k for k in range(pos + 1, n) if self.order[k] == i]
+            later = [k for k in range(pos + 1, n) if self.order[k] is unit]
             if later:
-                return self._distinct_numel(range(pos + 1, later[0]), i)
-            return 2 * self._distinct_numel(range(pos + 1, n), i)
-        earlier = [k for k in range(pos - 1, -1, -1) if self.order[k] == i]
+                return self._distinct_numel(range(pos + 1, later[0]), unit)
+            return 2 * self._distinct_numel(range(pos + 1, n), unit)
+        earlier = [k for k in range(pos - 1, -1, -1) if self.order[k] is unit]
         if earlier:
-            return self._distinct_numel(range(earlier[0] + 1, pos), i)
-        return 2 * self._distinct_numel(range(0, pos), i)
+            return self._distinct_numel(range(earlier[0] + 1, pos), unit)
+        return 2 * self._distinct_numel(range(0, pos), unit)
 
-    def _release(self, unit: ShardedUnit, i: int, backward: bool) -> None:
-        if self.in_use[i] == 0 and self._reuse_distance(i, backward) >= self.max_reuse_distance:
+    def _release(self, unit: ShardedUnit, unused: bool, backward: bool) -> None:
+        if unused and self._reuse_distance(unit, backward) >= self.max_reuse_distance:
             unit.reshard()
 
     # --- hooks ----------------------------------------------------------------------------------
     def _pre_forward_hook(self, unit: ShardedUnit) -> Callable[..., Any]:
-        i = self.index[id(unit)]
-
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             del module
-            self._gather(unit, wait=True)
-            if _in_backward() or not torch.is_grad_enabled():
-                return None
-            if self.recording:
-                self.order.append(i)
-            self.in_use[i] += 1
-            self.forward_calls[i] += 1
-            self._prefetch(self._locate(i, backward=False), +1)
-            return self._wrap_inputs(unit, args, kwargs)
+            with trace("pre_forward", unit.name):
+                self._gather(unit, wait=True)
+                if _in_backward() or not torch.is_grad_enabled():
+                    return None  # recomputation or evaluation: see [Note: hook flow]
+                if self.recording:
+                    self.order.append(unit)
+                unit.begin_forward()
+                self._prefetch(self._locate(unit, backward=False), +1)
+                return self._wrap_inputs(unit, args, kwargs)
 
         return hook
 
@@ -215,54 +218,49 @@ class UnitScheduler:
         return tree_unflatten(flat, spec)
 
     def _post_forward_hook(self, unit: ShardedUnit) -> Callable[..., Any]:
-        i = self.index[id(unit)]
-
         def hook(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
             del module, args, kwargs
             if _in_backward():
                 return None
             if not torch.is_grad_enabled():
-                if self.in_use[i] == 0:
+                if unit.in_use == 0:
                     unit.reshard()
                 return None
-            self.in_use[i] -= 1
-            self._release(unit, i, backward=False)
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, lambda _: self._pre_backward(unit), mode="any"
-                )
+            with trace("post_forward", unit.name):
+                self._release(unit, unit.end_forward(), backward=False)
+                tensors = [
+                    t
+                    for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda _: self._pre_backward(unit), mode="any"
+                    )
             return None
 
         return hook
 
     def _pre_backward(self, unit: ShardedUnit) -> None:
-        i = self.index[id(unit)]
-        if self.recording or self._bcursor < 0:
-            self._bcursor = len(self.order) - 1
-        self.recording = False
-        self._gather(unit, wait=True)
-        self.in_use[i] += 1
-        self._prefetch(self._locate(i, backward=True), -1)
+        with trace("pre_backward", unit.name):
+            if self.recording or self._bcursor < 0:
+                self._bcursor = len(self.order) - 1
+            self.recording = False
+            self._gather(unit, wait=True)
+            unit.begin_backward()
+            self._prefetch(self._locate(unit, backward=True), -1)
 
     def _post_backward(self, unit: ShardedUnit) -> None:
-        i = self.index[id(unit)]
-        self.backward_calls[i] += 1
-        self.in_use[i] = max(0, self.in_use[i] - 1)
-        if self.backward_calls[i] < self.forward_calls[i]:
-            return
-        self.reduced[i] = True
-        self.on_post_backward(unit)
-        self._release(unit, i, backward=True)
+        with trace("post_backward", unit.name):
+            if not unit.end_backward_call():
+                return
+            self.on_post_backward(unit)
+            self._release(unit, unit.in_use == 0, backward=True)
 
     def end_backward(self) -> None:
         """Finishes units whose post-backward never ran and releases everything."""
-        for i, unit in enumerate(self.units):
-            if not self.reduced[i] and (self.forward_calls[i] > 0 or unit.persistent):
+        for unit in self.units:
+            if not unit.reduced and (unit.forward_calls > 0 or unit.persistent):
                 self.on_post_backward(unit)
         self.reset()
         for unit in self.units:
@@ -274,10 +272,8 @@ class UnitScheduler:
         self._cursor = 0
         self._bcursor = len(self.order) - 1
         self._pos = {}
-        self.in_use = [0] * len(self.units)
-        self.forward_calls = [0] * len(self.units)
-        self.backward_calls = [0] * len(self.units)
-        self.reduced = [False] * len(self.units)
+        for unit in self.units:
+            unit.finish_step()
 
     def remove_hooks(self) -> None:
         """Detaches the module hooks."""

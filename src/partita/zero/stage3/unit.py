@@ -1,5 +1,38 @@
 """One ZeRO-3 unit: parameters that are gathered together, with one all-gather per segment.
 
+[Note: ZeRO-3 state map]
+Who owns what, for a newcomer. Each thing has one owner; the others ask it through methods.
+
+- `ShardedUnit` (this module): a unit's storage (``flat_shard``, ``flat_full``, the masters,
+  the transient ``grad_buffer``), its `UnitState` (sharded / unsharding / unsharded), its
+  `TrainingState` (where forward and backward are with it) and its per-step counters
+  (``in_use``, ``forward_calls``, ``backward_calls``), changed only by its own methods.
+- `UnitScheduler` (``schedule.py``): the hooks, the recorded order and its cursors, prefetch and
+  the live-element bounds. It calls the unit's transitions; it keeps no per-unit lists.
+- `UnitGradReducer` (``grads.py``): reduce-scatters in flight and the buffer pool.
+- `FullySharded` (``strategy.py``): builds the units, owns the optimizer, steps, serves state.
+
+Index spaces, each local to one owner:
+- a parameter's index in its unit (``unit.params[i]``, ``unit.views[i]``, ``layout.offsets[i]``,
+  ``unit.grad_written``): `FlatLayout`'s order, segment by segment;
+- a segment's index in its unit (``unit.segments[s]``, ``layout.segments[s]``,
+  ``unit.masters[s]``); ``layout.segment_of[i]`` maps a parameter to its segment;
+- an optimizer group (``SegmentInfo.group``), as the user passed the parameter groups;
+- a master's index among all masters (build order of the units, then segments): the
+  optimizer's parameter order and `SwappedOptimizerState`'s sub-group index;
+- a position in the recorded forward order (``UnitScheduler.order``, a list of units);
+- element offsets: in ``flat_full`` (``layout.offsets``) and in ``flat_shard`` (``Piece``).
+
+One parameter's state: the module's ``nn.Parameter`` (its ``.data`` is the gathered view or a
+placeholder, `partita.zero.placeholder`); its elements in ``flat_full`` (while gathered) and
+this rank's pieces of it in ``flat_shard``; its segment's fp32 master, the master's gradient and
+optimizer state (possibly swapped to NVMe by `SwappedOptimizerState`); during backward, its
+gradient in the unit's ``grad_buffer``. The strategy maps a parameter to (unit, index).
+
+Every transition is a ``partita::<what>[<unit name>]`` range for the torch profiler (`trace`),
+so a trace of one step reads as the algorithm: pre_forward, unshard, wait_for_unshard,
+post_forward, reshard, pre_backward, post_backward, reduce_scatter, step, NVMe reads and writes.
+
 [Note: unit storage]
 A unit lays its parameters out in one flat buffer (`FlatLayout`, one segment per optimizer
 group plus one for frozen parameters, each sharded evenly over ranks). Each rank keeps its
@@ -15,11 +48,14 @@ buffer is not a change autograd's saved tensors need to know about.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from partita import comm
 from partita.accelerator import pin_if
@@ -36,6 +72,29 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
+class TrainingState(enum.Enum):
+    """Where the training step is with a unit (FSDP2's vocabulary): between uses (IDLE), inside
+    its forward (FORWARD), its backward started (PRE_BACKWARD), its gradients handed to the
+    reduce-scatter (POST_BACKWARD, until the backward is finished)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+_NOT_TRACED = contextlib.nullcontext()
+
+
+def trace(what: str, unit: str | None = None) -> contextlib.AbstractContextManager[Any]:
+    """A ``partita::<what>[<unit>]`` range in a torch profiler trace. Without a running profiler
+    it is a shared no-op (a `record_function` costs tens of times more even then); with one,
+    keep it out of per-parameter loops."""
+    if not torch._C._autograd._profiler_enabled():
+        return _NOT_TRACED
+    return record_function(f"partita::{what}" if unit is None else f"partita::{what}[{unit}]")
+
+
 @dataclass
 class SegmentInfo:
     """One segment of a unit: the parameters of one optimizer group, or the frozen ones."""
@@ -48,6 +107,14 @@ class SegmentInfo:
 
 class ShardedUnit:
     """A unit's layout, storage and transitions (`unshard`, `wait_for_unshard`, `reshard`)."""
+
+    training_state = TrainingState.IDLE
+    in_use = 0
+    """Users that need the unit gathered now: running hooks and `GatheredParameters` pins."""
+    forward_calls = 0
+    """Forwards with gradients this step (a unit may run more than once)."""
+    backward_calls = 0
+    """Of those, the backwards that have finished."""
 
     def __init__(
         self,
@@ -109,9 +176,12 @@ class ShardedUnit:
         self.state = UnitState.UNSHARDED
         self._handles: list[comm.Work] = []
         self.grad_buffer: torch.Tensor | None = None
+        self.grad_written: set[int] = set()
+        """Parameters (by index) whose gradient ``grad_buffer`` holds this backward."""
         self.numel = self.layout.padded_numel
         self.reshard()
-        # Parameter offload to NVMe: the shard lives in a swap file between uses.
+        # Parameter offload to NVMe: the shard lives in a swap file between uses (see
+        # [Note: swapped shards]).
         self.shard_swap = (
             SwappedTensor(self.flat_shard, shard_space, f"param.{name}")
             if shard_space is not None and not persistent
@@ -136,13 +206,18 @@ class ShardedUnit:
     # --- the shard's residence (NVMe parameter offload) ---------------------------------------
     def fetch_shard(self) -> None:
         """Starts reading a swapped shard in (no-op unless offloaded to NVMe)."""
-        if self.shard_swap is not None:
-            self.shard_swap.fetch()
+        if self.shard_swap is not None and not self.shard_swap.resident:
+            with trace("nvme_read", self.name):
+                self.shard_swap.fetch()
 
     def ensure_shard(self) -> None:
         """Makes ``flat_shard`` readable (blocking read under NVMe parameter offload)."""
         if self.shard_swap is not None:
-            self.shard_swap.ensure()
+            if self.shard_swap.resident:
+                self.shard_swap.ensure()  # waits for a read `fetch_shard` started, if any
+                return
+            with trace("nvme_read", self.name):
+                self.shard_swap.ensure()
 
     def shard_modified(self) -> None:
         """``flat_shard`` was written: the next `evict_shard` writes it back."""
@@ -151,8 +226,9 @@ class ShardedUnit:
 
     def evict_shard(self) -> None:
         """Under NVMe parameter offload, writes a changed shard back and frees its memory."""
-        if self.shard_swap is not None:
-            self.shard_swap.evict()
+        if self.shard_swap is not None and self.shard_swap.resident:
+            with trace("nvme_write" if self.shard_swap.dirty else "nvme_free", self.name):
+                self.shard_swap.evict()
 
     @property
     def swapped_shard_numel(self) -> int:
@@ -170,6 +246,11 @@ class ShardedUnit:
         traffic in the comm counters (training gathers are "param")."""
         if self.state is not UnitState.SHARDED:
             return
+        with trace("unshard", self.name):
+            self._start_gather(tag)
+        self.state = UnitState.UNSHARDING
+
+    def _start_gather(self, tag: str) -> None:
         self.ensure_shard()
         self.flat_full.untyped_storage().resize_(
             self.flat_full.numel() * self.flat_full.element_size()
@@ -183,29 +264,81 @@ class ShardedUnit:
                 handle = comm.all_gather(out, src, group=self.process_group, async_op=True, tag=tag)
                 if handle is not None:
                     self._handles.append(handle)
-        self.state = UnitState.UNSHARDING
 
     def wait_for_unshard(self, tag: str = "param") -> None:
         """Completes a started gather and points the parameters at the gathered values."""
         if self.state is UnitState.SHARDED:
             self.unshard(tag)
         if self.state is UnitState.UNSHARDING:
-            for h in self._handles:
-                h.wait()
-            self._handles = []
-            self.evict_shard()  # the gather is done with it; its file still holds it
-            for p, view in zip(self.params, self.views, strict=True):
-                mark_gathered(p, view)
+            with trace("wait_for_unshard", self.name):
+                for h in self._handles:
+                    h.wait()
+                self._handles = []
+                self.evict_shard()  # the gather is done with it; its file still holds it
+                for p, view in zip(self.params, self.views, strict=True):
+                    mark_gathered(p, view)
             self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
         """Frees the gathered storage (persistent units stay gathered)."""
         if self.persistent or self.state is not UnitState.UNSHARDED:
             return
-        for p in self.params:
-            mark_sharded(p, self.name)
-        self.flat_full.untyped_storage().resize_(0)
+        with trace("reshard", self.name):
+            for p in self.params:
+                mark_sharded(p, self.name)
+            self.flat_full.untyped_storage().resize_(0)  # see [Note: unit storage]
         self.state = UnitState.SHARDED
+
+    # --- uses and training state (changed only here; the scheduler and pins call these) ------
+    def acquire(self) -> None:
+        """One more user needs the unit gathered (a running hook, a `GatheredParameters` pin)."""
+        self.in_use += 1
+
+    def release(self) -> bool:
+        """A user is done; True when nobody uses the unit any more. The count never goes
+        below zero: a pin held over `finish_step` (which forgets every use) stays balanced."""
+        self.in_use = max(0, self.in_use - 1)
+        return self.in_use == 0
+
+    def begin_forward(self) -> None:
+        """A forward with gradients enters the unit."""
+        self.acquire()
+        self.forward_calls += 1
+        self.training_state = TrainingState.FORWARD
+
+    def end_forward(self) -> bool:
+        """That forward left the unit; True when nobody uses it any more."""
+        self.training_state = TrainingState.IDLE
+        return self.release()
+
+    def begin_backward(self) -> None:
+        """The backward of one of the unit's forwards starts (gradients reached its outputs)."""
+        self.acquire()
+        if self.training_state is not TrainingState.POST_BACKWARD:  # reduced stays reduced
+            self.training_state = TrainingState.PRE_BACKWARD
+
+    def end_backward_call(self) -> bool:
+        """One of those backwards finished; True when it was the last one, so the unit's
+        gradients are complete and go to the reduce-scatter (POST_BACKWARD)."""
+        self.backward_calls += 1
+        self.release()
+        if self.backward_calls < self.forward_calls:
+            return False
+        assert self.training_state is not TrainingState.POST_BACKWARD, (
+            f"unit {self.name!r}: gradients reduced twice in one backward"
+        )
+        self.training_state = TrainingState.POST_BACKWARD
+        return True
+
+    @property
+    def reduced(self) -> bool:
+        """True once this step's gradients went to the reduce-scatter."""
+        return self.training_state is TrainingState.POST_BACKWARD
+
+    def finish_step(self) -> None:
+        """Forgets this step's uses and calls (after backward): back to IDLE."""
+        self.in_use = self.forward_calls = self.backward_calls = 0
+        self.training_state = TrainingState.IDLE
 
     @torch.no_grad()
     def copy_master(self, idx: int) -> None:
@@ -276,3 +409,8 @@ class ShardedUnit:
     def gathered_numel(self) -> int:
         """Elements currently gathered (0 when sharded)."""
         return 0 if self.state is UnitState.SHARDED else self.numel
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the gathered buffer while gathered or being gathered (0 when sharded)."""
+        return self.gathered_numel * self.flat_full.element_size()
