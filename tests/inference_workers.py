@@ -16,6 +16,9 @@ import torch
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "opt", "gpt_neox", "falcon", "phi")
 TP4_FAMILIES = ("llama", "gpt2")
+VOCAB_CASES = ("gpt2_v127", "llama")
+"""Vocabulary-parallel cases: GPT-2 with a tied head and 127 tokens (ranks hold 64 and 63
+rows), Llama with its own head."""
 PROMPT = [[3, 17, 42, 99, 5, 64, 7, 11], [8, 1, 2, 120, 33, 4, 90, 15]]
 NEW_TOKENS = 6
 _SMALL = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -51,12 +54,16 @@ def family_config(family: str) -> Any:
     raise ValueError(family)
 
 
-def save_family(family: str, folder: str, seed: int = 0) -> None:
-    """Builds `family`'s tiny model with seeded weights and saves it into `folder`."""
+def save_family(family: str, folder: str, seed: int = 0, vocab: int | None = None) -> None:
+    """Builds `family`'s tiny model with seeded weights (and `vocab` tokens if given) and
+    saves it into `folder`."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family))
+    config = family_config(family)
+    if vocab is not None:
+        config.vocab_size = vocab
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # biases and norms away from their constant inits
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -82,29 +89,34 @@ def _run_case(folder: str, dtype: torch.dtype, tp: dict[str, Any]) -> dict[str, 
 
     engine = from_pretrained(folder, tensor_parallel=tp, dtype=dtype)
     ids = torch.tensor(PROMPT)
-    before = COUNTERS.total_calls[("all_reduce", "tp")]
+    before = dict(COUNTERS.total_calls)
     logits = engine(ids).logits.float()
-    calls = COUNTERS.total_calls[("all_reduce", "tp")] - before
+    calls = COUNTERS.total_calls[("all_reduce", "tp")] - before.get(("all_reduce", "tp"), 0)
+    gathers = COUNTERS.total_calls[("all_gather", "tp")] - before.get(("all_gather", "tp"), 0)
     tokens = engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     del partita
     return {
         "logits": logits,
         "tokens": tokens,
         "all_reduces": calls,
+        "all_gathers": gathers,
+        "held": sum(p.numel() for p in engine.module.parameters()),
         "planned": engine.all_reduces_per_forward,
         "tp": (engine.dims.tp_rank, engine.dims.tp_world_size),
     }
 
 
 def _inplace_case(folder: str, group: Any) -> torch.Tensor:
-    """DeepSpeed's way: every rank holds the full model, init_inference slices it in place."""
+    """DeepSpeed's way: every rank holds the full model, init_inference slices it in place
+    (vocabulary-parallel, GPT-2's tied head)."""
     from transformers import AutoModelForCausalLM
 
     from partita import init_inference
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    engine = init_inference(model, tensor_parallel={"tp_size": 2, "tp_group": group},
-                            dtype=torch.float32)  # fmt: skip
+    tp = {"tp_size": 2, "tp_group": group, "vocab_parallel": True}
+    engine = init_inference(model, tensor_parallel=tp, dtype=torch.float32)
+    assert engine.module.lm_head.weight is engine.module.transformer.wte.weight  # still tied
     return engine(torch.tensor(PROMPT)).logits
 
 
@@ -155,12 +167,16 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     group = groups[rank // 2]
     dtype = torch.float32 if rank < 2 else torch.bfloat16
     out: dict[str, Any] = {"tp2": {}, "tp4": {}}
+    tp = {"tp_size": 2, "tp_group": group}
     for family in FAMILIES:
-        tp = {"tp_size": 2, "tp_group": group}
         out["tp2"][family] = _run_case(folders[family], dtype, tp)
     for family in TP4_FAMILIES:
         out["tp4"][family] = _run_case(folders[family], torch.float32, {"tp_size": 4})
-    out["inplace"] = _inplace_case(folders["gpt2"], group)
+    out["vocab"] = {
+        name: _run_case(folders[name], torch.float32, {**tp, "vocab_parallel": True})
+        for name in VOCAB_CASES
+    }
+    out["inplace"] = _inplace_case(folders["gpt2_v127"], group)
     dims = ParallelDims.tensor_parallel(2)
     out["dims"] = (dims.tp_ranks, dims.tp_rank, dims.dp_ranks, dims.dp_rank)
     out["memory"] = memory_case(memory_folder)

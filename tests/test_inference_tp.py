@@ -34,6 +34,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for family, folder in folders.items():
         w.save_family(family, folder)
         refs[family] = {d: w.reference(folder, d) for d in (torch.float32, torch.bfloat16)}
+    folders["gpt2_v127"] = str(root / "gpt2_v127")
+    w.save_family("gpt2", folders["gpt2_v127"], vocab=127)
+    refs["gpt2_v127"] = {torch.float32: w.reference(folders["gpt2_v127"], torch.float32)}
     memory = str(root / "memory")
     w.save_memory_model(memory)
     ranks = run_distributed(w.tp_worker, 4, folders, memory, timeout=300)
@@ -83,9 +86,27 @@ def test_two_all_reduces_per_block_per_forward(runs: dict, family: str) -> None:
         assert runs["ranks"][0]["tp4"][family4]["all_reduces"] == 2 * LAYERS
 
 
+@pytest.mark.parametrize("case", w.VOCAB_CASES)
+def test_vocab_parallel_embedding_and_head(runs: dict, case: str) -> None:
+    """Embedding and head split by vocabulary rows: same logits and tokens, one more
+    all-reduce (the embedding) and one all-gather (the logits) per forward, and each rank
+    holds fewer parameters than with them replicated."""
+    ref = runs["refs"][case][torch.float32]
+    family = case.split("_")[0]
+    for rank in range(4):
+        got = runs["ranks"][rank]["vocab"][case]
+        assert (got["logits"] - ref["logits"]).abs().max().item() <= 1e-5, (case, rank)
+        assert torch.equal(got["tokens"], ref["tokens"]), (case, rank)
+        assert got["all_reduces"] == got["planned"] == 2 * LAYERS + 1
+        assert got["all_gathers"] == 1
+        if case in w.FAMILIES:
+            assert got["held"] < runs["ranks"][rank]["tp2"][family]["held"]
+
+
 def test_in_place_sharding_of_a_full_model(runs: dict) -> None:
-    """DeepSpeed's path: the full model on every rank, sliced by init_inference."""
-    ref = runs["refs"]["gpt2"][torch.float32]["logits"]
+    """DeepSpeed's path: the full model on every rank, sliced by init_inference (here
+    vocabulary-parallel, with GPT-2's tied head)."""
+    ref = runs["refs"]["gpt2_v127"][torch.float32]["logits"]
     for rank in range(4):
         assert (runs["ranks"][rank]["inplace"] - ref).abs().max().item() <= 1e-5
 

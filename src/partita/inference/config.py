@@ -85,7 +85,7 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_type": (("standard",), "expert parallelism is not implemented"),
 }  # fmt: skip
 
-_TP_KEYS = ("enabled", "tp_size", "tp_grain_size", "mpu", "tp_group")
+_TP_KEYS = ("enabled", "tp_size", "tp_grain_size", "mpu", "tp_group", "vocab_parallel")
 _KNOWN = {"tensor_parallel", "dtype", "checkpoint", "injection_policy", *_ACCEPTED, *_REFUSED}
 
 
@@ -100,6 +100,10 @@ class TensorParallelConfig:
     tp_group: Any = None
     """An existing process group to split over (its ranks, in order); None: build groups of
     consecutive ranks."""
+    vocab_parallel: bool = False
+    """partita's addition: split the input embedding and the output head by vocabulary rows
+    (one more all-reduce and an all-gather of the logits per forward) instead of replicating
+    them."""
 
 
 @dataclass(frozen=True)
@@ -178,8 +182,12 @@ def _tensor_parallel(
     enabled = section.get("enabled", True)
     if not isinstance(enabled, bool):
         problems.append(Problem("tensor_parallel.enabled", f"expected a bool, got {enabled!r}"))
+    vocab = section.get("vocab_parallel", False)
+    if not isinstance(vocab, bool):
+        problems.append(Problem("tensor_parallel.vocab_parallel", f"expected a bool, got "
+                                f"{vocab!r}"))  # fmt: skip
     return TensorParallelConfig(enabled=bool(enabled), tp_size=size if enabled else 1,
-                                tp_group=group)  # fmt: skip
+                                tp_group=group, vocab_parallel=vocab is True)  # fmt: skip
 
 
 def _merge(config: str | Mapping[str, Any] | None, kwargs: Mapping[str, Any]) -> dict[str, Any]:

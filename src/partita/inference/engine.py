@@ -39,8 +39,9 @@ class InferenceEngine(nn.Module):
 
     @property
     def all_reduces_per_forward(self) -> int:
-        """Tensor-parallel all-reduces one forward pass issues (one per row-parallel module)."""
-        return len(self.plan.reduce)
+        """Tensor-parallel all-reduces one forward pass issues (one per row-parallel module,
+        one more for a vocabulary-parallel embedding)."""
+        return len(self.plan.reduce) + ("embedding" in self.plan.vocab.values())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, without autograd."""
@@ -111,9 +112,9 @@ def init_inference(
     # The plan depends on the rank only through its ranges: a model it refuses is refused on
     # every rank alike, before any group is made.
     rank = get_rank() % tp.tp_size if tp.tp_group is None else 0
-    build_plan(model, tp.tp_size, rank, cfg.injection_policy)
+    build_plan(model, tp.tp_size, rank, cfg.injection_policy, tp.vocab_parallel)
     dims = _dims(tp)
-    plan = build_plan(model, tp.tp_size, dims.tp_rank, cfg.injection_policy)
+    plan = build_plan(model, tp.tp_size, dims.tp_rank, cfg.injection_policy, tp.vocab_parallel)
     if cfg.checkpoint is not None:
         load_slices(model, cfg.checkpoint, plan.slices, cfg.dtype)
         model.requires_grad_(False)

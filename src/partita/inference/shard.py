@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from partita.comm import all_reduce
+from partita.comm import all_gather, all_reduce
 from partita.comm.process_group import ProcessGroup
 from partita.inference.plan import ShardPlan, Slice
 
@@ -57,10 +57,60 @@ def _reduce_hook(group: ProcessGroup | None) -> Callable[..., Any]:
     return hook
 
 
+def _vocab_embedding_hooks(
+    module: nn.Embedding, plan: ShardPlan, group: ProcessGroup | None
+) -> None:
+    """Looks up the ids this rank holds, zeroes the rest, sums over the group (see
+    [Note: vocabulary-parallel])."""
+    start, stop = plan.vocab_range
+    outside: list[torch.Tensor] = []
+
+    def pre(mod: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not args:
+            raise TypeError("a vocabulary-parallel embedding takes the ids positionally")
+        ids = args[0]
+        miss = (ids < start) | (ids >= stop)
+        outside.append(miss)
+        return ((ids - start).masked_fill(miss, 0), *args[1:])
+
+    def post(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.masked_fill(outside.pop().unsqueeze(-1), 0)
+        all_reduce(output, group=group, tag=TAG)
+        return output
+
+    module.padding_idx = None  # only steers gradients; may lie outside the shard
+    module.num_embeddings = stop - start
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)
+
+
+def _vocab_head_hook(plan: ShardPlan, group: ProcessGroup | None) -> Callable[..., Any]:
+    """Assembles the vocabulary's logits from each rank's columns (padded to equal width)."""
+
+    def hook(module: nn.Module, args: Any, local: torch.Tensor) -> torch.Tensor:
+        pad = plan.vocab_chunk - local.shape[-1]
+        if pad:
+            local = torch.nn.functional.pad(local, (0, pad))
+        local = local.contiguous()
+        gathered = local.new_empty((plan.tp_size, *local.shape))
+        all_gather(gathered, local, group=group, tag=TAG)
+        full = gathered.movedim(0, -2).reshape(*local.shape[:-1], -1)
+        return full[..., : plan.vocab_size]
+
+    return hook
+
+
 def install_plan(model: nn.Module, plan: ShardPlan, group: ProcessGroup | None) -> None:
     """Hooks and attributes of `plan` on `model` (its parameters must already be sliced)."""
     if plan.tp_size == 1:
         return
+    for name, kind in plan.vocab.items():
+        module = model.get_submodule(name)
+        if isinstance(module, nn.Embedding) and kind == "embedding":
+            _vocab_embedding_hooks(module, plan, group)
+        elif isinstance(module, nn.Linear) and kind == "head":
+            module.out_features = plan.vocab_range[1] - plan.vocab_range[0]
+            module.register_forward_hook(_vocab_head_hook(plan, group))
     for name in plan.reduce:
         model.get_submodule(name).register_forward_hook(_reduce_hook(group))
     for name, values in plan.attrs.items():
@@ -74,10 +124,16 @@ def shard_module(
 ) -> None:
     """Splits a model that holds full weights on every rank (DeepSpeed's way): each planned
     parameter becomes this rank's slice, cast to `dtype`; the rest is cast in place."""
-    for name, param in list(model.named_parameters()):
-        spec = plan.slices.get(name)
+    tied: dict[int, list[str]] = {}  # a tied head must keep sharing the embedding's slice
+    for name, param in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(param), []).append(name)
+    for names in tied.values():
+        spec = plan.slices.get(names[0])
         if spec is not None:
-            set_parameter(model, name, take_slice(param.detach(), spec).to(dtype))
+            full = model.get_parameter(names[0]).detach()
+            value = nn.Parameter(take_slice(full, spec).to(dtype), requires_grad=False)
+            for name in names:
+                set_parameter(model, name, value)
     model.to(dtype)
     model.requires_grad_(False)
     install_plan(model, plan, group)
