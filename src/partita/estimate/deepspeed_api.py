@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from partita.estimate.memory import Candidate, Hardware, Settings, estimate
+from partita.estimate.memory import Candidate, Hardware, Offload, Settings, estimate
 from partita.estimate.model import ModelShape
 
 __all__ = [
@@ -72,8 +72,9 @@ def estimate_zero3_model_states_mem_needs(
     """(host bytes per node, device bytes per rank, bytes of the largest layer gathered) for
     ZeRO-3 under partita. Without ``zero_init`` every rank of a node first builds the whole
     model in fp32 on the host, which sets a floor on host memory."""
-    opt = "cpu" if cpu_offload else "none"
-    cand = Candidate(3, opt, "cpu" if cpu_offload and cpu_offload_params else "none")
+    opt: Offload = "cpu" if cpu_offload else "none"
+    param: Offload = "cpu" if cpu_offload and cpu_offload_params else "none"
+    cand = Candidate(3, opt, param)
     host, device = _states(
         total_params, largest_layer_params, num_nodes, num_gpus_per_node, cand, 1.0
     )
