@@ -45,7 +45,7 @@ def plot_estimates(estimates: Sequence[Estimate], path: str) -> None:
             ax.axhline(limit / 1e9, color="black", linestyle="--", linewidth=1)
         ax.set_title(f"{where} memory ({'per rank' if where == 'device' else 'per node'})")
         ax.set_ylabel("GB")
-        ax.tick_params(axis="x", labelrotation=60)
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right")
     axes[0].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
