@@ -6,7 +6,9 @@ with ``save_pretrained``, nothing downloaded) generates 64 new tokens greedily a
 128-token prompt, at TP 1 and TP 2. Every job runs under ``torch.distributed.run`` (torchrun)
 with gloo, with ``2 // TP`` threads per rank so that each job uses the same cores:
 
-* partita: ``partita.inference.from_pretrained`` (each rank reads only its slices);
+* partita: ``partita.inference.from_pretrained`` (each rank reads only its slices), with the
+  embedding and head replicated, and as ``partita-vocab`` split by vocabulary rows
+  (``tensor_parallel.vocab_parallel``);
 * DeepSpeed 0.19.8: the full model loaded by ``from_pretrained`` on every rank, then
   ``deepspeed.init_inference(model, tensor_parallel={"tp_size": N}, dtype=torch.float32,
   replace_with_kernel_inject=False)`` with ``DS_ACCELERATOR=cpu`` (AutoTP);
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = ("partita", "deepspeed", "transformers")
+SYSTEMS = ("partita", "partita-vocab", "deepspeed", "transformers")
 CORES = 2
 
 
@@ -71,18 +73,26 @@ def _peak_rss_mb() -> float:
 def _load(system: str, folder: str, tp: int) -> Any:
     import torch
 
-    if system == "partita":
+    if system.startswith("partita"):
         from partita.inference import from_pretrained
 
-        return from_pretrained(folder, tensor_parallel={"tp_size": tp}, dtype=torch.float32).module
+        tp_config = {"tp_size": tp, "vocab_parallel": system == "partita-vocab" and tp > 1}
+        return from_pretrained(folder, tensor_parallel=tp_config, dtype=torch.float32).module
     from transformers import AutoModelForCausalLM
 
     if system == "transformers":
         kwargs = {"tp_plan": "auto"} if tp > 1 else {}
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
     import deepspeed
+    import deepspeed.comm.comm as ds_comm
 
     deepspeed.init_distributed(dist_backend="gloo")
+    if os.environ.get("BENCH_DS_SHM") != "1" and ds_comm.cdb is not None:
+        # DeepSpeed's shared-memory all-reduce (torch.ops.deepspeed.inference_all_reduce_)
+        # died with SIGSEGV at TP 2 on this machine (DeepSpeed 0.19.8); at kernel level 0 its
+        # inference_all_reduce falls back to torch.distributed over gloo, like the others.
+        # BENCH_DS_SHM=1 keeps the kernel.
+        ds_comm.cdb.shm_vector_kernel_level = 0
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = deepspeed.init_inference(
         model, tensor_parallel={"tp_size": tp}, dtype=torch.float32,
