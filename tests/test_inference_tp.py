@@ -201,9 +201,12 @@ def test_unknown_layer_refused_and_policy_overrides() -> None:
     assert plan.styles == {"layers.0.q_proj": "colwise", "layers.0.o_proj": "rowwise"}
     assert plan.reduce == ["layers.0.o_proj"]
     plan = build_plan(_Toy(), 2, 1, policy={_Block: ("mixer",)})  # DeepSpeed's form
-    assert (
-        plan.styles["layers.0.mixer"] == "rowwise" and plan.styles["layers.0.o_proj"] == "colwise"
-    )
+    assert plan.styles["layers.0.mixer"] == "rowwise"
+    assert plan.styles["layers.0.o_proj"] == "colwise"
+    nested = nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({"attn": _Block()})])})
+    plan = build_plan(nested, 2, 0, policy={nn.ModuleDict: ("attn.o_proj",)})  # qualified
+    assert plan.styles["layers.0.attn.o_proj"] == "rowwise"
+    assert plan.styles["layers.0.attn.mixer"] == "colwise"
     toy = _Toy()
     toy.layers[0].c_attn = nn.Linear(8, 24)  # a fused layer of a model with no known layout
     with pytest.raises(PlanError, match=r"layers.0.c_attn: fused layer .* unknown layout"):

@@ -128,12 +128,12 @@ class _Styles:
                                 "LayerClass: (row-parallel names)")  # fmt: skip
         hf = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
         self.hf = [(_pattern(k), v) for k, v in hf.items()]
-        self.owner: dict[str, type] = {}
+        self.owner: dict[str, tuple[type, str]] = {}  # linear -> (layer class, path in it)
         for name, module in model.named_modules():
             if type(module) in self.classes:
                 for sub, child in module.named_modules(prefix=name):
                     if _is_linear(child):
-                        self.owner.setdefault(sub, type(module))
+                        self.owner[sub] = (type(module), sub[len(name) + 1 :])  # innermost
 
     def _relative(self, name: str) -> str:
         return name[len(self.prefix) :] if name.startswith(self.prefix) else name
@@ -147,8 +147,8 @@ class _Styles:
             if table is self.policy and (self.policy or self.classes):
                 owner = self.owner.get(name)
                 if owner is not None:
-                    leaf = name.rsplit(".", 1)[-1]
-                    if leaf in self.classes[owner]:  # DeepSpeed: the named linears sum
+                    leaf, names = name.rsplit(".", 1)[-1], self.classes[owner[0]]
+                    if leaf in names or owner[1] in names:  # DeepSpeed: the named linears sum
                         return "rowwise"
                     return "fused_qkv" if leaf in FUSED_QKV_NAMES else "colwise"
         return None
