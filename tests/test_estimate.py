@@ -355,3 +355,35 @@ def test_predicted_model_states_match_the_memory_report(
                 item,
                 measured,
             )
+
+
+def test_memory_timeline_records_each_step_and_needs_matplotlib_to_draw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from partita.estimate.timeline import MemoryTimeline
+
+    class Engine:
+        step = 0
+
+        def memory_report(self) -> dict[str, int]:
+            self.step += 1
+            return {"params": 100 * self.step, "grads": 7}
+
+    timeline = MemoryTimeline(Engine())
+    with pytest.raises(EstimateError, match="no steps recorded"):
+        timeline.plot("t.png")
+    for _ in range(3):
+        timeline.record()
+    assert [r["params"] for r in timeline.reports] == [100, 200, 300]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(EstimateError, match="pip install"):
+        timeline.plot("t.png")
+
+
+def test_partita_estimate_and_plan_are_launcher_subcommands(capsys: Any) -> None:
+    from partita.launcher import cli
+
+    assert cli.main(["estimate", "--params", "7B", "--device_memory", "24 GX"]) == 2
+    assert "'24 GX'" in capsys.readouterr().err
+    assert cli.main(["plan", "--params", "7B", "--flops", "1e12", "--host_memory", "2 TBX"]) == 2
+    assert "'2 TBX'" in capsys.readouterr().err

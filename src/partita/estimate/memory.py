@@ -236,7 +236,11 @@ def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[It
     aliased = p == 4 and c.offload_optimizer != "nvme" and c.offload_param != "nvme"
     aliased = aliased and c.offload_optimizer == c.offload_param
     largest = max(units, default=0)
-    reduce = min(sum(units) + persistent, largest + max(largest, s.reduce_bucket_size))
+    # Gradient buffers (zero/stage3/grads.py): reductions in flight up to reduce_bucket_size
+    # (always one unit), the unit accumulating now, and a second buffer for a unit whose
+    # backward runs twice (tied embeddings: lm_head first, the embedding last); the
+    # persistent unit's buffer lives through the whole backward.
+    reduce = max(largest, s.reduce_bucket_size) + 2 * largest + persistent
     params = _place(c.offload_param, -(-sharded // n) * p)
     params["device"] = params.get("device", 0) + persistent * p + -(-persistent // n) * p
     opt = c.offload_optimizer

@@ -1,0 +1,198 @@
+"""Validation table for ``partita estimate``: predicted vs measured memory per rank.
+
+For GPT-2 models of ~10M and ~50M parameters, 2 CPU ranks (gloo), fp32, stages 0-3 x offload
+(none, cpu; nvme at stage 3 only, as partita runs it), three training steps each in a fresh pair
+of processes: the estimator's model states against ``engine.memory_report()``, and its peak
+(all items, activations traced on meta/fake tensors) against the peak RSS over the process's
+baseline (RSS after imports, GPT-2's modelling code included, before the model is built;
+the peak is reset there). DeepSpeed's
+own estimator (``estimate_zero{2,3}_model_states_mem_needs``, per GPU + per CPU / ranks) is
+beside it where DeepSpeed has one (stages 2 and 3).
+
+    .venv/bin/python benchmarks/bench_estimate.py [--models 10m,50m] [--json FILE]
+
+On CPU the device is the host: predicted peak = device + host items with the estimator's
+defaults (10% allocator slack; no pinned staging on CPU). Runs minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+SHAPES: dict[str, dict[str, int]] = {
+    # ~9.0M parameters (tied embeddings): 6 blocks of 256, a 16K vocabulary.
+    "10m": {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 256, "vocab_size": 16384},
+    # ~48M: 10 blocks of 512, a 32K vocabulary.
+    "50m": {"n_layer": 10, "n_embd": 512, "n_head": 8, "n_positions": 256, "vocab_size": 32768},
+}
+MICRO_BATCH, SEQ, STEPS = 4, 128, 3
+HERE = os.path.dirname(os.path.abspath(__file__))
+CELLS: list[tuple[int, str, str]] = [
+    (0, "none", "none"),
+    (1, "none", "none"), (1, "cpu", "none"),
+    (2, "none", "none"), (2, "cpu", "none"),
+    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+]  # fmt: skip
+
+
+def _config(name: str) -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(**SHAPES[name], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def worker(name: str, stage: int, opt: str, param: str, nvme_dir: str) -> dict[str, int]:
+    """One rank: baseline, build, initialize, three steps; the memory report and peak RSS."""
+    # Imported before the baseline: code is not training memory (GPT-2's modelling module and
+    # what its first forward imports weigh ~100 MiB of RSS).
+    import transformers.loss.loss_utils
+    import transformers.masking_utils  # noqa: F401
+    from transformers import GPT2LMHeadModel
+
+    import partita
+    from partita.accelerator import host_peak_rss, host_rss
+
+    try:  # reset VmHWM so the peak is this run's, not the imports'
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    base = host_rss()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_config(name))
+    zero: dict[str, Any] = {"stage": stage}
+    for key, where in (("offload_optimizer", opt), ("offload_param", param)):
+        if where != "none":
+            zero[key] = (
+                {"device": where, "nvme_path": nvme_dir} if where == "nvme" else {"device": where}
+            )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+    }
+    engine, *_ = partita.initialize(model=model, config=config)
+    del model
+    g = torch.Generator().manual_seed(engine.global_rank)
+    vocab = SHAPES[name]["vocab_size"]
+    for _ in range(STEPS):
+        x = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=g)
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+    report = engine.memory_report()
+    report["peak_over_base"] = host_peak_rss() - base
+    engine.destroy()
+    return report
+
+
+def _predict(name: str, stage: int, opt: str, param: str) -> dict[str, int]:
+    from partita.estimate import MODEL_STATES, Candidate, Hardware, Settings, estimate
+    from partita.estimate.model import from_hf_config
+
+    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
+    cand = Candidate(stage, opt, param, "fp32")  # type: ignore[arg-type]
+    est = estimate(shape, cand, Hardware(2, accelerator="cpu"), Settings())
+    states = sum(i.device + i.host for i in est.items if i.name in MODEL_STATES)
+    return {
+        "params": shape.total,
+        "states": states,
+        "peak": est.total("device") + est.total("host"),
+    }
+
+
+def _deepspeed(total: int, largest: int, stage: int, opt: str, param: str) -> int | None:
+    """DeepSpeed's estimate per rank (per GPU + per CPU / 2), where it has one."""
+    try:
+        from deepspeed.runtime.zero import stage3, stage_1_and_2
+    except ImportError:
+        return None
+    if stage == 2:
+        cpu, gpu = stage_1_and_2.estimate_zero2_model_states_mem_needs(total, 2, 1, opt != "none")
+        return int(gpu + cpu / 2)
+    if stage == 3:
+        cpu, gpu, _ = stage3.estimate_zero3_model_states_mem_needs(
+            total, largest, 2, 1, opt != "none", param != "none", zero_init=False
+        )
+        return int(gpu + cpu / 2)
+    return None
+
+
+def main() -> None:
+    """Runs every cell and prints the markdown table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="10m,50m")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    from transformers import GPT2LMHeadModel
+
+    import bench_estimate  # the workers import it by this name (this file is __main__ here)
+    from partita.estimate.deepspeed_api import model_to_params
+    from partita.testing import run_distributed
+
+    env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    rows = []
+    for name in args.models.split(","):
+        with torch.device("meta"):
+            total, largest = model_to_params(GPT2LMHeadModel(_config(name)))
+        for stage, opt, param in CELLS:
+            with tempfile.TemporaryDirectory() as nvme_dir:
+                start = time.time()
+                reports = run_distributed(
+                    bench_estimate.worker, 2, name, stage, opt, param, nvme_dir,
+                    timeout=900, env=env,
+                )  # fmt: skip
+            pred = _predict(name, stage, opt, param)
+            keys = ("params", "grads", "master_params", "optimizer_state")
+            states = max(sum(r[k] for k in keys) for r in reports)
+            peak = max(r["peak_over_base"] for r in reports)
+            rows.append({
+                "model": name, "stage": stage, "opt": opt, "param": param,
+                "pred_states": pred["states"], "meas_states": states,
+                "pred_peak": pred["peak"], "meas_peak": peak,
+                "deepspeed": _deepspeed(total, largest, stage, opt, param),
+                "seconds": round(time.time() - start, 1),
+            })  # fmt: skip
+            print(_row(rows[-1]), flush=True)
+    print("\n" + _table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _err(pred: int, meas: int) -> str:
+    return f"{100 * (pred - meas) / meas:+.0f}%" if meas else "-"
+
+
+def _row(r: dict[str, Any]) -> str:
+    cfg = f"z{r['stage']} opt={r['opt']} param={r['param']}"
+    return (
+        f"| {r['model']} | {cfg} | {_mb(r['pred_states'])} | {_mb(r['meas_states'])} | "
+        f"{_err(r['pred_states'], r['meas_states'])} | {_mb(r['pred_peak'])} | "
+        f"{_mb(r['meas_peak'])} | {_err(r['pred_peak'], r['meas_peak'])} | {_mb(r['deepspeed'])} |"
+    )
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| model | config | states pred MiB | states meas MiB | err | peak pred MiB | "
+        "peak meas MiB (RSS over base) | err | DeepSpeed est. MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([head, *(_row(r) for r in rows)])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()
