@@ -101,24 +101,27 @@ def _load(system: str, folder: str, tp: int) -> Any:
     return engine.module
 
 
-def _decode(model: Any, ids: Any, steps: int) -> tuple[float, list[float], Any]:
-    """(prefill seconds, each decode step's seconds, generated ids): greedy with the KV
-    cache."""
+def _decode(model: Any, ids: Any, steps: int) -> tuple[float, list[float], Any, tuple]:
+    """(prefill seconds, each decode step's seconds, generated ids, (prefill CPU seconds,
+    CPU seconds per decode step) of this process): greedy with the KV cache."""
     import torch
 
     with torch.no_grad():
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = model(ids, use_cache=True)
         prefill = time.perf_counter() - start
+        prefill_cpu = time.process_time() - cpu
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         tokens, times = [token], []
+        cpu = time.process_time()
         for _ in range(steps - 1):
             start = time.perf_counter()
             out = model(token, past_key_values=cache, use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
             tokens.append(token)
-    return prefill, times, torch.cat(tokens, dim=1)
+        decode_cpu = (time.process_time() - cpu) / (steps - 1)
+    return prefill, times, torch.cat(tokens, dim=1), (prefill_cpu, decode_cpu)
 
 
 def worker(ns: argparse.Namespace) -> None:
@@ -140,16 +143,24 @@ def worker(ns: argparse.Namespace) -> None:
     prefill = statistics.median(r[0] for r in runs)
     decode = statistics.median(t for r in runs for t in r[1])
     tokens = runs[0][2]
-    rss = [_peak_rss_mb()]
+    # CPU seconds this rank spent (all its threads): what contention from other processes
+    # changes least, so the systems' work can be compared on a busy machine.
+    cpu_prefill = statistics.median(r[3][0] for r in runs)
+    cpu_step = statistics.median(r[3][1] for r in runs)
+    mine = (_peak_rss_mb(), cpu_prefill, cpu_step)
+    per_rank = [mine]
     if dist.is_initialized():
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, rss[0])
-        rss = gathered
+        dist.all_gather_object(gathered, mine)
+        per_rank = gathered
+    rss = [r[0] for r in per_rank]
     if rank == 0:
         result = {
             "system": ns.system, "tp": ns.tp, "load_s": load_s,
             "prefill_tok_s": ns.prompt / prefill, "decode_tok_s": 1 / decode,
             "peak_rss_mb": rss, "tokens": tokens[0, :8].tolist(),
+            "cpu_prefill_s": [r[1] for r in per_rank], "cpu_ms_per_step": [1e3 * r[2] for r in per_rank],
+            "load_avg": os.getloadavg()[0],
         }  # fmt: skip
         Path(ns.result).write_text(json.dumps(result))
 
@@ -173,15 +184,18 @@ def _job(system: str, tp: int, folder: str, ns: argparse.Namespace) -> dict[str,
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    out = ["| model | system | TP | prefill tok/s | decode tok/s | peak RSS per rank (MB) | load s |",
-           "|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| model | system | TP | CPU ms per decode step, per rank | prefill tok/s | decode tok/s | peak RSS per rank (MB) | load s | load avg |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['arch']} | {r['system']} | {r['tp']} | failed: {r['error']} | | | |")
+            out.append(
+                f"| {r['arch']} | {r['system']} | {r['tp']} | | failed: {r['error']} | | | | |"
+            )
             continue
         rss = " / ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
-        out.append(f"| {r['arch']} | {r['system']} | {r['tp']} | {r['prefill_tok_s']:.1f} | "
-                   f"{r['decode_tok_s']:.1f} | {rss} | {r['load_s']:.1f} |")  # fmt: skip
+        cpu = " / ".join(f"{x:.0f}" for x in r["cpu_ms_per_step"])
+        out.append(f"| {r['arch']} | {r['system']} | {r['tp']} | {cpu} | {r['prefill_tok_s']:.1f} | "
+                   f"{r['decode_tok_s']:.1f} | {rss} | {r['load_s']:.1f} | {r['load_avg']:.1f} |")  # fmt: skip
     return "\n".join(out)
 
 
