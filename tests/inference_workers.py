@@ -142,16 +142,21 @@ def _rss_kb(field: str) -> int:
 
 
 def memory_case(folder: str) -> dict[str, Any]:
-    """Loads `folder` at TP 4 and reports this rank's peak RSS growth while loading."""
+    """Loads `folder` at TP 4 and runs one forward; reports this rank's peak RSS growth over
+    both (the forward touches every weight the rank holds, file-backed or not)."""
+    import ctypes
+
     from partita.inference import from_pretrained
     from partita.inference.load import build_skeleton
 
     build_skeleton(folder, torch.float32)  # imports and lazy module set-up, not loading
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap would hide loading's growth
     start = _rss_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # "5": reset this process's VmHWM
         f.write("5")
     engine = from_pretrained(folder, tensor_parallel={"tp_size": 4}, dtype=torch.float32)
+    engine(torch.tensor(PROMPT[:1]))
     peak = _rss_kb("VmHWM")
     held = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     return {"growth": (peak - start) * 1024, "held": held}

@@ -3,10 +3,12 @@
 [Note: sharded loading memory]
 The model skeleton is built with its parameters on the meta device (buffers such as rotary
 frequencies are computed for real: they are small and not in checkpoints). Each parameter is
-then read as this rank's slice through ``safe_open(...).get_slice(...)``, which copies only the
-requested rows or columns out of the memory-mapped file. A file is opened per tensor and
-closed right after, so the mapped pages a strided (row-parallel) read touches leave this
-process's resident set with the mapping, instead of accumulating for the whole file. A rank's
+then read as this rank's slice through ``safe_open(...).get_slice(...)``, which views only
+the requested rows (or copies the requested columns) of the memory-mapped file. The slice is
+copied into memory of its own: a tensor left viewing the file would keep it mapped for the
+engine's life and die with SIGBUS if the folder were rewritten meanwhile. A file is opened per
+tensor and closed right after, so the mapped pages a read touches leave this process's
+resident set with the mapping, instead of accumulating for the whole file. A rank's
 peak host memory is then its own slices plus about one tensor, not the whole model (DeepSpeed
 loads the full model on every rank first).
 """
@@ -105,14 +107,14 @@ class _Stored:
     def read(self, spec: Slice | None) -> torch.Tensor:
         with safe_open(self.path, "pt") as f:  # see [Note: sharded loading memory]
             if spec is None:
-                return f.get_tensor(self.key)
+                return f.get_tensor(self.key).clone()
             part = f.get_slice(self.key)
             if spec.zero:
                 dtype = f.get_slice(self.key).get_dtype()
                 return torch.zeros(self.shape, dtype=_ST_DTYPES.get(dtype, torch.float32))
             ndim = len(self.shape)
             pieces = [part[_index(ndim, spec.dim, a, b)] for a, b in spec.ranges]
-        return torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0]
+        return torch.cat(pieces, dim=spec.dim) if len(pieces) > 1 else pieces[0].clone()
 
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
