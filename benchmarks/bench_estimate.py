@@ -130,7 +130,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="10m,50m")
     ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument(
+        "--repredict", metavar="FILE.json",
+        help="re-render a saved run's measurements with the current estimator (no training)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.repredict:
+        with open(args.repredict) as f:
+            rows = json.load(f)
+        for r in rows:
+            pred = _predict(r["model"], r["stage"], r["opt"], r["param"])
+            r["pred_states"], r["pred_peak"] = pred["states"], pred["peak"]
+        print(_table(rows))
+        return
     from transformers import GPT2LMHeadModel
 
     import bench_estimate  # the workers import it by this name (this file is __main__ here)

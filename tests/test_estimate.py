@@ -326,6 +326,7 @@ REPORT_KEYS = {
     "gradients": "grads",
     "fp32 masters": "master_params",
     "optimizer state": "optimizer_state",
+    "reduce buckets": "comm_buffers",
 }
 
 
@@ -340,7 +341,8 @@ def reports() -> list[list[dict[str, int]]]:
 def test_predicted_model_states_match_the_memory_report(
     index: int, reports: list[list[dict[str, int]]]
 ) -> None:
-    """Each model-state item within 10% of what the engine reports holding, per rank."""
+    """Each model-state item, and the reduce buffers' peak, within 10% of what the engine
+    reports holding, per rank."""
     case = CASES[index]
     shape = describe_module(_gpt2())
     cand = Candidate(case["stage"], precision=case["precision"])

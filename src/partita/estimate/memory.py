@@ -202,6 +202,19 @@ def _window(units: list[int], settings: Settings) -> int:
     return max(largest, min(max(base, reuse), settings.stage3_max_live_parameters))
 
 
+def _stage2_buffers(m: ModelShape, n: int, bucket_numel: int) -> int:
+    """Elements of stage 2's pooled gradient buffers at their peak (zero/sharded_grads.py):
+    segments are cut from the parameters last first; a segment of one parameter whose gradient
+    fills it is reduced from the gradient itself, any other is copied into a pooled buffer, and
+    at most two reductions are in flight while a third bucket fills."""
+    from partita.partition import plan_buckets
+
+    sizes = m.param_order
+    plan = plan_buckets(sizes, bucket_numel, order=reversed(range(len(sizes))))
+    copied = [b.numel for b in plan if not (len(b.indices) == 1 and sizes[b.indices[0]] % n == 0)]
+    return sum(sorted(copied, reverse=True)[:3])
+
+
 def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
     psi = m.trainable
     master = p != 4
@@ -215,7 +228,7 @@ def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[
         ]
     shard = -(-psi // n)
     full_grads = psi * p if c.stage == 1 else 0
-    bucket = min(psi, 3 * max(s.reduce_bucket_size, m.largest_param)) if c.stage == 2 else 0
+    bucket = _stage2_buffers(m, n, s.reduce_bucket_size) if c.stage == 2 else 0
     on_host = c.offload_optimizer == "cpu"
     grads = Item("gradients", device=full_grads + (0 if on_host else shard * 4))
     if on_host:
@@ -292,6 +305,9 @@ def estimate(
     notes = []
     if model.activations is not None:
         items.append(Item("activations", device=model.activations.peak(candidate.checkpointing)))
+        # Backward computes each weight's gradient into a fresh tensor before it is added to
+        # the bucket or unit buffer: one of the largest parameter's lives beside the rest.
+        items.append(Item("gradient transient", device=model.largest_param * p))
     else:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)

@@ -39,6 +39,9 @@ class ModelShape:
     """Saved activations at `micro_batch` x `seq_len`, None when only counts are known."""
     micro_batch: int = 0
     seq_len: int = 0
+    order: tuple[int, ...] = ()
+    """Trainable parameter sizes in the module's registration order (stage 1-2 buckets are
+    cut from it, last first); empty when only counts are known (then the units' order)."""
 
     @classmethod
     def from_count(
@@ -63,6 +66,11 @@ class ModelShape:
     def total(self) -> int:
         """All elements (trainable and frozen)."""
         return self.trainable + self.frozen
+
+    @property
+    def param_order(self) -> tuple[int, ...]:
+        """Trainable parameter sizes in registration order (as best known)."""
+        return self.order or tuple(n for u in self.units for n in u)
 
     @property
     def largest_param(self) -> int:
@@ -95,7 +103,8 @@ def describe_module(
         if trainable:
             units.append(trainable)
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    return ModelShape(type(module).__name__, tuple(units), frozen)
+    order = tuple(p.numel() for p in module.parameters() if p.requires_grad)
+    return ModelShape(type(module).__name__, tuple(units), frozen, order=order)
 
 
 def load_hf_config(source: Any) -> Any:
