@@ -19,10 +19,12 @@ import torch
 from partita import comm, engine_setup
 from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.config import DeepSpeedConfig
+from partita.config.sections.runtime import CheckpointConfig
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
 from partita.zero import accessors
 from partita.zero import init as zero_init
+from partita.zero.state_access import ParamStates
 from partita.zero.strategy import Strategy
 
 logger = logging.getLogger("partita")
@@ -65,7 +67,7 @@ class Engine(torch.nn.Module):
             config, self.module, param_lists, self.policy, make_optimizer, self.dims
         )
         self.optimizer = self.strategy.optimizer
-        accessors.register(self.strategy)  # type: ignore[arg-type]
+        accessors.register(self.strategy.state)
         self.lr_scheduler = engine_setup.lr_scheduler(config, lr_scheduler, self.optimizer)
         self.loss_scaler: LossScaler = engine_setup.loss_scaler(config, self.policy)
         self.monitor = build_monitor(
@@ -122,6 +124,21 @@ class Engine(torch.nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """Global gradient norm (unscaled, before clipping) of the last boundary step."""
         return self._global_grad_norm
+
+    @property
+    def param_states(self) -> ParamStates:
+        """Per-parameter master weights, gradients and optimizer state, whatever the stage
+        (what checkpoints and DeepSpeed's ``safe_get_*`` accessors read and write)."""
+        return self.strategy.state
+
+    @property
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The ``checkpoint`` section of the config."""
+        return self._config.checkpoint
+
+    def config_dict(self) -> dict[str, Any]:
+        """The resolved config as a JSON-ready dict."""
+        return self._config.to_dict()
 
     def was_step_applied(self) -> bool:
         """False if the last boundary step was skipped because of non-finite gradients."""
@@ -279,7 +296,9 @@ class Engine(torch.nn.Module):
         """Bytes this rank holds per category (params, grads, master_params, optimizer_state,
         comm_buffers), the device's peak allocation, and the process's RSS and peak RSS."""
         report = self.strategy.memory_breakdown()
-        if not self.strategy.shards_params:  # frozen weights are the module's, not the strategy's
+        if (
+            not self.strategy.state.shards_params
+        ):  # frozen weights are the module's, not the strategy's
             report["params"] += sum(
                 p.numel() * p.element_size()
                 for p in self.module.parameters()
@@ -393,6 +412,7 @@ class Engine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Releases hooks and closes monitors (the process group stays up)."""
+        accessors.unregister(self.strategy.state)  # its parameters may join another engine
         self.strategy.close()
         self.monitor.close()
 

@@ -3,6 +3,7 @@ scaler and the ZeRO strategy. Composition only; the algorithms live in `partita.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from partita import comm
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
 from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
+from partita.offload.placement import OffloadPlacement, OptimizerPlacement, ParamPlacement
 from partita.optim import OptimConfigError, build_optimizer, build_scheduler
 from partita.optim.optimizers import check_optimizer_config
 from partita.optim.schedulers import check_scheduler_config
@@ -19,7 +21,10 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.sharded import Sharded
 from partita.zero.stage0 import DataParallel
 from partita.zero.stage3 import FullySharded
+from partita.zero.stage3.nvme import optimizer_pipeline
 from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
+
+logger = logging.getLogger("partita")
 
 ClientOptimizer = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
 ClientScheduler = Any  # an LR scheduler instance, or a callable taking the optimizer
@@ -247,26 +252,40 @@ def check_offload_paths(
     check_offload_config(zero, config.aio, rank, required_bytes=need)
 
 
-def offload_placement(config: DeepSpeedConfig) -> tuple[torch.device | None, torch.device | None]:
-    """Where master weights with optimizer state, and stage-3 parameter shards, live: the host
-    under CPU offload, else (None) with the compute device."""
+def offload_placement(config: DeepSpeedConfig) -> OffloadPlacement:
+    """Where masters with optimizer state, and stage-3 parameter shards, live: decided here,
+    once, from the ``offload_optimizer`` and ``offload_param`` blocks (swap files opened)."""
     zero = config.zero_optimization
-    cpu = torch.device("cpu")
-    opt = zero.offload_optimizer
-    param = zero.offload_param
-    return (
-        cpu if opt is not None and opt.device in ("cpu", "nvme") else None,
-        cpu if param is not None and param.device in ("cpu", "nvme") else None,
-    )
-
-
-def _pin_memory(zero: Any) -> tuple[bool, bool]:
-    """``pin_memory`` of (offload_optimizer, offload_param); False where a block is absent."""
-    blocks = (zero.offload_optimizer, zero.offload_param)
-    return (
-        blocks[0] is not None and bool(blocks[0].pin_memory),
-        blocks[1] is not None and bool(blocks[1].pin_memory),
-    )
+    opt, param = zero.offload_optimizer, zero.offload_param
+    optimizer = OptimizerPlacement()
+    if opt is not None and opt.device in ("cpu", "nvme"):
+        nvme = opt.device == "nvme" and zero.stage == 3
+        if opt.device == "nvme" and not nvme:
+            logger.warning(
+                "zero_optimization.offload_optimizer.device='nvme' swaps state to NVMe in stage 3 "
+                "only (as in DeepSpeed); stage %d keeps it in host memory",
+                zero.stage,
+            )
+        optimizer = OptimizerPlacement(
+            where="nvme" if nvme else "host",
+            pin_memory=bool(opt.pin_memory),
+            swap=swap_space(config) if nvme else None,
+            ratio=float(opt.ratio),
+            pipeline=optimizer_pipeline(opt) if nvme else (False, False),
+        )
+    params = ParamPlacement()
+    if param is not None and param.device in ("cpu", "nvme"):
+        nvme = param.device == "nvme"
+        params = ParamPlacement(
+            where="nvme" if nvme else "host",
+            pin_memory=bool(param.pin_memory),
+            swap=swap_space(config, "offload_param"),
+            # DeepSpeed ignores max_in_cpu, so a config written for it that leaves the key out
+            # expects every shard on NVMe: 0 then.
+            max_in_cpu=int(param.max_in_cpu) if "max_in_cpu" in param.model_fields_set else 0,
+            read_ahead=(int(param.buffer_count), int(param.buffer_count) * int(param.buffer_size)),
+        )
+    return OffloadPlacement(optimizer, params)
 
 
 def strategy(
@@ -285,20 +304,15 @@ def strategy(
     )
     if zero.stage == 0:
         return DataParallel(groups, policy, make_optimizer, bucket_numel(zero), scaling, group)
-    state_device, shard_device = offload_placement(config)
-    bucket = bucket_numel(zero)
     if zero.stage == 3:
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling, group=group,
-            state_device=state_device, shard_device=shard_device, swap_space=swap_space(config),
-            param_swap_space=swap_space(config, "offload_param"),
-            pin_memory=_pin_memory(zero),
-            offload_ratio=1.0 if zero.offload_optimizer is None else zero.offload_optimizer.ratio,
+            placement=offload_placement(config),
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(
-            zero.stage, groups, policy, make_optimizer, bucket, scaling, group,
-            state_device=state_device, pin_memory=_pin_memory(zero)[0],
+            zero.stage, groups, policy, make_optimizer, bucket_numel(zero), scaling, group,
+            placement=offload_placement(config).optimizer,
             sub_group_numel=int(zero.sub_group_size),
         )  # fmt: skip
     raise config_error(

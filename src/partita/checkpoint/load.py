@@ -2,9 +2,9 @@
 
 Phases (each a collective that fails every rank together, see `rendezvous`): arrival; rank 0
 finds the checkpoint and reads its manifest; every rank checks a share of the files (size,
-sha256); every rank reads the ranges it owns and writes them into the strategy; the module's
-weights are refreshed from the masters; counters, loss scale, scheduler, RNG and data loader
-position are restored.
+sha256); every rank reads the ranges it owns and writes them through the state-access
+interface (`engine.param_states`); the module's weights are refreshed from the masters;
+counters, loss scale, scheduler, RNG and data loader position are restored.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ from partita.checkpoint.state import (
     restore_rank_state,
     set_module_value,
 )
+from partita.checkpoint.subject import CheckpointSubject
 from partita.optim.cpu_adam import torch_class_name
+from partita.zero.state_access import ParamStates
 
 logger = logging.getLogger("partita")
 T = TypeVar("T")
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: CheckpointSubject,
     load_dir: str,
     tag: str | None = None,
     load_module_strict: bool = True,
@@ -66,7 +68,7 @@ def load_checkpoint(
         )
     finally:
         source.close()
-    engine.strategy.refresh_params()
+    engine.param_states.refresh_params()
     if not load_module_only:
         gather_agreed(
             lambda: _restore_training_state(
@@ -123,7 +125,9 @@ def _check_names(
         )
 
 
-def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -> None:
+def _load_tensors(
+    engine: CheckpointSubject, src: StateSource, strict: bool, load_opt: bool
+) -> None:
     entries = inventory(engine)
     saved = src.tensors
     _check_names(entries, saved, strict, src.folder, engine.dims.rank)
@@ -149,10 +153,10 @@ def _load_tensors(engine: Any, src: StateSource, strict: bool, load_opt: bool) -
             _load_module_tensor(src, e, info)
     for e, info in todo:
         if e.kind == "trainable":
-            _load_trainable(engine.strategy, src, e, info, keys)
+            _load_trainable(engine.param_states, src, e, info, keys)
 
 
-def _check_optimizer(engine: Any, meta: dict[str, Any]) -> None:
+def _check_optimizer(engine: CheckpointSubject, meta: dict[str, Any]) -> None:
     saved = meta.get("optimizer")
     here = torch_class_name(engine.optimizer)
     if saved is not None and saved != here:
@@ -162,7 +166,9 @@ def _check_optimizer(engine: Any, meta: dict[str, Any]) -> None:
         )
 
 
-def _load_trainable(strategy: Any, src: StateSource, e: Entry, info: dict, keys: list[str]) -> None:
+def _load_trainable(
+    strategy: ParamStates, src: StateSource, e: Entry, info: dict, keys: list[str]
+) -> None:
     ranges = [(int(o), int(n)) for o, n in strategy.owned_ranges(e.tensor)]
     if info["kind"] == "trainable":
         value = src.read(e.name, "param", ranges)
@@ -195,7 +201,7 @@ def _load_module_tensor(src: StateSource, e: Entry, info: dict) -> None:
 
 
 def _restore_training_state(
-    engine: Any, meta: dict[str, Any], load_opt: bool, load_scheduler: bool
+    engine: CheckpointSubject, meta: dict[str, Any], load_opt: bool, load_scheduler: bool
 ) -> None:
     counters = meta["counters"]
     engine.global_steps = int(counters["global_steps"])
@@ -222,7 +228,7 @@ def _restore_training_state(
     _restore_rank_state(engine, meta)
 
 
-def _restore_rank_state(engine: Any, meta: dict[str, Any]) -> None:
+def _restore_rank_state(engine: CheckpointSubject, meta: dict[str, Any]) -> None:
     """RNG and data loader position, per data-parallel rank; at another data-parallel world
     size what is well defined (see `partita.checkpoint.state.restore_rank_state`)."""
     restore_rank_state(engine, meta, engine.dims.dp_rank, engine.dims.dp_world_size)

@@ -62,6 +62,7 @@ from partita.checkpoint.state import (
     to_plain,
 )
 from partita.checkpoint.stfile import CHECKSUM, write_safetensors
+from partita.checkpoint.subject import CheckpointSubject
 from partita.optim.cpu_adam import torch_class_name
 
 logger = logging.getLogger("partita")
@@ -69,7 +70,7 @@ _TAG_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: CheckpointSubject,
     save_dir: str,
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
@@ -128,10 +129,10 @@ def _check_call(tag: str, client_state: Any) -> str:
     return tag
 
 
-def _agreed_tag(engine: Any, tags: list[str]) -> str:
+def _agreed_tag(engine: CheckpointSubject, tags: list[str]) -> str:
     if len(set(tags)) == 1:
         return tags[0]
-    mode = engine._config.checkpoint.tag_validation
+    mode = engine.checkpoint_config.tag_validation
     text = f"ranks passed different checkpoint tags {dict(enumerate(tags))}"
     if mode == "FAIL":
         raise CheckpointError(text + " (checkpoint.tag_validation=FAIL)")
@@ -140,7 +141,7 @@ def _agreed_tag(engine: Any, tags: list[str]) -> str:
     return tags[0]
 
 
-def _commit(engine: Any, staging: Staging, tag: str, *manifest_args: Any) -> None:
+def _commit(engine: CheckpointSubject, staging: Staging, tag: str, *manifest_args: Any) -> None:
     """Rank 0: the manifest into the staging folder, the folder in place, then `latest`."""
     manifest = _manifest(engine, tag, *manifest_args)
     write_atomic(os.path.join(staging.path, MANIFEST_NAME), _json_bytes(manifest))
@@ -160,11 +161,11 @@ def _open_staging(staging: Staging, members: list[tuple[str, int]]) -> str:
 
 
 def _shard_tensors(
-    engine: Any, entries: list[Entry], exclude_frozen: bool
+    engine: CheckpointSubject, entries: list[Entry], exclude_frozen: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]], set[str]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
     state; frozen parameters and buffers on rank 0 only."""
-    strategy, rank = engine.strategy, engine.dims.dp_rank
+    strategy, rank = engine.param_states, engine.dims.dp_rank
     writes_trainable = rank == 0 or not strategy.replicated
     keys = ["param", *strategy.optimizer_state_keys()]
     tensors: dict[str, torch.Tensor] = {}
@@ -189,7 +190,9 @@ def _shard_tensors(
     return tensors, ranges, scalars
 
 
-def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, Any] | None:
+def _write_shard(
+    engine: CheckpointSubject, folder: str, exclude_frozen: bool
+) -> dict[str, Any] | None:
     """This rank's shard file and its report, on the ranks of the first replica; None on the
     others (see [Note: checkpoints of replicas])."""
     dims = engine.dims
@@ -220,7 +223,7 @@ def _write_shard(engine: Any, folder: str, exclude_frozen: bool) -> dict[str, An
 
 
 def _tensor_table(
-    engine: Any, exclude_frozen: bool, state_dtypes: dict[str, str]
+    engine: CheckpointSubject, exclude_frozen: bool, state_dtypes: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
     """Every tensor's kind, shape and dtype; with `state_dtypes` (only when the stored masters
     do not share one dtype), each trainable one's stored state dtype."""
@@ -242,7 +245,7 @@ def _tensor_table(
 
 
 def _manifest(
-    engine: Any,
+    engine: CheckpointSubject,
     tag: str,
     reports: list[dict[str, Any]],
     client_state: dict[str, Any],
@@ -266,7 +269,7 @@ def _manifest(
         "save_latest": save_latest,
         "world_size": engine.dims.dp_world_size,
         "zero_stage": engine.zero_optimization_stage(),
-        "replicated": bool(engine.strategy.replicated),
+        "replicated": bool(engine.param_states.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),
         "state_dtype": state_dtype,
         "sharding": "per file and trainable parameter: the (offset, length) ranges of the "
@@ -274,7 +277,7 @@ def _manifest(
         "checksum": CHECKSUM,
         "tensors": _tensor_table(engine, exclude_frozen, stored if len(common) > 1 else {}),
         "optimizer": torch_class_name(engine.optimizer),
-        "optimizer_state_keys": engine.strategy.optimizer_state_keys(),
+        "optimizer_state_keys": engine.param_states.optimizer_state_keys(),
         "scalar_state_keys": sorted({k for r in reports for k in r["scalar_keys"]}),
         "optimizer_param_groups": optimizer_groups(engine.optimizer),
         "files": {
@@ -299,7 +302,7 @@ def _manifest(
         else to_plain(scheduler.state_dict(), "lr_scheduler.state_dict()"),
         "rng": [r["rng"] for r in reports],
         "data_loader": [r["data_loader"] for r in reports],
-        "config": engine._config.to_dict(),
+        "config": engine.config_dict(),
         "client_state": client_state,
         "exclude_frozen_parameters": exclude_frozen,
     }

@@ -18,6 +18,7 @@ import torch
 
 from partita.accelerator import get_accelerator
 from partita.checkpoint.manifest import CheckpointError
+from partita.checkpoint.subject import CheckpointSubject
 
 logger = logging.getLogger("partita")
 
@@ -33,9 +34,9 @@ class Entry:
     alias_of: str | None = None
 
 
-def inventory(engine: Any) -> list[Entry]:
+def inventory(engine: CheckpointSubject) -> list[Entry]:
     """The module's state entries in ``state_dict`` order (see the module docstring)."""
-    strategy = engine.strategy
+    strategy = engine.param_states
     seen: dict[int, str] = {}
     entries = []
     param_ids = {id(p) for p in engine.module.parameters()}
@@ -245,7 +246,9 @@ def loader_for_rank(
     return state, None
 
 
-def restore_rank_state(engine: Any, meta: dict[str, Any], rank: int, world: int) -> None:
+def restore_rank_state(
+    engine: CheckpointSubject, meta: dict[str, Any], rank: int, world: int
+) -> None:
     """RNG and data loader position of this rank (see `rng_for_rank`, `loader_for_rank`);
     at another world size than the saved one, rank 0 warns about what is not restored."""
     rng, differ = rng_for_rank(meta.get("rng"), rank, world)

@@ -276,15 +276,22 @@ def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> 
             Item("pinned staging", host=2 * min(_COPY_SLICE_NUMEL, -(-m.trainable // n)) * p)
         )
     units, _ = m.unit_sizes(s.stage3_param_persistence_threshold)
-    unit_shard = -(-max(units, default=0) // n)
-    nvme = 0
+    shards = sorted((-(-u // n) for u in units), reverse=True)
+    sub_group = min(s.sub_group_size, shards[0] if shards else 0)
+    # zero/stage3/nvme.py: in backward, gradients written through (up to GRAD_WRITES_IN_FLIGHT
+    # + 1 sub-groups) and shards read ahead (offload_param.buffer_count of them, bounded by
+    # buffer_count x buffer_size elements beyond the next); in the step, one sub-group's
+    # master, gradient and moments (three with pipelining). The two phases do not overlap.
+    backward = step = 0
     if c.offload_optimizer == "nvme":
+        backward += min(3, len(shards)) * sub_group * 4
         resident = 3 if s.nvme_pipeline else 1
-        sub_group = min(s.sub_group_size, unit_shard)
-        nvme += resident * sub_group * (4 + 4 + s.optimizer_bytes_per_param)
+        step = resident * sub_group * (4 + 4 + s.optimizer_bytes_per_param)
     if c.offload_param == "nvme":
-        ahead = min(s.param_buffer_count, len(units))
-        nvme += min(ahead * unit_shard, s.param_buffer_count * s.param_buffer_size + unit_shard) * p
+        ahead = shards[: s.param_buffer_count]
+        bound = s.param_buffer_count * s.param_buffer_size + (ahead[0] if ahead else 0)
+        backward += min(sum(ahead), bound) * p
+    nvme = max(backward, step)
     if nvme:
         out.append(Item("nvme buffers", host=nvme))
     return out

@@ -10,47 +10,38 @@ available between the boundary backward and `engine.step()`, as in DeepSpeed.
 from __future__ import annotations
 
 import weakref
-from typing import Protocol
 
 import torch
 
+from partita.zero.state_access import ParamStates
 
-class ParamStateOwner(Protocol):
-    """What a strategy implements to serve the accessors."""
-
-    def owns(self, param: torch.Tensor) -> bool:
-        """True when `param` is one of the strategy's trainable parameters."""
-        ...
-
-    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """`what` is "param", "grad" or an optimizer-state key; parameter-shaped fp32."""
-        ...
-
-    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's 1-D part of `full_state`."""
-        ...
-
-    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes a parameter-shaped value (the same on every rank)."""
-        ...
-
-    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's 1-D part."""
-        ...
+_STATES: weakref.WeakSet[ParamStates] = weakref.WeakSet()
 
 
-_OWNERS: weakref.WeakSet[ParamStateOwner] = weakref.WeakSet()
+def register(states: ParamStates) -> None:
+    """Makes the parameters of a strategy's state reachable from the accessors and from
+    `GatheredParameters` (the engine calls this)."""
+    _STATES.add(states)
 
 
-def register(owner: ParamStateOwner) -> None:
-    """Makes `owner`'s parameters reachable from the accessors (the engine calls this)."""
-    _OWNERS.add(owner)
+def unregister(states: ParamStates) -> None:
+    """Forgets a strategy's state (its engine was destroyed)."""
+    _STATES.discard(states)
 
 
-def _owner(param: torch.Tensor) -> ParamStateOwner:
-    for owner in list(_OWNERS):
-        if owner.owns(param):
-            return owner
+def find(param: torch.Tensor, sharded: bool = False) -> ParamStates | None:
+    """The state of the live engine holding `param` (trainable or frozen), or None; with
+    `sharded`, only a state whose strategy shards parameters (stage 3)."""
+    for states in list(_STATES):
+        if states.holds(param) and (states.gatherer is not None or not sharded):
+            return states
+    return None
+
+
+def _owner(param: torch.Tensor) -> ParamStates:
+    for states in list(_STATES):
+        if states.owns(param):
+            return states
     raise ValueError(
         f"parameter of shape {tuple(param.shape)} is not trained by any partita engine "
         "(frozen, or initialize() was not called with it)"
@@ -125,6 +116,7 @@ def safe_set_local_optimizer_state(
 
 
 __all__ = [
+    "find",
     "register",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
@@ -138,4 +130,5 @@ __all__ = [
     "safe_set_local_fp32_param",
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "unregister",
 ]

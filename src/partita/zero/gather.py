@@ -21,10 +21,6 @@ from partita.zero import accessors
 from partita.zero.init import PRE_SHARDED, materialized
 
 
-def _stage3_owners() -> list[Any]:
-    return [o for o in list(accessors._OWNERS) if getattr(o, "shards_params", False)]
-
-
 class GatheredParameters:
     """Context manager gathering `params` (one tensor or an iterable) on every rank."""
 
@@ -46,12 +42,13 @@ class GatheredParameters:
         if not self.enabled:
             return self
         seen: set[int] = set()
-        for owner in _stage3_owners():
-            for p in self.params:
-                unit = owner.unit_of(p)
-                if unit is not None and id(unit) not in seen:
-                    seen.add(id(unit))
-                    self._units.append((owner, unit))
+        for p in self.params:
+            states = accessors.find(p, sharded=True)
+            owner = None if states is None else states.gatherer
+            unit = None if owner is None else owner.unit_of(p)
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                self._units.append((owner, unit))
         for owner, unit in self._units:
             owner.pin(unit)
         pre = [p for p in self.params if p in PRE_SHARDED]

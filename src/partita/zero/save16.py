@@ -27,13 +27,13 @@ def _param_batches(engine: Any, exclude_frozen: bool) -> Iterator[list[tuple[str
     named = [
         (n, p) for n, p in engine.module.named_parameters() if p.requires_grad or not exclude_frozen
     ]
-    units = getattr(engine.strategy, "all_units", None)
-    if units is None:
+    gatherer = engine.param_states.gatherer
+    if gatherer is None:
         yield named
         return
     by_unit: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for n, p in named:
-        unit = engine.strategy.unit_of(p)
+        unit = gatherer.unit_of(p)
         by_unit.setdefault(id(unit), []).append((n, p))
     yield from by_unit.values()
 

@@ -13,16 +13,17 @@ import torch
 
 from partita import comm
 from partita.accelerator import pin_if
-from partita.partition import FlatLayout, Piece, plan_buckets, segment_views
-from partita.precision import PrecisionPolicy, full_dtype
+from partita.offload.placement import Placement
+from partita.partition import FlatLayout, plan_buckets, segment_views
+from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.shard_step import COPY_SLICE_NUMEL, HostStep, host_step, sharded_step
 from partita.zero.sharded_grads import ShardedGradients
+from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
-    ensure_state,
     optimizer_state_bytes,
 )
 
@@ -37,8 +38,7 @@ class ShardedGroup:
         world: int,
         rank: int,
         master_dtype: torch.dtype,
-        state_device: torch.device | None = None,
-        pin_memory: bool = False,
+        placement: Placement | None = None,
         group: comm.ProcessGroup | None = None,
     ) -> None:
         self.params = params
@@ -59,10 +59,11 @@ class ShardedGroup:
         # Under optimizer offload the master and its gradient live on the host (page-locked on
         # GPU machines with offload_optimizer.pin_memory); the algorithm is the same, only
         # copies cross devices.
-        where = state_device or device
+        placement = placement or Placement()
+        where, pin = placement.device or device, placement.pin_memory
         master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=where)
-        self.master = torch.nn.Parameter(pin_if(pin_memory, master))
-        self.master.grad = pin_if(pin_memory, torch.zeros_like(self.master))
+        self.master = torch.nn.Parameter(pin_if(pin, master))
+        self.master.grad = pin_if(pin, torch.zeros_like(self.master))
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
@@ -120,16 +121,13 @@ class Sharded:
         bucket_numel: int,
         scaling: ReduceScaling,
         group: comm.ProcessGroup | None = None,
-        state_device: torch.device | None = None,
-        pin_memory: bool = False,
+        placement: Placement | None = None,
         sub_group_numel: int = COPY_SLICE_NUMEL,
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         self.groups = [
-            ShardedGroup(
-                g, bucket_numel, world, rank, policy.master_dtype, state_device, pin_memory, group
-            )
+            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype, placement, group)
             for g in groups
         ]
         self.comm_device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
@@ -145,6 +143,8 @@ class Sharded:
         )
         self.process_group = group
         self.optimizer = make_optimizer([[g.master] for g in self.groups])
+        self.state = ParamStates(FlatShardLayout(self))
+        """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
         # Masters on the host (optimizer offload, CPU training): the step writes the updated
         # weights slice by slice (see `step_with_copy_back`).
         self._host_step: HostStep | None = None
@@ -193,110 +193,6 @@ class Sharded:
         """Removes the gradient hooks."""
         self.grads.remove_hooks()
 
-    # --- DeepSpeed's safe_get/set accessors (see partita.zero.accessors) ---------------------
-    def owns(self, param: torch.Tensor) -> bool:
-        """True for the parameters this strategy trains."""
-        return self._locate(param) is not None
-
-    def _locate(self, param: torch.Tensor) -> tuple[ShardedGroup, int] | None:
-        for g in self.groups:
-            for i, p in enumerate(g.params):
-                if p is param:
-                    return g, i
-        return None
-
-    def _shard(self, g: ShardedGroup, what: str) -> torch.Tensor | None:
-        if what == "param":
-            return g.master.detach()
-        if what == "grad":
-            return g.shard_grad
-        return self.optimizer.state.get(g.master, {}).get(what)
-
-    def _pieces(self, param: torch.Tensor) -> tuple[ShardedGroup, list[Piece]]:
-        found = self._locate(param)
-        if found is None:
-            raise ValueError("parameter is not trained by this engine")
-        g, i = found
-        return g, [pc for pc in g.layout.shard_pieces(g.rank) if pc.index == i]
-
-    shards_params = False
-    """True when parameters themselves are sharded (stage 3)."""
-    replicated = False
-    """Each rank holds the state of its own shard only."""
-
-    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
-        """(offset, length) ranges of the flattened parameter whose state this rank holds."""
-        _, pieces = self._pieces(param)
-        return [(pc.param_offset, pc.length) for pc in pieces]
-
-    def optimizer_state_keys(self) -> list[str]:
-        """Names of the optimizer's per-parameter state entries."""
-        return sorted({k for st in self.optimizer.state.values() for k in st})
-
-    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """Parameter-shaped fp32 value assembled from every rank's shard (collective); scalar
-        optimizer state (Adam's ``step``) is returned as is."""
-        g, pieces = self._pieces(param)
-        src = self._shard(g, what)
-        if src is None or src.dim() == 0:
-            return None if src is None else src.clone()
-        out = torch.zeros(param.numel(), dtype=full_dtype(src), device=param.device)
-        for pc in pieces:
-            out[pc.param_offset : pc.param_offset + pc.length] = src[
-                pc.shard_offset : pc.shard_offset + pc.length
-            ]
-        comm.all_reduce(out, group=self.process_group, tag="accessor")
-        return out.view(param.shape)
-
-    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's elements of the parameter's value, in `owned_ranges` order (1-D)."""
-        g, pieces = self._pieces(param)
-        src = self._shard(g, what)
-        if src is None or src.dim() == 0:
-            return None if src is None else src.clone()
-        parts = [src[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
-        return torch.cat(parts).to(full_dtype(src)) if parts else src.new_zeros(0)
-
-    def _target(self, g: ShardedGroup, what: str, value: torch.Tensor) -> torch.Tensor:
-        dst = self._shard(g, what)
-        if dst is None:
-            if what in ("param", "grad"):
-                raise ValueError(f"parameter has no {what!r} yet (run a backward first)")
-            dst = ensure_state(self.optimizer, g.master, what, value)
-        return dst
-
-    @torch.no_grad()
-    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's part of a full value (and, for "param", the module weight)."""
-        g, pieces = self._pieces(param)
-        dst = self._target(g, what, value)
-        if dst.dim() == 0:
-            dst.copy_(value)
-            return
-        flat = value.reshape(-1)
-        for pc in pieces:
-            dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
-                flat[pc.param_offset : pc.param_offset + pc.length]
-            )
-        if what == "param":
-            param.copy_(value.view_as(param))
-
-    @torch.no_grad()
-    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's part (1-D, `owned_ranges` order) of the value. For "param" the
-        module weight follows at the next all-gather (`refresh_params` forces one)."""
-        g, pieces = self._pieces(param)
-        dst = self._target(g, what, value)
-        if dst.dim() == 0:
-            dst.copy_(value)
-            return
-        offset = 0
-        for pc in pieces:
-            dst[pc.shard_offset : pc.shard_offset + pc.length].copy_(
-                value[offset : offset + pc.length]
-            )
-            offset += pc.length
-
     def refresh_params(self) -> None:
         """All-gathers the master shards into the module's parameters (after loading state)."""
         self._all_gather(cast=True)
@@ -307,3 +203,49 @@ class Sharded:
             g.all_gather_params(handles, cast)
         for h in handles:
             h.wait()
+
+
+class FlatShardLayout:
+    """The state layout of stages 1-2: a parameter's elements on this rank are pieces of its
+    group's flat master shard (`FlatLayout.shard_pieces`)."""
+
+    replicated = False
+    shards_params = False
+
+    def __init__(self, strategy: Sharded) -> None:
+        self.optimizer = strategy.optimizer
+        self.process_group = strategy.process_group
+        self._refresh = strategy.refresh_params
+        self._slots: dict[torch.Tensor, ParamSlot] = {}
+        for g in strategy.groups:
+            ranges: list[list[tuple[int, int, int]]] = [[] for _ in g.params]
+            for pc in g.layout.shard_pieces(g.rank):
+                ranges[pc.index].append((pc.param_offset, pc.shard_offset, pc.length))
+            for p, r in zip(g.params, ranges, strict=True):
+                self._slots[p] = ParamSlot(p.shape, r, g.master, home=g)
+
+    def slot(self, param: torch.Tensor) -> ParamSlot | None:
+        """The slot of a parameter this strategy trains."""
+        return self._slots.get(param)
+
+    def source(self, slot: ParamSlot, what: str) -> torch.Tensor | None:
+        """The group's master shard, its gradient shard, or its optimizer state."""
+        group: ShardedGroup = slot.home
+        if what == "param":
+            return group.master
+        if what == "grad":
+            return group.shard_grad
+        return self.optimizer.state.get(group.master, {}).get(what)
+
+    def after_write(
+        self, param: torch.Tensor, slot: ParamSlot, what: str, full: torch.Tensor | None
+    ) -> None:
+        """A whole new value goes into the module weight at once; a local one follows at the
+        next all-gather (`refresh_params` forces one)."""
+        del slot
+        if what == "param" and full is not None:
+            param.data.copy_(full.view_as(param))
+
+    def refresh_params(self) -> None:
+        """All-gathers the master shards into the module's parameters."""
+        self._refresh()

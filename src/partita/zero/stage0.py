@@ -12,14 +12,14 @@ import math
 import torch
 
 from partita import comm
-from partita.precision import PrecisionPolicy, full_dtype
+from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
 from partita.zero.master import MasterWeights
+from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
-    ensure_state,
     optimizer_state_bytes,
 )
 
@@ -48,6 +48,8 @@ class DataParallel:
             self.optimizer = make_optimizer([[mapping[p] for p in g] for g in groups])
         else:
             self.optimizer = make_optimizer([list(g) for g in groups])
+        self.state = ParamStates(ReplicatedLayout(self.params, self.master, self.optimizer))
+        """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
 
     def begin_backward(self, sync: bool) -> None:
         """Arms the all-reduce hooks for the boundary backward."""
@@ -104,67 +106,57 @@ class DataParallel:
         """Removes the gradient hooks."""
         self.buckets.remove_hooks()
 
-    # --- DeepSpeed's safe_get/set accessors (see partita.zero.accessors) ---------------------
-    def owns(self, param: torch.Tensor) -> bool:
-        """True for the parameters this strategy trains."""
-        return any(param is p for p in self.params)
 
-    def _stepped(self, param: torch.Tensor) -> torch.Tensor:
-        if self.master is None:
-            return param
-        return self.master.by_model_param[param]  # type: ignore[index]
+class ReplicatedLayout:
+    """Stage 0's state layout: every rank holds each parameter whole, in its fp32 master (or,
+    without masters, in the parameter itself)."""
 
-    def _state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        stepped = self._stepped(param)
-        if what == "param":
-            return stepped.detach()
-        if what == "grad":
-            return param.grad
-        return self.optimizer.state.get(stepped, {}).get(what)
-
-    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """Parameter-shaped fp32 copy of the master value, gradient or optimizer state."""
-        value = self._state(param, what)
-        return None if value is None else value.detach().to(full_dtype(value)).clone()
-
-    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """Stage 0 ranks hold everything: the full value, flattened."""
-        value = self.full_state(param, what)
-        if value is None or value.dim() == 0:
-            return value
-        return value.reshape(-1)
-
-    shards_params = False
-    """True when parameters themselves are sharded (stage 3)."""
     replicated = True
-    """Every rank holds every parameter's whole state (checkpoints save it once)."""
+    shards_params = False
+    process_group: comm.ProcessGroup | None = None
+    """Unused: every rank holds everything, so nothing is assembled."""
 
-    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
-        """(offset, length) ranges of the flattened parameter whose state this rank holds."""
-        return [(0, param.numel())]
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        master: MasterWeights | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        self.master = master
+        self.optimizer = optimizer
+        self._slots = {
+            p: ParamSlot(
+                p.shape,
+                [(0, 0, p.numel())],
+                p if master is None else master.by_model_param[p],
+                home=p,
+            )
+            for p in params
+        }
+
+    def slot(self, param: torch.Tensor) -> ParamSlot | None:
+        """The slot of a parameter this strategy trains."""
+        return self._slots.get(param)  # type: ignore[call-overload]
+
+    def source(self, slot: ParamSlot, what: str) -> torch.Tensor | None:
+        """Master (or parameter), the parameter's reduced gradient, or optimizer state."""
+        assert slot.stepped is not None
+        if what == "param":
+            return slot.stepped
+        if what == "grad":
+            return slot.home.grad
+        return self.optimizer.state.get(slot.stepped, {}).get(what)
+
+    def after_write(
+        self, param: torch.Tensor, slot: ParamSlot, what: str, full: torch.Tensor | None
+    ) -> None:
+        """A new master value is copied into the module weight at once."""
+        del full
+        if what == "param" and self.master is not None:
+            assert slot.stepped is not None
+            param.data.copy_(slot.stepped.detach().view_as(param))
 
     def refresh_params(self) -> None:
         """Copies the masters into the module (after loading state into them)."""
         if self.master is not None:
             self.master.copy_to_model()
-
-    def optimizer_state_keys(self) -> list[str]:
-        """Names of the optimizer's per-parameter state entries."""
-        return sorted({k for st in self.optimizer.state.values() for k in st})
-
-    @torch.no_grad()
-    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes a master value (and the module weight), gradient or optimizer state (created
-        if the optimizer has none yet)."""
-        target = self._state(param, what)
-        if target is None:
-            if what in ("param", "grad"):
-                raise ValueError(f"parameter has no {what!r} yet (run a backward first)")
-            target = ensure_state(self.optimizer, self._stepped(param), what, value)
-        target.copy_(value.view_as(target))
-        if what == "param" and self.master is not None:
-            param.copy_(value.view_as(param))
-
-    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Same as `set_full_state` (the local part is the whole parameter)."""
-        self.set_full_state(param, what, value if value.dim() == 0 else value.reshape(param.shape))

@@ -2,17 +2,20 @@
 
 The engine owns the training loop bookkeeping (micro steps, accumulation boundary, loss scale,
 scheduler, monitors); a strategy owns where gradients, master weights and optimizer state live
-and how they are communicated. Stage 0 (data parallel) and stages 1-2 implement the same
-interface, so the engine never branches on the stage.
+and how they are communicated. Every stage implements the same interface, so the engine never
+branches on the stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from partita.zero.state_access import ParamStates
 
 OptimizerFactory = Callable[[list[list[torch.Tensor]]], torch.optim.Optimizer]
 """Builds the optimizer given, for each parameter group (in the order of `ParamGroups`), the
@@ -35,9 +38,13 @@ class StepOutcome:
 
 
 class Strategy(Protocol):
-    """A ZeRO stage: gradient reduction, optimizer step and the state they own."""
+    """A ZeRO stage as the engine drives it: the training lifecycle (one call per point of the
+    step) plus `state`, the state-access interface everything else goes through."""
 
     optimizer: torch.optim.Optimizer
+    state: ParamStates
+    """Per-parameter master weights, gradients and optimizer state, for the accessors,
+    checkpoints and `GatheredParameters` (see `partita.zero.state_access`)."""
 
     def begin_backward(self, sync: bool) -> None:
         """Called before each backward; `sync` is true at the accumulation boundary."""
@@ -63,33 +70,6 @@ class Strategy(Protocol):
         """Removes hooks and frees buffers."""
         ...
 
-    # State access, for accessors and checkpoints. `what` is "param" (fp32 master), "grad"
-    # (reduced gradient) or an optimizer state key; values are fp32.
-    replicated: bool
-    shards_params: bool
-    """True when the module's parameters themselves are sharded (stage 3)."""
-    """True when every rank holds every parameter's whole state (stage 0)."""
-
-    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
-        """(offset, length) ranges of the flattened `param` whose state this rank holds."""
-        ...
-
-    def optimizer_state_keys(self) -> list[str]:
-        """Names of the optimizer's per-parameter state entries (e.g. exp_avg, step)."""
-        ...
-
-    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's owned elements (1-D, `owned_ranges` order); scalars as 0-dim tensors."""
-        ...
-
-    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's owned elements (creates missing optimizer state)."""
-        ...
-
-    def refresh_params(self) -> None:
-        """Brings the module's weights in line with the masters (after loading)."""
-        ...
-
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of memory held by the optimizer's state tensors (moments, step counters...);
@@ -104,18 +84,3 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
     return total
-
-
-def ensure_state(
-    optimizer: torch.optim.Optimizer, stepped: torch.Tensor, what: str, value: torch.Tensor
-) -> torch.Tensor:
-    """The optimizer's state tensor `what` for `stepped`, created when absent (a checkpoint
-    loaded into a fresh optimizer): element-wise keys get zeros shaped like `stepped`, scalar
-    keys (such as Adam's ``step``) a 0-dim tensor of `value`'s dtype."""
-    state = optimizer.state[stepped]
-    if what not in state:
-        if value.dim() == 0:
-            state[what] = torch.zeros((), dtype=value.dtype, device=stepped.device)
-        else:
-            state[what] = torch.zeros_like(stepped, memory_format=torch.contiguous_format)
-    return state[what]

@@ -9,30 +9,31 @@ steps one fp32 master chunk per (unit, optimizer group) segment.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from partita import comm
-from partita.offload import SwapSpace
 from partita.offload.copy_back import CopyBack
+from partita.offload.placement import OffloadPlacement
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
-from partita.partition import Piece, plan_buckets
-from partita.precision import PrecisionPolicy, full_dtype
+from partita.partition import plan_buckets
+from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
-from partita.zero.stage3.nvme import SwappedOptimizerState, optimizer_pipeline
+from partita.zero.stage3.nvme import SwappedOptimizerState
 from partita.zero.stage3.schedule import UnitScheduler
-from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, UnitState
+from partita.zero.stage3.state import UnitShardLayout
+from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, trace
+from partita.zero.state_access import ParamStates
 from partita.zero.strategy import (
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
-    ensure_state,
     optimizer_state_bytes,
 )
 
@@ -106,28 +107,6 @@ def _binding_modules(
     return [m for m in root.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
 
 
-def _max_in_cpu(zero: Any, param_swap_space: SwapSpace | None) -> int:
-    """``offload_param.max_in_cpu`` when the config gives it (DeepSpeed ignores the key, so a
-    config written for DeepSpeed that leaves it out expects every shard on NVMe: 0 then)."""
-    block = getattr(zero, "offload_param", None)
-    if param_swap_space is None or block is None or "max_in_cpu" not in block.model_fields_set:
-        return 0
-    return int(block.max_in_cpu)
-
-
-def _read_ahead(zero: Any) -> tuple[int, int]:
-    """(shards, elements) NVMe parameter offload may read ahead: ``offload_param``'s
-    ``buffer_count`` and ``buffer_count x buffer_size``."""
-    block = getattr(zero, "offload_param", None)
-    if block is None:
-        return (1, 0)
-    return (int(block.buffer_count), int(block.buffer_count) * int(block.buffer_size))
-
-
-Placement = tuple[torch.device | None, torch.device | None, bool, SwapSpace | None]
-"""(optimizer state device, shard device, may a master alias its shard, shard swap space)."""
-
-
 @dataclass
 class _UnitFactory:
     """Builds the units of one strategy from the settings they all share."""
@@ -137,14 +116,12 @@ class _UnitFactory:
     world: int
     rank: int
     policy: PrecisionPolicy
-    placement: Placement
+    placement: OffloadPlacement
     sub_group_numel: int
     """Most elements of one segment (``sub_group_size`` x world size)."""
     shards_in_cpu: int = 0
     """NVMe parameter offload: shard elements (per rank) still to keep in CPU memory instead
     (``offload_param.max_in_cpu``); units take from it in build order while their shard fits."""
-    pin: tuple[bool, bool] = (False, False)
-    """Page-lock (masters, shards) kept in host memory (``pin_memory`` of the offload blocks)."""
     group: comm.ProcessGroup | None = None
     """The data-parallel group the units are sharded over (`world` and `rank` are in it)."""
 
@@ -168,7 +145,8 @@ class _UnitFactory:
         if frozen:
             segments.append((None, frozen))
         infos = [SegmentInfo(i, g, ps) for i, (g, ps) in enumerate(segments)]
-        shard_space = self.placement[3]
+        opt, par = self.placement.optimizer, self.placement.params
+        shard_space = par.swap
         shard_numel = -(-sum(p.numel() for p in params) // self.world)
         if shard_space is not None and not persistent and shard_numel <= self.shards_in_cpu:
             self.shards_in_cpu -= shard_numel
@@ -181,21 +159,18 @@ class _UnitFactory:
             self.policy.master_dtype,
             persistent=persistent,
             source=full_value,
-            state_device=self.placement[0],
-            shard_device=self.placement[1],
-            alias_masters=self.placement[2],
+            state_device=opt.device,
+            shard_device=par.device,
+            alias_masters=self.placement.masters_alias_shards,
             shard_space=shard_space,
-            pin_memory=(self.pin[0], self.pin[1] and shard_space is None),
+            # Swapped masters and shards live in the swap buffers, not in these tensors.
+            pin_memory=(opt.pin_memory and opt.in_memory, par.pin_memory and shard_space is None),
             group=self.group,
         )
 
 
 class FullySharded:
     """Stage 3 strategy (see `partita.zero.strategy.Strategy`)."""
-
-    shards_params = True
-    """True when parameters themselves are sharded (stage 3)."""
-    replicated = False
 
     def __init__(
         self,
@@ -207,21 +182,12 @@ class FullySharded:
         scaling: ReduceScaling,
         unit_modules: Sequence[torch.nn.Module] | None = None,
         group: comm.ProcessGroup | None = None,
-        state_device: torch.device | None = None,
-        shard_device: torch.device | None = None,
-        swap_space: SwapSpace | None = None,
-        param_swap_space: SwapSpace | None = None,
-        pin_memory: tuple[bool, bool] = (False, False),
-        offload_ratio: float = 1.0,
+        placement: OffloadPlacement | None = None,
     ) -> None:
         self.process_group = group
-        cpu = torch.device("cpu")  # swapped state and shards are staged in host memory
-        state_device = cpu if swap_space is not None else state_device
-        shard_device = cpu if param_swap_space is not None else shard_device
+        self.placement = placement = placement or OffloadPlacement()
+        """Where masters with optimizer state, and parameter shards, live (chosen once)."""
         self.comm_device = next(module.parameters()).device
-        # A master may alias its shard only when both stay in memory for good.
-        alias = swap_space is None and param_swap_space is None
-        self._placement = (state_device, shard_device, alias, param_swap_space)
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
@@ -229,17 +195,14 @@ class FullySharded:
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
         build = _UnitFactory(
-            group_of, len(groups), world, rank, policy, self._placement,
-            int(zero.sub_group_size) * world, _max_in_cpu(zero, param_swap_space),
-            # Swapped masters and shards live in the swap buffers, not in these tensors.
-            (pin_memory[0] and swap_space is None, pin_memory[1]), group,
+            group_of, len(groups), world, rank, policy, placement,
+            int(zero.sub_group_size) * world, placement.params.max_in_cpu, group,
         )  # fmt: skip
-        pipeline = optimizer_pipeline(zero.offload_optimizer)
-        swapped = None if swap_space is None else SwappedOptimizerState(swap_space, pipeline)
-        self.swapped = swapped
+        opt = placement.optimizer
+        self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
         bindings = self._build_units(build, plan, persistent, module, modules)
-        if state_device is not None and swap_space is None and offload_ratio < 1.0:
-            self._keep_masters_on_device(offload_ratio)
+        if opt.where == "host" and opt.ratio < 1.0:
+            self._keep_masters_on_device(opt.ratio)
         bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
             scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket
@@ -251,7 +214,7 @@ class FullySharded:
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
-            read_ahead=_read_ahead(zero),
+            read_ahead=placement.params.read_ahead,
         )
         self._where = {p: (unit, i) for unit in self.all_units for i, p in enumerate(unit.params)}
         self._hooks = [
@@ -272,8 +235,14 @@ class FullySharded:
         if self.swapped is not None:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
-        self.param_space = param_swap_space
         self._host_step = self._make_host_step(int(zero.sub_group_size))
+        self._choose_step()
+        self._state_layout = UnitShardLayout(
+            self.all_units, self.optimizer, self.swapped, self._master_index, group,
+            self.refresh_params,
+        )  # fmt: skip
+        self.state = ParamStates(self._state_layout, gatherer=self)
+        """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
 
     def _make_host_step(self, sub_group_size: int) -> HostStep | None:
         """Masters on the host that are copies of shards in memory (optimizer offload to CPU,
@@ -281,7 +250,7 @@ class FullySharded:
         `step_with_copy_back`). Swapped state or shards keep the per-sub-group path of
         `SwappedOptimizerState`; masters that are their shards need no copy."""
         homes = self._master_home
-        if self.swapped is not None or self.param_space is not None or not homes:
+        if not self.placement.masters_alias_shards or not homes:
             return None
         chunks = [u.shard_chunk(idx) for u, idx in homes]
         masters = [u.masters[idx] for u, idx in homes]
@@ -299,18 +268,17 @@ class FullySharded:
         persistent: list[torch.nn.Parameter],
         module: torch.nn.Module,
         modules: list[torch.nn.Module],
-    ) -> list[tuple[int, torch.nn.Module]]:
+    ) -> list[tuple[ShardedUnit, torch.nn.Module]]:
         """Builds the units of `plan` (and the persistent one), handing each unit's masters to
-        the swapped state as soon as it exists; returns (unit index, module) hook bindings."""
+        the swapped state as soon as it exists; returns (unit, module) hook bindings."""
         self.units: list[ShardedUnit] = []
-        bindings: list[tuple[int, torch.nn.Module]] = []
+        bindings: list[tuple[ShardedUnit, torch.nn.Module]] = []
         for name, m, params in plan:
-            self.units.append(build(name, params, persistent=False))
+            unit = build(name, params, persistent=False)
+            self.units.append(unit)
             if self.swapped is not None:
-                self.swapped.add(list(self.units[-1].masters.values()))
-            bindings.extend(
-                (len(self.units) - 1, b) for b in _binding_modules(m, module, params, modules)
-            )
+                self.swapped.add(list(unit.masters.values()))
+            bindings.extend((unit, b) for b in _binding_modules(m, module, params, modules))
         self.persistent = build("persistent", persistent, persistent=True) if persistent else None
         if self.swapped is not None and self.persistent is not None:
             self.swapped.add(list(self.persistent.masters.values()))
@@ -355,39 +323,44 @@ class FullySharded:
 
     def end_backward(self) -> None:
         """Reduces what the hooks did not, finishes reductions, releases every unit."""
-        self.scheduler.end_backward()
-        if self.persistent is not None:
-            self.reducer.reduce(self.persistent)
-        self.reducer.finish()
+        with trace("end_backward"):
+            self.scheduler.end_backward()
+            if self.persistent is not None:
+                self.reducer.reduce(self.persistent)
+            self.reducer.finish()
 
     def _masters(self) -> list[torch.nn.Parameter]:
         return [m for u in self.all_units for m in u.masters.values()]
 
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
-        swapped = self.swapped
-        copied = self._host_step is not None
-        if swapped is None:
-            outcome = sharded_step(
-                self._masters(),
-                self.optimizer,
-                clip,
-                loss_scale,
-                self.process_group,
-                self.comm_device,
-                self._host_step,
-            )
-        else:
-            outcome = swapped.step(
-                self._step_one, clip, loss_scale, self.process_group, self.comm_device
-            )
+        outcome = self._run_step(clip, loss_scale)
         if outcome.applied:
-            if swapped is None and not copied:
-                self.refresh_params()
-            else:  # the masters were copied into the shards sub-group by sub-group
-                for unit in self.all_units:
-                    unit.regather_if_persistent()
+            self._after_step()
         return outcome
+
+    def _choose_step(self) -> None:
+        """Picks the step for this placement once: masters swapped sub-group by sub-group
+        (NVMe), or all in memory; after it, the shards are refreshed from the masters unless
+        the step already wrote them sub-group by sub-group (then only persistent units are
+        re-gathered)."""
+        swapped = self.swapped
+        self._run_step: Callable[[float, float], StepOutcome]
+        if swapped is None:
+            self._run_step = lambda clip, scale: sharded_step(
+                self._masters(), self.optimizer, clip, scale, self.process_group,
+                self.comm_device, self._host_step,
+            )  # fmt: skip
+        else:
+            self._run_step = lambda clip, scale: swapped.step(
+                self._step_one, clip, scale, self.process_group, self.comm_device
+            )
+        copied = swapped is not None or self._host_step is not None
+        self._after_step = self._regather_persistent if copied else self.refresh_params
+
+    def _regather_persistent(self) -> None:
+        for unit in self.all_units:
+            unit.regather_if_persistent()
 
     def _step_one(self, i: int) -> None:
         """Steps master i alone, then casts it into its unit's shard (resident until the
@@ -437,23 +410,15 @@ class FullySharded:
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held per category on this rank (gathered units counted while gathered)."""
-        shard = sum(u.shard_bytes for u in self.all_units)
-        gathered = sum(
-            u.flat_full.numel() * u.flat_full.element_size()
-            for u in self.all_units
-            if u.state is not UnitState.SHARDED
-        )
         masters = self._masters()
         return {
-            "params": shard + gathered,
+            "params": sum(u.shard_bytes + u.gathered_bytes for u in self.all_units),
             "grads": sum(m.grad.untyped_storage().nbytes() for m in masters if m.grad is not None),
             "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes
             + (0 if self._host_step is None else self._host_step.sink.nbytes),
-            "persistent_params": 0
-            if self.persistent is None
-            else self.persistent.numel * self.persistent.flat_full.element_size(),
+            "persistent_params": 0 if self.persistent is None else self.persistent.gathered_bytes,
         }
 
     def close(self) -> None:
@@ -461,10 +426,7 @@ class FullySharded:
         deletes NVMe swap files. Collective: every rank must close (``engine.destroy()``)."""
         self.release_params()
         self.scheduler.remove_hooks()
-        if self.swapped is not None:
-            self.swapped.space.close()
-        if self.param_space is not None:
-            self.param_space.close()
+        self.placement.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -486,6 +448,7 @@ class FullySharded:
                 hand_back(p, full, self.process_group)
         self.all_units = []  # nothing of the module is held here any more
         self._where = {}
+        self._state_layout.clear()
 
     # --- GatheredParameters -------------------------------------------------------------------
     def unit_of(self, param: torch.Tensor) -> ShardedUnit | None:
@@ -494,10 +457,9 @@ class FullySharded:
         return None if found is None else found[0]
 
     def pin(self, unit: ShardedUnit) -> None:
-        """Gathers `unit` and keeps it gathered until `unpin`."""
-        i = self.scheduler.index.get(id(unit))
-        if i is not None:
-            self.scheduler.in_use[i] += 1
+        """Gathers `unit` and keeps it gathered until `unpin` (a use on the unit's counter, so
+        forward and backward hooks do not release it meanwhile)."""
+        unit.acquire()
         unit.wait_for_unshard(tag="gathered")
 
     def load_gathered(self, unit: ShardedUnit, params: list[torch.Tensor]) -> None:
@@ -510,135 +472,5 @@ class FullySharded:
 
     def unpin(self, unit: ShardedUnit) -> None:
         """Releases a `pin` (the unit is resharded when nothing else uses it)."""
-        i = self.scheduler.index.get(id(unit))
-        if i is None:
-            return
-        self.scheduler.in_use[i] -= 1
-        if self.scheduler.in_use[i] == 0:
+        if unit.release():
             unit.reshard()
-
-    # --- DeepSpeed's safe_get/set accessors and checkpoint state --------------------------------
-    def owns(self, param: torch.Tensor) -> bool:
-        """True for the trainable parameters this strategy steps."""
-        found = self._where.get(param)  # type: ignore[call-overload]
-        return found is not None and found[0].segment_of_param(found[1]).group is not None
-
-    def _pieces(self, param: torch.Tensor) -> tuple[ShardedUnit, list[Piece]]:
-        found = self._where.get(param)  # type: ignore[call-overload]
-        if found is None:
-            raise ValueError("parameter is not managed by this engine")
-        unit, i = found
-        return unit, [pc for pc in unit.layout.shard_pieces(unit.rank) if pc.index == i]
-
-    def _source(
-        self, unit: ShardedUnit, param_index: int, what: str
-    ) -> tuple[torch.Tensor | None, int]:
-        """The tensor holding `what` for the parameter's segment, and the segment's shard start."""
-        seg = unit.segment_of_param(param_index)
-        start = unit.layout.segments[seg.index].shard_offset
-        master = unit.masters.get(seg.index)
-        if master is None:
-            if what == "param":
-                unit.ensure_shard()
-            return (unit.flat_shard if what == "param" else None), 0
-        if self.swapped is not None:
-            i = self._master_index[id(master)]
-            if what == "grad":
-                self.swapped.ensure_grad(i)
-            else:
-                self.swapped.ensure_resident(i)
-        if what == "param":
-            return master.detach(), start
-        if what == "grad":
-            return master.grad, start
-        return self.optimizer.state.get(master, {}).get(what), start
-
-    def owned_ranges(self, param: torch.Tensor) -> list[tuple[int, int]]:
-        """(offset, length) ranges of the flattened parameter this rank holds."""
-        return [(pc.param_offset, pc.length) for pc in self._pieces(param)[1]]
-
-    def optimizer_state_keys(self) -> list[str]:
-        """Names of the optimizer's per-parameter state entries."""
-        return sorted({k for st in self.optimizer.state.values() for k in st})
-
-    def local_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """This rank's elements of `what` for the parameter (1-D; scalars 0-dim)."""
-        unit, pieces = self._pieces(param)
-        src, start = self._source(unit, self._where[param][1], what)  # type: ignore[index]
-        if src is None or src.dim() == 0:
-            return None if src is None else src.clone()
-        parts = [
-            src[pc.shard_offset - start : pc.shard_offset - start + pc.length] for pc in pieces
-        ]
-        return torch.cat(parts).to(full_dtype(src)) if parts else src.new_zeros(0)
-
-    def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
-        """Parameter-shaped fp32 value assembled from every rank (collective)."""
-        unit, pieces = self._pieces(param)
-        local = self.local_state(param, what)
-        if local is None or local.dim() == 0:
-            return local
-        out = torch.zeros(
-            param.numel()
-            if unit.state is UnitState.UNSHARDED
-            else unit.layout.numels[self._where[param][1]],  # type: ignore[index]
-            dtype=local.dtype,
-            device=local.device,
-        )
-        offset = 0
-        for pc in pieces:
-            out[pc.param_offset : pc.param_offset + pc.length] = local[offset : offset + pc.length]
-            offset += pc.length
-        comm.all_reduce(out, group=self.process_group, tag="accessor")
-        return out.view(unit.views[self._where[param][1]].shape)  # type: ignore[index]
-
-    def _target(
-        self, param: torch.Tensor, what: str, value: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
-        unit, i = self._where[param]  # type: ignore[index]
-        dst, start = self._source(unit, i, what)
-        if dst is None:
-            seg = unit.segment_of_param(i)
-            master = unit.masters.get(seg.index)
-            if master is None or what == "grad":
-                raise ValueError(f"parameter has no {what!r} state")
-            dst = ensure_state(self.optimizer, master, what, value)
-        return dst, start
-
-    @torch.no_grad()
-    def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's elements (1-D, `owned_ranges` order); "param" also updates the
-        module-dtype shard so the next gather sees it."""
-        unit, pieces = self._pieces(param)
-        dst, start = self._target(param, what, value)
-        if dst.dim() == 0:
-            dst.copy_(value)
-            return
-        if what == "param":
-            unit.ensure_shard()
-            unit.shard_modified()
-        offset = 0
-        for pc in pieces:
-            dst[pc.shard_offset - start : pc.shard_offset - start + pc.length].copy_(
-                value[offset : offset + pc.length]
-            )
-            if what == "param":
-                unit.flat_shard[pc.shard_offset : pc.shard_offset + pc.length].copy_(
-                    value[offset : offset + pc.length]
-                )
-            offset += pc.length
-        if what == "param":
-            unit.evict_shard()
-        elif what == "grad" and self.swapped is not None:
-            master = unit.masters[unit.segment_of_param(self._where[param][1]).index]  # type: ignore[index]
-            self.swapped.store_grad(self._master_index[id(master)])
-
-    def set_full_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
-        """Writes this rank's part of a full value."""
-        _, pieces = self._pieces(param)
-        flat = value.reshape(-1)
-        if value.dim() == 0:
-            self.set_local_state(param, what, value)
-            return
-        parts = [flat[pc.param_offset : pc.param_offset + pc.length] for pc in pieces]
-        self.set_local_state(param, what, torch.cat(parts) if parts else flat[:0])
