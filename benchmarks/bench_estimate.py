@@ -104,6 +104,7 @@ def _predict(name: str, stage: int, opt: str, param: str) -> dict[str, int]:
     return {
         "params": shape.total,
         "states": states,
+        "buffers": sum(i.device for i in est.items if i.name == "reduce buckets"),
         "peak": est.total("device") + est.total("host"),
     }
 
@@ -141,6 +142,7 @@ def main() -> None:
         for r in rows:
             pred = _predict(r["model"], r["stage"], r["opt"], r["param"])
             r["pred_states"], r["pred_peak"] = pred["states"], pred["peak"]
+            r["pred_buffers"] = pred["buffers"]
         print(_table(rows))
         return
     from transformers import GPT2LMHeadModel
@@ -168,6 +170,8 @@ def main() -> None:
             rows.append({
                 "model": name, "stage": stage, "opt": opt, "param": param,
                 "pred_states": pred["states"], "meas_states": states,
+                "pred_buffers": pred["buffers"],
+                "meas_buffers": max(r["comm_buffers"] for r in reports),
                 "pred_peak": pred["peak"], "meas_peak": peak,
                 "deepspeed": _deepspeed(total, largest, stage, opt, param),
                 "seconds": round(time.time() - start, 1),
@@ -191,16 +195,18 @@ def _row(r: dict[str, Any]) -> str:
     cfg = f"z{r['stage']} opt={r['opt']} param={r['param']}"
     return (
         f"| {r['model']} | {cfg} | {_mb(r['pred_states'])} | {_mb(r['meas_states'])} | "
-        f"{_err(r['pred_states'], r['meas_states'])} | {_mb(r['pred_peak'])} | "
+        f"{_err(r['pred_states'], r['meas_states'])} | {_mb(r.get('pred_buffers'))} | "
+        f"{_mb(r.get('meas_buffers'))} | {_mb(r['pred_peak'])} | "
         f"{_mb(r['meas_peak'])} | {_err(r['pred_peak'], r['meas_peak'])} | {_mb(r['deepspeed'])} |"
     )
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| model | config | states pred MiB | states meas MiB | err | peak pred MiB | "
-        "peak meas MiB (RSS over base) | err | DeepSpeed est. MiB |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "| model | config | states pred MiB | states meas MiB | err | reduce buffers pred MiB | "
+        "comm_buffers meas MiB | peak pred MiB | peak meas MiB (RSS over base) | err | "
+        "DeepSpeed est. MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([head, *(_row(r) for r in rows)])
 
