@@ -253,6 +253,16 @@ def test_bad_input_is_one_line_naming_the_value(
     assert len(err.splitlines()) == 1 and named in err, err
 
 
+def test_a_model_folder_is_read_from_its_config(tmp_path: Any, capsys: Any) -> None:
+    """``--model DIR`` reads only config.json (no weights) and traces the activations."""
+    _gpt2().config.save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--num_gpus", "2", "--seq_len", "32", "--detail"]
+    assert estimate_main([*argv, "--checkpointing", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "activations" in out and "note: activations not included" not in out
+    assert f"{describe_module(_gpt2()).trainable / 1e9:.3g}B trainable" in out
+
+
 def test_a_model_folder_without_config_is_refused(tmp_path: Any) -> None:
     with pytest.raises(EstimateError, match=f"{tmp_path}.*has no config.json"):
         from_hf_config(str(tmp_path), 1, 16)

@@ -25,6 +25,8 @@ from partita.estimate.model import ModelShape
 from partita.estimate.units import EstimateError, format_bytes
 
 __all__ = [
+    "DTYPE_BYTES",
+    "MODEL_STATES",
     "Candidate",
     "Estimate",
     "Hardware",
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 Offload = Literal["none", "cpu", "nvme"]
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _COPY_SLICE_NUMEL = 1 << 22  # partita.zero.shard_step.COPY_SLICE_NUMEL (pinned copy-back slice)
 MODEL_STATES = ("parameters", "gradients", "fp32 masters", "optimizer state")
 """The items DeepSpeed's estimator counts ("model states")."""
@@ -102,7 +104,7 @@ class Candidate:
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3):
             raise EstimateError(f"stage {self.stage} must be 0, 1, 2 or 3")
-        if self.precision not in _DTYPE_BYTES:
+        if self.precision not in DTYPE_BYTES:
             raise EstimateError(f"precision {self.precision!r} must be fp32, bf16 or fp16")
         if self.stage == 0 and self.offload_optimizer != "none":
             raise EstimateError("offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
@@ -305,7 +307,7 @@ def estimate(
 ) -> Estimate:
     """The itemised per-rank memory of `candidate` for `model` on `hardware`."""
     s = settings or Settings()
-    p = _DTYPE_BYTES[candidate.precision]
+    p = DTYPE_BYTES[candidate.precision]
     n = hardware.world
     build = _stage3 if candidate.stage == 3 else _stage012
     items = build(candidate, model, n, s, p) + _buffers(candidate, model, hardware, s, p)

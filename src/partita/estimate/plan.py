@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from partita.estimate.memory import _DTYPE_BYTES, Candidate, Estimate
+from partita.estimate.memory import DTYPE_BYTES, Candidate, Estimate
 
 __all__ = ["Rates", "Timing", "calibrate_flops", "ds_config", "rank", "step_time"]
 
@@ -62,7 +62,7 @@ def step_time(est: Estimate, params: int, tokens_per_rank: int, rates: Rates) ->
     """Predicted step time of `est`'s configuration for `params` trainable parameters and
     `tokens_per_rank` tokens per rank per step (micro-batch x sequence length)."""
     c, hw = est.candidate, est.hardware
-    n, p = hw.world, _DTYPE_BYTES[c.precision]
+    n, p = hw.world, DTYPE_BYTES[c.precision]
     flops = (8 if c.checkpointing else 6) * params * tokens_per_rank
     factor = 3 if c.stage == 3 else 2
     comm = factor * params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
