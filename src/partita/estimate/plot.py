@@ -24,6 +24,9 @@ def plot_estimates(estimates: Sequence[Estimate], path: str) -> None:
             "--plot needs matplotlib: pip install 'partita[plot]' (or matplotlib)"
         ) from None
     names = list(dict.fromkeys(i.name for e in estimates for i in e.items))
+    # One colour per item in both panels (more items than the default cycle's ten).
+    palette = matplotlib.colormaps["tab20"]
+    colours = {name: palette(k % 20) for k, name in enumerate(names)}
     labels = [e.candidate.label for e in estimates]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 0.9 * len(estimates) + 4), 5))
     hw = estimates[0].hardware if estimates else None
@@ -39,7 +42,7 @@ def plot_estimates(estimates: Sequence[Estimate], path: str) -> None:
                 for e in estimates
             ]
             if any(heights):
-                ax.bar(labels, heights, bottom=bottoms, label=name)
+                ax.bar(labels, heights, bottom=bottoms, label=name, color=colours[name])
                 bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
         if limit:
             ax.axhline(limit / 1e9, color="black", linestyle="--", linewidth=1)
@@ -47,6 +50,7 @@ def plot_estimates(estimates: Sequence[Estimate], path: str) -> None:
         ax.set_ylabel("GB")
         ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right")
     axes[0].legend(fontsize="small")
+    axes[1].legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
