@@ -232,8 +232,11 @@ def script(tmp_path: Path) -> str:
         (["--num_procs", "2"], "the following arguments are required: script"),
         (["--num_procs", "2", "no_such_script.py"], "script 'no_such_script.py' not found"),
         (["--num_gpus", "1", "--num_procs", "2", "{s}"], "not allowed with argument"),
-        (["--hostfile", "hosts", "{s}"], "--hostfile is not supported by partita"),
-        (["--include", "localhost:0", "{s}"], "--include is not supported by partita"),
+        (
+            ["--hostfile", "hosts", "--node_rank", "1", "{s}"],
+            "--node_rank cannot be used with --hostfile",
+        ),
+        (["--include", "localhost:0", "{s}"], "--include/--exclude select hosts of a --hostfile"),
         (["--force_multi", "{s}"], "--force_multi is not supported by partita"),
         (["--num_nodes", "2", "{s}"], "--num_nodes 2 needs --node_rank and --master_addr"),
         (

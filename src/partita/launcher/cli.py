@@ -2,9 +2,10 @@
 
 ``partita [launcher flags] script.py [script args...]`` starts one worker per GPU (or
 ``--num_procs`` CPU workers) through torchrun's elastic agent; the flags follow DeepSpeed's
-``deepspeed`` launcher, so existing command lines keep working. Multi-node jobs run ``partita``
-once on every node with ``--num_nodes``, ``--node_rank`` and ``--master_addr`` (DeepSpeed's
-``--no_ssh`` mode); partita never ssh-es into other hosts.
+``deepspeed`` launcher, so existing command lines keep working. Multi-node jobs either run
+``partita`` once on every node with ``--num_nodes``, ``--node_rank`` and ``--master_addr``
+(DeepSpeed's ``--no_ssh`` mode), or name the nodes in a ``--hostfile`` and let partita start
+that per-node command on each over ssh (`partita.launcher.multinode`).
 
 If the first argument names a subcommand in ``SUBCOMMANDS`` it runs that instead. Nothing here
 imports torch at module level, so ``partita --help`` answers quickly.
@@ -45,17 +46,13 @@ SUBCOMMANDS: dict[str, str] = {
 # DeepSpeed launcher flags partita recognises but does not implement, with what to do instead;
 # a clear refusal beats argparse's "unrecognized arguments" or a silently ignored flag.
 _PER_NODE = (
-    "partita does not ssh into other hosts; run it on each node with --num_nodes, --node_rank "
-    "and --master_addr (or under srun/mpirun)"
+    "partita fans out over ssh only (--hostfile), or runs on each node with --num_nodes, "
+    "--node_rank and --master_addr (or under srun/mpirun)"
 )
-_DEVICES = "select devices with CUDA_VISIBLE_DEVICES and --num_gpus"
 _ELASTIC = "elastic membership is not supported; use --num_nodes (and --max_restarts)"
 _BINDING = "core binding is not supported; wrap the script with numactl or taskset"
 _SLURM = "Slurm launcher option; run partita under srun instead"
 _UNSUPPORTED: dict[tuple[str, ...], str] = {
-    ("-H", "--hostfile"): _PER_NODE,
-    ("-i", "--include"): _DEVICES,
-    ("-e", "--exclude"): _DEVICES,
     ("--launcher",): _PER_NODE,
     ("--launcher_args",): _PER_NODE,
     ("--force_multi",): _PER_NODE,
@@ -144,9 +141,9 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument(
         "--num_nodes",
         type=_int_at_least(1),
-        default=1,
         metavar="K",
-        help="number of nodes in the job (default: 1)",
+        help="number of nodes in the job (default: 1; with --hostfile: its first K hosts, "
+        "default all)",
     )
     nodes.add_argument(
         "--node_rank",
@@ -170,6 +167,27 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         metavar="ADDR",
         help="address node 0's rendezvous store listens on (default: the address --master_addr "
         "resolves to; 0.0.0.0 or :: for every interface)",
+    )
+
+
+def _add_hostfile_flags(parser: argparse.ArgumentParser) -> None:
+    hosts = parser.add_argument_group("multi-node over ssh (partita starts every node)")
+    hosts.add_argument(
+        "-H",
+        "--hostfile",
+        metavar="FILE",
+        help="hosts to run on, one 'HOST slots=N' line each (DeepSpeed's format); partita runs "
+        "its per-node command on each over ssh, node ranks in file order",
+    )
+    filters = hosts.add_mutually_exclusive_group()
+    filters.add_argument(
+        "-i",
+        "--include",
+        metavar="SPEC",
+        help="use only these hosts/slots of the hostfile: HOST[:SLOT,...][@HOST...]",
+    )
+    filters.add_argument(
+        "-e", "--exclude", metavar="SPEC", help="use all but these hosts/slots (same syntax)"
     )
 
 
@@ -198,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CPU workers per node (gloo); sets {env.ACCELERATOR.name}=cpu even if GPUs are present",
     )
     _add_node_flags(parser)
+    _add_hostfile_flags(parser)
     _add_job_flags(parser)
     parser.add_argument(
         "--module", action="store_true", help="run the script as a module, like 'python -m'"
@@ -256,6 +275,16 @@ def _check_script(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
 
 
 def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.hostfile is not None:
+        given = [f"--{f}" for f in ("node_rank", "bind_addr", "no_ssh") if getattr(ns, f)]
+        if given:
+            parser.error(
+                f"{given[0]} cannot be used with --hostfile (the fan-out sets it per node)"
+            )
+        return
+    if ns.include is not None or ns.exclude is not None:
+        parser.error("--include/--exclude select hosts of a --hostfile; give one")
+    ns.num_nodes = 1 if ns.num_nodes is None else ns.num_nodes
     if ns.num_nodes > 1:
         missing = [flag for flag in ("node_rank", "master_addr") if getattr(ns, flag) is None]
         if missing:
@@ -270,16 +299,24 @@ def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
 
 def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
     """Parse and validate launcher arguments; exits with status 2 and a message when invalid."""
+    return _options(_parse(argv))
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = build_parser()
     ns = parser.parse_args(list(argv))
     _check_script(parser, ns)
     _check_nodes(parser, ns)
+    return ns
+
+
+def _options(ns: argparse.Namespace) -> LaunchOptions:
     return LaunchOptions(
         script=ns.script,
         script_args=tuple(ns.script_args),
         num_gpus=ns.num_gpus,
         num_procs=ns.num_procs,
-        num_nodes=ns.num_nodes,
+        num_nodes=ns.num_nodes or 1,
         node_rank=0 if ns.node_rank is None else ns.node_rank,
         master_addr="127.0.0.1" if ns.master_addr is None else ns.master_addr,
         master_port=ns.master_port,
@@ -299,14 +336,45 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
     return 0 if status is None else int(status)
 
 
+def _launch_hostfile(ns: argparse.Namespace) -> int:
+    """Resolves the hosts (every refusal before anything starts), then fans out over ssh."""
+    from partita.launcher import hostfile, multinode
+
+    try:
+        with open(ns.hostfile, encoding="utf-8") as handle:
+            pool = hostfile.parse_hostfile(handle, ns.hostfile)
+    except OSError as err:
+        raise LaunchError(f"cannot read hostfile {ns.hostfile!r}: {err.strerror}") from None
+    per_node = ns.num_procs if ns.num_procs is not None else ns.num_gpus
+    flag = "--num_procs" if ns.num_procs is not None else "--num_gpus"
+    resources = hostfile.resolve_resources(
+        pool, ns.include, ns.exclude, ns.num_nodes, per_node, flag
+    )
+    ssh = multinode.find_ssh(os.environ)
+    cwd = os.getcwd()
+    exports = multinode.exported_env(os.environ, multinode.deepspeed_env_files(os.environ, cwd))
+    plan = multinode.fanout_plan(
+        resources,
+        _options(ns),
+        exports,
+        cwd,
+        master_addr=ns.master_addr,
+        ssh=ssh,
+        gpus=ns.num_procs is None,
+    )
+    return multinode.run_fanout(plan)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``partita`` command; returns the process exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return _run_subcommand(args[0], args[1:])
-    options = parse_launch_args(args)
+    ns = _parse(args)
     try:
-        return launch(options)
+        if ns.hostfile is not None:
+            return _launch_hostfile(ns)
+        return launch(_options(ns))
     except LaunchError as err:
         print(f"partita: error: {err}", file=sys.stderr)
         return 2

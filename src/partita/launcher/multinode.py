@@ -1,0 +1,200 @@
+"""Fan a launch out over the hosts of a hostfile: one partita agent per node, started by ssh.
+
+``partita --hostfile H [flags] script.py`` resolves the hosts and slots first
+(`partita.launcher.hostfile`, before anything starts), then builds a `NodeCommand` per host
+(`fanout_plan`, a pure function) and runs them (`run_fanout`). Each node runs
+``python -u -m partita.launcher --num_nodes N --node_rank K --master_addr M --master_port P
+...``: the same per-node agent as a hand-started multi-node job, so workers get partita's
+environment, ``--local_rank`` and the bound rendezvous store of `partita.launcher.launch`.
+
+The environment forwarded to the nodes is the variables of this process whose names start with
+an allow-listed prefix (DeepSpeed's ``NCCL``, ``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, plus
+``GLOO_`` and the user's ``PARTITA_`` settings) and then the ``KEY=VALUE`` lines of
+``.deepspeed_env`` (``$DS_ENV_FILE`` names another file) in the home directory and the working
+directory, later ones winning, as DeepSpeed reads them. Values are shell-quoted and travel on
+ssh's standard input as a script for ``bash -s``, never as arguments, so they do not show in
+``ps`` on either side.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from partita import env as env_vars
+from partita.launcher.hostfile import Resources
+from partita.launcher.launch import DEFAULT_MASTER_PORT, LaunchError, LaunchOptions
+
+__all__ = [
+    "EXPORT_PREFIXES",
+    "NodeCommand",
+    "deepspeed_env_files",
+    "exported_env",
+    "fanout_plan",
+    "node_script",
+    "read_env_file",
+    "run_fanout",
+]
+
+#: Variables forwarded to every node when their name starts with one of these.
+EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "GLOO_", "PARTITA_")
+
+# Set by the launcher for its own workers; a value from this node would be wrong on another.
+_LAUNCHER_SET = frozenset(
+    var.name for var in env_vars.VARIABLES if var.set_by.startswith("the `partita` launcher")
+)
+_SSH_OPTIONS = ("-o", "BatchMode=yes")  # a password prompt would hang the fan-out
+
+
+@dataclass(frozen=True)
+class NodeCommand:
+    """What the fan-out runs for one node: ``argv`` locally, ``script`` on its stdin."""
+
+    host: str
+    node_rank: int
+    argv: tuple[str, ...]
+    script: str
+
+
+def read_env_file(lines: Iterable[str], path: str) -> dict[str, str]:
+    """``KEY=VALUE`` lines of a ``.deepspeed_env`` file (value up to the line's end, stripped).
+
+    Blank lines and ``#`` comments are skipped; any other line without ``=`` or with a key
+    that is not a shell variable name is a `LaunchError` naming the file and line.
+    """
+    result: dict[str, str] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, equals, value = line.partition("=")
+        key = key.strip()
+        if not equals or not key.isidentifier() or not key.isascii():
+            raise LaunchError(f"{path}:{number}: expected KEY=VALUE, got {line!r}")
+        result[key] = value.strip()
+    return result
+
+
+def deepspeed_env_files(environ: Mapping[str, str], cwd: str) -> list[Path]:
+    """The ``.deepspeed_env`` files that exist, in the order DeepSpeed reads them."""
+    name = environ.get("DS_ENV_FILE", ".deepspeed_env")
+    home = environ.get("HOME", str(Path.home()))
+    return [p for p in (Path(home) / name, Path(cwd) / name) if p.is_file()]
+
+
+def exported_env(environ: Mapping[str, str], env_files: Sequence[Path] = ()) -> dict[str, str]:
+    """The variables every node gets: allow-listed ones of ``environ``, then the files'."""
+    result = {
+        key: value
+        for key, value in sorted(environ.items())
+        if key.startswith(EXPORT_PREFIXES) and key not in _LAUNCHER_SET
+    }
+    for path in env_files:
+        with open(path, encoding="utf-8") as handle:
+            result.update(read_env_file(handle, str(path)))
+    return result
+
+
+def _agent_args(options: LaunchOptions, slots: list[int], gpus: bool) -> list[str]:
+    """The per-node ``partita`` flags that do not depend on the node."""
+    args = ["--num_gpus" if gpus else "--num_procs", str(len(slots))]
+    args += ["--max_restarts", str(options.max_restarts)]
+    if options.hang_timeout is not None:
+        args += ["--hang_timeout", repr(options.hang_timeout)]
+    for flag in ("module", "no_python", "no_local_rank"):
+        if getattr(options, flag):
+            args.append(f"--{flag}")
+    return args
+
+
+def node_script(exports: Mapping[str, str], cwd: str, command: Sequence[str]) -> str:
+    """A bash script that sets ``exports``, enters ``cwd`` and execs ``command``, every value
+    shell-quoted (spaces, quotes, ``$``, ``;`` arrive as typed)."""
+    lines = ["set -e"]
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in exports.items()]
+    lines.append(f"cd {shlex.quote(cwd)}")
+    # stdin is this script: the agent must not read the rest of it (there is none after exec,
+    # but a worker reading stdin would otherwise block on ssh's open channel).
+    lines.append("exec " + shlex.join(command) + " < /dev/null")
+    return "\n".join(lines) + "\n"
+
+
+def fanout_plan(
+    resources: Resources,
+    options: LaunchOptions,
+    exports: Mapping[str, str],
+    cwd: str,
+    master_addr: str | None = None,
+    ssh: str = "ssh",
+    python: str = sys.executable,
+    gpus: bool = True,
+) -> list[NodeCommand]:
+    """One `NodeCommand` per host of ``resources``, node ranks in hostfile order.
+
+    The master is ``master_addr`` when the user named one, else the first host; the port
+    ``options.master_port`` or 29500. GPU slots become ``CUDA_VISIBLE_DEVICES`` on their
+    node (``gpus``); CPU slots (``--num_procs``) only count processes.
+    """
+    hosts = list(resources)
+    master = hosts[0] if master_addr is None else master_addr
+    port = options.master_port or DEFAULT_MASTER_PORT
+    plan = []
+    for rank, host in enumerate(hosts):
+        slots = resources[host]
+        node_env = dict(exports)
+        if gpus:
+            node_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        command = [python, "-u", "-m", "partita.launcher"]
+        command += ["--num_nodes", str(len(hosts)), "--node_rank", str(rank)]
+        command += ["--master_addr", master, "--master_port", str(port)]
+        command += _agent_args(options, slots, gpus)
+        command += [options.script, *options.script_args]
+        argv = (ssh, *_SSH_OPTIONS, host, "bash -s")
+        plan.append(NodeCommand(host, rank, argv, node_script(node_env, cwd, command)))
+    return plan
+
+
+def find_ssh(environ: Mapping[str, str]) -> str:
+    """The ``ssh`` on PATH; `LaunchError` when there is none."""
+    found = shutil.which("ssh", path=environ.get("PATH"))
+    if found is None:
+        raise LaunchError("--hostfile launches over ssh, but no 'ssh' is on PATH")
+    return found
+
+
+def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1) -> int:
+    """Runs every node's command and waits; returns 0 when all exit 0, else 1 after naming the
+    first node that failed and stopping the others' ssh sessions."""
+    procs = []
+    for node in plan:
+        proc = subprocess.Popen(node.argv, stdin=subprocess.PIPE, text=True)
+        assert proc.stdin is not None
+        proc.stdin.write(node.script)
+        proc.stdin.close()
+        procs.append((node, proc))
+    pending = list(procs)
+    while pending:
+        for node, proc in list(pending):
+            code = proc.poll()
+            if code is None:
+                continue
+            pending.remove((node, proc))
+            if code != 0:
+                print(
+                    f"partita: node {node.node_rank} ({node.host}) exited with status {code}; "
+                    "stopping the other nodes",
+                    file=sys.stderr,
+                )
+                for _, other in pending:
+                    other.terminate()
+                for _, other in pending:
+                    other.wait()
+                return 1
+        time.sleep(poll)
+    return 0
