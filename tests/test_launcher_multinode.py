@@ -141,3 +141,125 @@ def test_cli_names_a_missing_hostfile(tmp_path: Path, capsys: pytest.CaptureFixt
     missing = tmp_path / "nope"
     assert cli.main(["--hostfile", str(missing), _script(tmp_path)]) == 2
     assert f"hostfile {str(missing)!r}" in capsys.readouterr().err
+
+
+# --- 2. entry-point environments -> ranks, nodes, master ------------------------------------
+
+_SLURM_TASK = {  # srun --ntasks-per-node=4 on 4 nodes: the task with global rank 9
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NTASKS": "16",
+    "SLURM_NODEID": "2",
+    "SLURM_NNODES": "4",
+    "SLURM_TASKS_PER_NODE": "4(x4)",
+    "SLURM_JOB_NODELIST": "node[01-03,07]",
+}
+_OMPI = {
+    "OMPI_COMM_WORLD_RANK": "6",
+    "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+}
+_PMI = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+_PET = {
+    "PET_NNODES": "3",
+    "PET_NPROC_PER_NODE": "1",
+    "PET_NODE_RANK": "2",
+    "PET_MASTER_ADDR": "job-node-0-0.job",
+    "PET_MASTER_PORT": "29400",
+}
+
+# (rank, local_rank, world_size, local_world_size, node_rank, num_nodes, master, port, source)
+_CASES = [
+    (_SLURM_TASK, (9, 1, 16, 4, 2, 4, "node01", 29500, "slurm")),
+    # the step's node list, not the allocation's, holds the step's first host
+    (
+        {
+            **_SLURM_TASK,
+            "SLURM_STEP_NODELIST": "node[03,07]",
+            "SLURM_STEP_NUM_NODES": "2",
+            "SLURM_NODEID": "1",
+            "SLURM_NTASKS": "8",
+            "SLURM_PROCID": "5",
+            "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+        },
+        (5, 1, 8, 4, 1, 2, "node03", 29500, "slurm"),
+    ),
+    ({**_SLURM_TASK, "MASTER_ADDR": "10.0.0.9"}, (9, 1, 16, 4, 2, 4, "10.0.0.9", 29500, "slurm")),
+    ({**_OMPI, "MASTER_ADDR": "head"}, (6, 2, 8, 4, 1, 2, "head", 29500, "openmpi")),
+    (
+        {**_OMPI, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "2"},
+        (2, 2, 4, 4, 0, 1, "127.0.0.1", 29500, "openmpi"),
+    ),
+    ({**_PMI, "MASTER_ADDR": "h0", "MASTER_PORT": "1234"}, (3, 1, 4, 2, 1, 2, "h0", 1234, "pmi")),
+    (
+        {"PMI_RANK": "2", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "2", "PMI_LOCAL_SIZE": "4"},
+        (2, 2, 4, 4, 0, 1, "127.0.0.1", 29500, "pmi"),
+    ),
+    (_PET, (2, 0, 3, 1, 2, 3, "job-node-0-0.job", 29400, "kubeflow")),
+    (
+        {**_PET, "MASTER_ADDR": "job-node-0-0.job", "MASTER_PORT": "29400"},
+        (2, 0, 3, 1, 2, 3, "job-node-0-0.job", 29400, "kubeflow"),
+    ),
+    # torchrun started by Kubeflow's torch policy: torchrun's own variables win
+    (
+        {
+            **_PET,
+            "PET_NPROC_PER_NODE": "4",
+            "RANK": "9",
+            "WORLD_SIZE": "12",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "GROUP_RANK": "2",
+            "GROUP_WORLD_SIZE": "3",
+            "MASTER_ADDR": "job-node-0-0.job",
+            "MASTER_PORT": "29400",
+        },
+        (9, 1, 12, 4, 2, 3, "job-node-0-0.job", 29400, "torchrun"),
+    ),
+    ({}, (0, 0, 1, 1, 0, 1, "127.0.0.1", 29500, "none")),
+]
+
+
+@pytest.mark.parametrize(("environ", "expected"), _CASES)
+def test_entry_point_environments(environ: dict[str, str], expected: tuple[object, ...]) -> None:
+    from partita.cluster_env import locate
+
+    got = locate(environ)
+    assert (
+        got.rank,
+        got.local_rank,
+        got.world_size,
+        got.local_world_size,
+        got.node_rank,
+        got.num_nodes,
+        got.master_addr,
+        got.master_port,
+        got.source,
+    ) == expected
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        (_OMPI, "MASTER_ADDR"),  # 2 nodes and nobody said where rank 0 is
+        (_PMI, "MASTER_ADDR"),
+        ({"PMI_RANK": "0"}, "PMI_SIZE is required"),
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "MPI_LOCALRANKID"),
+        ({**_SLURM_TASK, "SLURM_NODEID": "4"}, r"SLURM_NODEID=4 is outside \[0, 4\)"),
+        ({**_PET, "PET_NPROC_PER_NODE": "4"}, "PET_NPROC_PER_NODE=4"),
+        ({**_PET, "MASTER_ADDR": "other"}, "MASTER_ADDR='other' contradicts PET_MASTER_ADDR"),
+        ({**_PET, "MASTER_PORT": "1"}, "MASTER_PORT='1' contradicts PET_MASTER_PORT"),
+        ({**_PET, "PET_NODE_RANK": "3"}, r"PET_NODE_RANK=3 is outside \[0, 3\)"),
+        ({k: v for k, v in _PET.items() if k != "PET_MASTER_ADDR"}, "PET_MASTER_ADDR"),
+        ({**_PET, "PET_NNODES": "1:3"}, "PET_NNODES='1:3' is not an integer"),
+        ({"PET_NODE_RANK": "0"}, "PET_NNODES is required"),
+    ],
+)
+def test_bad_entry_point_environments_name_the_variable(
+    environ: dict[str, str], message: str
+) -> None:
+    from partita.cluster_env import locate
+
+    with pytest.raises(ValueError, match=message):
+        locate(environ)

@@ -2,8 +2,12 @@
 
 The only module that reads launcher variables. Sources, first match wins:
 torchrun / partita (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
-OpenMPI (OMPI_COMM_WORLD_*), SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...).
-Without any of them the process is a single-process run (rank 0 of 1).
+OpenMPI (OMPI_COMM_WORLD_*), PMI (MPICH/Intel MPI's PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
+MPI_LOCALNRANKS; or PMI_LOCAL_RANK, PMI_LOCAL_SIZE), SLURM (SLURM_PROCID, SLURM_NTASKS,
+SLURM_LOCALID, ...), Kubeflow Trainer's torch policy with one process per pod (PET_NNODES,
+PET_NODE_RANK, PET_NPROC_PER_NODE=1, PET_MASTER_ADDR, PET_MASTER_PORT).
+Without any of them the process is a single-process run (rank 0 of 1). `detect` gives this
+process's ranks; `locate` adds its node's index and the node count.
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ class ClusterEnv:
     master_addr: str
     master_port: int
     source: str
-    """Which launcher the values came from: "torchrun", "openmpi", "slurm" or "none"."""
+    """Which launcher the values came from: "torchrun", "openmpi", "pmi", "slurm", "kubeflow"
+    or "none"."""
+
+
+@dataclass(frozen=True)
+class Placement(ClusterEnv):
+    """`ClusterEnv` plus this process's node: its index and the number of nodes."""
+
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
@@ -135,19 +148,27 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
             master_port=port,
             source="openmpi",
         )
-        return _checked(
-            cluster,
-            (
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ),
+        names = (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
         )
+        return _needs_master(_checked(cluster, names), addr, names[1], names[3])
+    if "PMI_RANK" in env or "PMI_SIZE" in env:
+        return _pmi(env, addr, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
         local_rank = _int(env, "SLURM_LOCALID", 0)
-        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
+        # The step's nodes, not the allocation's: srun may run on a subset of them.
+        nodelist = next(
+            (
+                env[k]
+                for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                if k in env
+            ),
+            "",
+        )
         cluster = ClusterEnv(
             rank=_int(env, "SLURM_PROCID"),
             world_size=world,
@@ -159,7 +180,104 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
         )
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE")
         return _checked(cluster, names)
+    if "PET_NNODES" in env or "PET_NODE_RANK" in env:
+        return _kubeflow(env)
     return ClusterEnv(0, 1, 0, 1, addr or "127.0.0.1", port, "none")
+
+
+def _needs_master(cluster: ClusterEnv, addr: str | None, world: str, local: str) -> ClusterEnv:
+    """MPI variables do not say where rank 0 runs: a job wider than this node needs
+    MASTER_ADDR (127.0.0.1 would leave the other nodes' ranks waiting forever)."""
+    if addr is None and cluster.world_size > cluster.local_world_size:
+        raise ValueError(
+            f"environment variable MASTER_ADDR is required: {world}={cluster.world_size} is more "
+            f"than this node's {local}={cluster.local_world_size}, and rank 0's address is "
+            "not in the MPI environment (export MASTER_ADDR=<rank 0's host> to mpirun, -x)"
+        )
+    return cluster
+
+
+def _pmi(env: Mapping[str, str], addr: str | None, port: int) -> ClusterEnv:
+    """MPICH / Intel MPI (Hydra) and Cray PMI ranks."""
+    world = _int(env, "PMI_SIZE")
+    if "MPI_LOCALRANKID" in env or "PMI_LOCAL_RANK" not in env:
+        local_names = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    else:
+        local_names = ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")
+    cluster = ClusterEnv(
+        rank=_int(env, "PMI_RANK"),
+        world_size=world,
+        local_rank=_int(env, local_names[0]),
+        local_world_size=_int(env, local_names[1]),
+        master_addr=addr or "127.0.0.1",
+        master_port=port,
+        source="pmi",
+    )
+    names = ("PMI_RANK", "PMI_SIZE", *local_names)
+    return _needs_master(_checked(cluster, names), addr, "PMI_SIZE", local_names[1])
+
+
+def _agreeing(env: Mapping[str, str], name: str, pet_name: str) -> str | None:
+    """``PET_<name>``, which must equal ``<name>`` when both are set."""
+    value, pet = env.get(name), env.get(pet_name)
+    if value is not None and pet is not None and value != pet:
+        raise ValueError(f"environment variable {name}={value!r} contradicts {pet_name}={pet!r}")
+    return pet if pet is not None else value
+
+
+def _kubeflow(env: Mapping[str, str]) -> ClusterEnv:
+    """Kubeflow Trainer's torch policy (``PET_*``, torchrun's inputs) with one process per
+    pod: the pod's node rank is the process's rank. More processes per pod need an agent."""
+    nodes, node = _int(env, "PET_NNODES"), _int(env, "PET_NODE_RANK")
+    nproc = _int(env, "PET_NPROC_PER_NODE", 1)
+    if nproc != 1:
+        raise ValueError(
+            f"environment variable PET_NPROC_PER_NODE={nproc} asks for {nproc} processes per "
+            "pod, but this process has no RANK: start it with partita or torchrun, which "
+            "start that many and set RANK"
+        )
+    addr = _agreeing(env, "MASTER_ADDR", "PET_MASTER_ADDR")
+    port_text = _agreeing(env, "MASTER_PORT", "PET_MASTER_PORT")
+    port = _int({"PET_MASTER_PORT": port_text} if port_text else {}, "PET_MASTER_PORT", 29500)
+    if addr is None and nodes > 1:
+        raise ValueError(
+            f"environment variable PET_MASTER_ADDR is required when PET_NNODES={nodes} > 1"
+        )
+    cluster = ClusterEnv(node, nodes, 0, 1, addr or "127.0.0.1", port, "kubeflow")
+    return _checked(cluster, ("PET_NODE_RANK", "PET_NNODES", "PET_NODE_RANK", "PET_NNODES"))
+
+
+def _node_of(cluster: ClusterEnv, env: Mapping[str, str]) -> tuple[int, int, str]:
+    """(node rank, node count, the variable the node rank came from) of a detected process."""
+    if cluster.source == "slurm":
+        count = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
+        return _int(env, "SLURM_NODEID", 0), _int(env, count, 1), "SLURM_NODEID"
+    if cluster.source == "kubeflow":
+        return cluster.rank, cluster.world_size, "PET_NODE_RANK"
+    if cluster.source == "torchrun" and "GROUP_RANK" in env:
+        return _int(env, "GROUP_RANK"), _int(env, "GROUP_WORLD_SIZE", 1), "GROUP_RANK"
+    # MPI and plain torchrun variables carry no node index: ranks fill nodes in order (mpirun's
+    # default by-slot mapping), so the node is the rank's block of local_world_size ranks.
+    per_node = cluster.local_world_size
+    nodes = -(-cluster.world_size // per_node)
+    return cluster.rank // per_node, nodes, "rank // local world size"
+
+
+def locate(env: Mapping[str, str] | None = None) -> Placement:
+    """`detect` plus the node: its index and the number of nodes in the job.
+
+    Raises ValueError naming the variable as `detect` does, and when the node index falls
+    outside the node count (SLURM_NODEID against SLURM_NNODES, GROUP_RANK against
+    GROUP_WORLD_SIZE).
+    """
+    env = os.environ if env is None else env
+    cluster = detect(env)
+    node_rank, num_nodes, name = _node_of(cluster, env)
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(
+            f"environment variable {name}={node_rank} is outside [0, {num_nodes}) nodes"
+        )
+    return Placement(**vars(cluster), node_rank=node_rank, num_nodes=num_nodes)
 
 
 @dataclass(frozen=True)
