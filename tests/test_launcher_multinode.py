@@ -3,6 +3,11 @@ the ssh fan-out plan. Pure functions, table-driven; nothing here starts a traini
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +18,14 @@ from partita.launcher.hostfile import (
     parse_filter,
     parse_hostfile,
     resolve_resources,
+)
+from partita.launcher.launch import LaunchError, LaunchOptions
+from partita.launcher.multinode import (
+    deepspeed_env_files,
+    exported_env,
+    fanout_plan,
+    node_script,
+    read_env_file,
 )
 
 POOL = {"a": 4, "b": 2, "c": 1}
@@ -263,3 +276,224 @@ def test_bad_entry_point_environments_name_the_variable(
 
     with pytest.raises(ValueError, match=message):
         locate(environ)
+
+
+# --- 3. the ssh fan-out plan -----------------------------------------------------------------
+
+TRICKY = {
+    "PARTITA_A": "two words",
+    "PARTITA_B": 'it\'s "quoted"',
+    "PARTITA_C": "$HOME and ${PATH} and `id`",
+    "PARTITA_D": "a; echo pwned > /dev/stderr; b",
+    "PARTITA_E": "",
+}
+
+
+def test_read_env_file_as_deepspeed_reads_it() -> None:
+    lines = ["NCCL_DEBUG=INFO\n", "\n", "# comment\n", "PYTHONPATH=/x:/y=z  \n", "EMPTY=\n"]
+    assert read_env_file(lines, "e") == {
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": "/x:/y=z",
+        "EMPTY": "",
+    }
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [("JUSTAWORD", r"e:2: expected KEY=VALUE, got 'JUSTAWORD'"), ("1X=2", "e:2:"), ("=v", "e:2:")],
+)
+def test_bad_env_file_line_names_file_and_line(line: str, message: str) -> None:
+    with pytest.raises(LaunchError, match=message):
+        read_env_file(["OK=1", line], "e")
+
+
+def test_exported_env_allow_list_then_files(tmp_path: Path) -> None:
+    env_file = tmp_path / ".deepspeed_env"
+    env_file.write_text("NCCL_DEBUG=WARN\nMY_VAR=from file\n")
+    environ = {
+        "NCCL_DEBUG": "INFO",
+        "PYTHONPATH": "/a b",
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "PARTITA_HANG_TIMEOUT": "30",
+        "PARTITA_LAUNCHER_PID": "123",  # this node's launcher, wrong anywhere else
+        "AWS_SECRET_ACCESS_KEY": "hunter2",  # not on the allow-list
+        "HOME": str(tmp_path),
+        "DS_ENV_FILE": ".deepspeed_env",
+    }
+    assert deepspeed_env_files(environ, str(tmp_path / "elsewhere")) == [env_file]
+    assert exported_env(environ, [env_file]) == {
+        "GLOO_SOCKET_IFNAME": "eth1",
+        "NCCL_DEBUG": "WARN",
+        "PARTITA_HANG_TIMEOUT": "30",
+        "PYTHONPATH": "/a b",
+        "MY_VAR": "from file",
+    }
+
+
+def test_node_script_quotes_values_and_arguments_exactly(tmp_path: Path) -> None:
+    odd_dir = tmp_path / "dir with 'quote' $x;"
+    odd_dir.mkdir()
+    args = ["arg with space", "it's", "$HOME", "a;b", "`id`"]
+    show = "import json, os, sys; print(json.dumps([os.getcwd(), sys.argv[1:], dict(os.environ)]))"
+    script = node_script(TRICKY, str(odd_dir), [sys.executable, "-c", show, *args])
+    out = subprocess.run(
+        ["bash", "-s"], input=script, capture_output=True, text=True, check=True, timeout=60
+    )
+    cwd, argv, environ = json.loads(out.stdout)
+    assert cwd == str(odd_dir)
+    assert argv == args
+    assert {k: environ[k] for k in TRICKY} == TRICKY
+    assert out.stderr == ""  # nothing was executed from a value
+
+
+def _options(**kw: object) -> LaunchOptions:
+    return LaunchOptions(script="train.py", script_args=("--lr", "1e-3", "a b"), **kw)  # type: ignore[arg-type]
+
+
+def test_fanout_plan_one_agent_per_node_in_hostfile_order() -> None:
+    resources = {"h1": [0, 1], "h2": [1, 3]}
+    plan = fanout_plan(
+        resources,
+        _options(max_restarts=1),
+        {"NCCL_DEBUG": "INFO"},
+        "/w",
+        ssh="/bin/ssh",
+        python="/py",
+    )
+    assert [(n.host, n.node_rank) for n in plan] == [("h1", 0), ("h2", 1)]
+    for node in plan:
+        assert node.argv == ("/bin/ssh", "-o", "BatchMode=yes", node.host, "bash -s")
+        *env_lines, cd, exec_line = node.script.splitlines()[1:]
+        assert env_lines == [
+            "export NCCL_DEBUG=INFO",
+            f"export CUDA_VISIBLE_DEVICES={','.join(map(str, resources[node.host]))}",
+        ]
+        assert cd == "cd /w"
+        assert shlex.split(exec_line) == [
+            "exec", "/py", "-u", "-m", "partita.launcher",
+            "--num_nodes", "2", "--node_rank", str(node.node_rank),
+            "--master_addr", "h1", "--master_port", "29500",
+            "--num_gpus", "2", "--max_restarts", "1",
+            "train.py", "--lr", "1e-3", "a b", "<", "/dev/null",
+        ]  # fmt: skip
+
+
+def test_fanout_plan_cpu_slots_and_named_master() -> None:
+    plan = fanout_plan(
+        {"127.0.0.1": [0, 1], "127.0.0.2": [0, 1]},
+        _options(master_port=4321, no_local_rank=True, hang_timeout=30.0),
+        {},
+        "/w",
+        master_addr="10.1.1.1",
+        gpus=False,
+    )
+    exec_line = shlex.split(plan[1].script.splitlines()[-1])
+    assert "CUDA_VISIBLE_DEVICES" not in plan[1].script
+    for flag, value in [
+        ("--master_addr", "10.1.1.1"),
+        ("--master_port", "4321"),
+        ("--num_procs", "2"),
+        ("--hang_timeout", "30.0"),
+        ("--node_rank", "1"),
+    ]:
+        assert exec_line[exec_line.index(flag) + 1] == value
+    assert "--no_local_rank" in exec_line
+
+
+def test_fanout_secrets_stay_off_command_lines() -> None:
+    plan = fanout_plan({"a": [0], "b": [0]}, _options(), TRICKY, "/w")
+    for node in plan:
+        assert not any(v and v in arg for v in TRICKY.values() for arg in node.argv)
+
+
+def test_plan_scripts_run_through_bash_reach_the_agent_with_exact_env(tmp_path: Path) -> None:
+    # A stand-in for python records what the agent would have been started with.
+    fake_python = tmp_path / "python"
+    fake_python.write_text(
+        '#!/bin/sh\nprintf \'%s\\n\' "$@" > "$REC.$PARTITA_NODE"\n'
+        'printf \'%s\' "$PARTITA_D" > "$REC.$PARTITA_NODE.env"\n'
+    )
+    fake_python.chmod(0o755)
+    exports = {**TRICKY, "REC": str(tmp_path / "rec")}
+    plan = fanout_plan({"h1": [0], "h2": [0]}, _options(), exports, str(tmp_path),
+                       python=str(fake_python))  # fmt: skip
+    for node in plan:
+        script = node.script.replace("set -e", f"set -e\nexport PARTITA_NODE={node.node_rank}")
+        subprocess.run(["bash", "-s"], input=script, text=True, check=True, timeout=60)
+        argv = (tmp_path / f"rec.{node.node_rank}").read_text().splitlines()
+        assert argv[argv.index("--node_rank") + 1] == str(node.node_rank)
+        assert argv[-3:] == ["--lr", "1e-3", "a b"]
+        assert (tmp_path / f"rec.{node.node_rank}.env").read_text() == TRICKY["PARTITA_D"]
+
+
+_FAKE_SSH = """#!/bin/sh
+# Records its argv (one per line) and the script on stdin, per host; exits $FAIL_CODE for $FAIL_HOST.
+host="$3"  # argv: -o BatchMode=yes HOST COMMAND
+printf '%s\\n' "$@" > "$SSH_LOG/$host.argv"
+cat > "$SSH_LOG/$host.stdin"
+[ "$host" = "$FAIL_HOST" ] && exit "$FAIL_CODE"
+exit 0
+"""
+
+
+def _fake_ssh_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir()
+    log.mkdir()
+    (bin_dir / "ssh").write_text(_FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SSH_LOG", str(log))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("FAIL_HOST", "none")
+    monkeypatch.setenv("FAIL_CODE", "3")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".deepspeed_env").write_text("PARTITA_D=a; echo pwned; b\n")
+    (tmp_path / "hostfile").write_text("# two nodes\n127.0.0.1 slots=2\n127.0.0.2 slots=2\n")
+    return log
+
+
+def test_cli_hostfile_fans_out_over_ssh_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = _fake_ssh_env(tmp_path, monkeypatch)
+    script = _script(tmp_path)
+    status = cli.main(["--hostfile", "hostfile", "--num_procs", "2", script, "x y"])
+    assert status == 0
+    for rank, host in enumerate(["127.0.0.1", "127.0.0.2"]):
+        argv = (log / f"{host}.argv").read_text().splitlines()
+        assert argv == ["-o", "BatchMode=yes", host, "bash -s"]
+        lines = (log / f"{host}.stdin").read_text().splitlines()
+        assert "export NCCL_DEBUG=INFO" in lines
+        assert "export PARTITA_D='a; echo pwned; b'" in lines
+        assert lines[-2] == f"cd {shlex.quote(str(tmp_path))}"
+        exec_line = shlex.split(lines[-1])
+        assert exec_line[1:5] == [sys.executable, "-u", "-m", "partita.launcher"]
+        for flag, value in [
+            ("--num_nodes", "2"),
+            ("--node_rank", str(rank)),
+            ("--master_addr", "127.0.0.1"),
+            ("--num_procs", "2"),
+        ]:
+            assert exec_line[exec_line.index(flag) + 1] == value
+        assert exec_line[-4:] == [script, "x y", "<", "/dev/null"]
+
+
+def test_cli_hostfile_failed_node_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_ssh_env(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAIL_HOST", "127.0.0.2")
+    status = cli.main(["--hostfile", "hostfile", "--num_procs", "1", _script(tmp_path)])
+    assert status == 1
+    assert "node 1 (127.0.0.2) exited with status 3" in capsys.readouterr().err
+
+
+def test_cli_hostfile_without_ssh_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_ssh_env(tmp_path, monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert cli.main(["--hostfile", "hostfile", "--num_procs", "1", _script(tmp_path)]) == 2
+    assert "no 'ssh' is on PATH" in capsys.readouterr().err
