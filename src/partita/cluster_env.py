@@ -114,6 +114,32 @@ def _checked(cluster: ClusterEnv, names: tuple[str, str, str, str]) -> ClusterEn
     return cluster
 
 
+def _slurm(env: Mapping[str, str], addr: str | None, port: int) -> ClusterEnv:
+    """SLURM ``srun`` with a task per process (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID)."""
+    world = _int(env, "SLURM_NTASKS")
+    local_rank = _int(env, "SLURM_LOCALID", 0)
+    # The step's nodes, not the allocation's: srun may run on a subset of them.
+    nodelist = next(
+        (
+            env[k]
+            for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+            if k in env
+        ),
+        "",
+    )
+    cluster = ClusterEnv(
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=_slurm_tasks_on_node(env, world, local_rank),
+        master_addr=addr or _first_slurm_host(nodelist),
+        master_port=port,
+        source="slurm",
+    )
+    names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE")
+    return _checked(cluster, names)
+
+
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     """Reads the launcher environment (`os.environ` unless `env` is given).
 
@@ -158,28 +184,7 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     if "PMI_RANK" in env or "PMI_SIZE" in env:
         return _pmi(env, addr, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world = _int(env, "SLURM_NTASKS")
-        local_rank = _int(env, "SLURM_LOCALID", 0)
-        # The step's nodes, not the allocation's: srun may run on a subset of them.
-        nodelist = next(
-            (
-                env[k]
-                for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-                if k in env
-            ),
-            "",
-        )
-        cluster = ClusterEnv(
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=world,
-            local_rank=local_rank,
-            local_world_size=_slurm_tasks_on_node(env, world, local_rank),
-            master_addr=addr or _first_slurm_host(nodelist),
-            master_port=port,
-            source="slurm",
-        )
-        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_TASKS_PER_NODE")
-        return _checked(cluster, names)
+        return _slurm(env, addr, port)
     if "PET_NNODES" in env or "PET_NODE_RANK" in env:
         return _kubeflow(env)
     return ClusterEnv(0, 1, 0, 1, addr or "127.0.0.1", port, "none")
