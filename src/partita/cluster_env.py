@@ -38,7 +38,7 @@ class ClusterEnv:
 
 
 @dataclass(frozen=True)
-class Placement(ClusterEnv):
+class NodeLocation(ClusterEnv):
     """`ClusterEnv` plus this process's node: its index and the number of nodes."""
 
     node_rank: int = 0
@@ -268,7 +268,7 @@ def _node_of(cluster: ClusterEnv, env: Mapping[str, str]) -> tuple[int, int, str
     return cluster.rank // per_node, nodes, "rank // local world size"
 
 
-def locate(env: Mapping[str, str] | None = None) -> Placement:
+def locate(env: Mapping[str, str] | None = None) -> NodeLocation:
     """`detect` plus the node: its index and the number of nodes in the job.
 
     Raises ValueError naming the variable as `detect` does, and when the node index falls
@@ -282,7 +282,7 @@ def locate(env: Mapping[str, str] | None = None) -> Placement:
         raise ValueError(
             f"environment variable {name}={node_rank} is outside [0, {num_nodes}) nodes"
         )
-    return Placement(**vars(cluster), node_rank=node_rank, num_nodes=num_nodes)
+    return NodeLocation(**vars(cluster), node_rank=node_rank, num_nodes=num_nodes)
 
 
 @dataclass(frozen=True)

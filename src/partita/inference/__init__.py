@@ -12,15 +12,15 @@ from __future__ import annotations
 from partita.inference.config import InferenceConfig, load_inference_config
 from partita.inference.engine import InferenceEngine, from_pretrained, init_inference
 from partita.inference.load import LoadError
-from partita.inference.plan import PlanError, ShardPlan, Slice, build_plan
+from partita.inference.plan import PlanError, RankSlice, ShardPlan, build_plan
 
 __all__ = [
     "InferenceConfig",
     "InferenceEngine",
     "LoadError",
     "PlanError",
+    "RankSlice",
     "ShardPlan",
-    "Slice",
     "build_plan",
     "from_pretrained",
     "init_inference",

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from partita.inference.plan import Slice
+from partita.inference.plan import RankSlice
 from partita.inference.shard import set_parameter
 
 __all__ = ["LoadError", "build_skeleton", "checkpoint_index", "load_slices"]
@@ -89,7 +89,7 @@ def build_skeleton(folder: str, dtype: torch.dtype) -> nn.Module:
 class _Source(Protocol):
     shape: tuple[int, ...]
 
-    def read(self, spec: Slice | None) -> torch.Tensor: ...
+    def read(self, spec: RankSlice | None) -> torch.Tensor: ...
 
 
 def _index(ndim: int, dim: int, a: int, b: int) -> tuple[slice, ...]:
@@ -104,7 +104,7 @@ class _Stored:
     key: str
     shape: tuple[int, ...]
 
-    def read(self, spec: Slice | None) -> torch.Tensor:
+    def read(self, spec: RankSlice | None) -> torch.Tensor:
         with safe_open(self.path, "pt") as f:  # see [Note: sharded loading memory]
             if spec is None:
                 return f.get_tensor(self.key).clone()
@@ -129,7 +129,7 @@ class _Concat:
     dim: int
     shape: tuple[int, ...]
 
-    def read(self, spec: Slice | None) -> torch.Tensor:
+    def read(self, spec: RankSlice | None) -> torch.Tensor:
         if spec is None or spec.zero or spec.dim % len(self.shape) != self.dim:
             return torch.cat([p.read(spec) for p in self.parts], dim=self.dim)
         pieces, offset = [], 0
@@ -138,7 +138,7 @@ class _Concat:
             for a, b in spec.ranges:
                 lo, hi = max(a, offset), min(b, offset + size)
                 if lo < hi:
-                    sub = Slice(self.dim, ((lo - offset, hi - offset),))
+                    sub = RankSlice(self.dim, ((lo - offset, hi - offset),))
                     pieces.append(part.read(sub))
             offset += size
         return torch.cat(pieces, dim=self.dim)
@@ -151,12 +151,12 @@ class _Stack:
     items: list[_Source]
     shape: tuple[int, ...]
 
-    def read(self, spec: Slice | None) -> torch.Tensor:
+    def read(self, spec: RankSlice | None) -> torch.Tensor:
         if spec is not None and not spec.zero:
             dim = spec.dim % len(self.shape)
             if dim == 0:
                 raise LoadError("splitting experts across ranks is not supported")
-            spec = Slice(dim - 1, spec.ranges)
+            spec = RankSlice(dim - 1, spec.ranges)
         return torch.stack([item.read(spec) for item in self.items])
 
 
@@ -223,7 +223,7 @@ def _source(name: str, model: nn.Module, stored: dict[str, _Stored]) -> _Source 
 
 
 def load_slices(
-    model: nn.Module, folder: str, slices: dict[str, Slice], dtype: torch.dtype
+    model: nn.Module, folder: str, slices: dict[str, RankSlice], dtype: torch.dtype
 ) -> None:
     """Fills every meta parameter of `model` with this rank's slice (cast to `dtype`) read
     from `folder`; tied parameters stay tied. Raises `LoadError` naming missing tensors or a

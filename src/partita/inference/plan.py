@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PlanError", "ShardPlan", "Slice", "build_plan"]
+__all__ = ["PlanError", "RankSlice", "ShardPlan", "build_plan"]
 
 ROW_NAMES = frozenset(
     {"o_proj", "down_proj", "out_proj", "dense_4h_to_h", "c_proj", "dense", "fc2", "w2"}
@@ -55,7 +55,7 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
-class Slice:
+class RankSlice:
     """What one rank holds of one tensor: the given ranges along `dim`, concatenated."""
 
     dim: int
@@ -79,7 +79,7 @@ class ShardPlan:
 
     tp_size: int
     tp_rank: int
-    slices: dict[str, Slice] = field(default_factory=dict)
+    slices: dict[str, RankSlice] = field(default_factory=dict)
     """Parameter name -> its slice; a parameter not listed is replicated."""
     reduce: list[str] = field(default_factory=list)
     """Modules whose output is all-reduced over the tensor-parallel group, in model order."""
@@ -207,21 +207,21 @@ class _Builder:
         bias = getattr(module, "bias", None)
         if style == "colwise":
             rng = _chunk(weight.shape[out_dim], self.n, self.r, f"{name} (output features)")
-            self.plan.slices[f"{name}.weight"] = Slice(out_dim, (rng,))
+            self.plan.slices[f"{name}.weight"] = RankSlice(out_dim, (rng,))
             if getattr(module, "bias", None) is not None:
-                self.plan.slices[f"{name}.bias"] = Slice(0, (rng,))
+                self.plan.slices[f"{name}.bias"] = RankSlice(0, (rng,))
         elif style == "rowwise":
             rng = _chunk(weight.shape[in_dim], self.n, self.r, f"{name} (input features)")
-            self.plan.slices[f"{name}.weight"] = Slice(in_dim, (rng,))
+            self.plan.slices[f"{name}.weight"] = RankSlice(in_dim, (rng,))
             if bias is not None:
                 size = bias.shape[0]
-                self.plan.slices[f"{name}.bias"] = Slice(0, ((0, size),), zero=self.r > 0)
+                self.plan.slices[f"{name}.bias"] = RankSlice(0, ((0, size),), zero=self.r > 0)
             self.plan.reduce.append(name)
         elif style == "fused_qkv":
             ranges = self.fused_ranges(name, weight.shape[out_dim])
-            self.plan.slices[f"{name}.weight"] = Slice(out_dim, ranges)
+            self.plan.slices[f"{name}.weight"] = RankSlice(out_dim, ranges)
             if getattr(module, "bias", None) is not None:
-                self.plan.slices[f"{name}.bias"] = Slice(0, ranges)
+                self.plan.slices[f"{name}.bias"] = RankSlice(0, ranges)
         self.plan.styles[name] = style
         if conv and style != "rowwise":  # Conv1D shapes its output by its `nf` attribute
             local = self.plan.slices[f"{name}.weight"].shape(tuple(weight.shape))
@@ -258,7 +258,7 @@ class _Builder:
             ranges = (_chunk(size, self.n, self.r, name),)
         else:
             raise PlanError(f"{name}: style {style!r} is not supported for a parameter")
-        self.plan.slices[name] = Slice(dim, ranges)
+        self.plan.slices[name] = RankSlice(dim, ranges)
         self.plan.styles[name] = style
 
 
@@ -381,6 +381,6 @@ def _vocab_plan(model: nn.Module, plan: ShardPlan) -> None:
         name = names[id(module)]
         plan.vocab[name] = kind
         plan.styles[name] = f"vocab_{kind}"
-        plan.slices[f"{name}.weight"] = Slice(0, ((start, stop),))
+        plan.slices[f"{name}.weight"] = RankSlice(0, ((start, stop),))
         if getattr(module, "bias", None) is not None:
-            plan.slices[f"{name}.bias"] = Slice(0, ((start, stop),))
+            plan.slices[f"{name}.bias"] = RankSlice(0, ((start, stop),))

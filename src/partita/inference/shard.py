@@ -17,7 +17,7 @@ from torch import nn
 
 from partita.comm import all_gather, all_reduce
 from partita.comm.process_group import ProcessGroup
-from partita.inference.plan import ShardPlan, Slice
+from partita.inference.plan import RankSlice, ShardPlan
 
 __all__ = ["install_plan", "set_parameter", "shard_module", "take_slice"]
 
@@ -25,7 +25,7 @@ TAG = "tp"
 """The tag tensor-parallel all-reduces are counted under in `partita.comm.COUNTERS`."""
 
 
-def take_slice(full: torch.Tensor, spec: Slice | None) -> torch.Tensor:
+def take_slice(full: torch.Tensor, spec: RankSlice | None) -> torch.Tensor:
     """This rank's part of `full` (a new tensor; `full` is not kept)."""
     if spec is None:
         return full.clone()
