@@ -247,6 +247,17 @@ class SwapSpace:
             self._slots[key] = slot
         return slot
 
+    def unregister(self, key: str) -> None:
+        """Close and delete ``key``'s swap file, giving its disk space back (waits for this
+        space's transfers first: one may still use the file). Unknown keys are a KeyError."""
+        self.wait()
+        with self._lock:
+            slot = self._slots.pop(key, None)
+            if slot is None:
+                raise KeyError(f"swap key '{key}' is not registered in '{self.directory}'")
+            self._handles.pop(key).close()
+        slot.path.unlink(missing_ok=True)
+
     @staticmethod
     def _preallocate(handle: FileHandle, nbytes: int) -> None:
         if nbytes == 0:

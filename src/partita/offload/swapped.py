@@ -73,3 +73,11 @@ class SwappedTensor:
             self.space.swap_out(self.key, self.tensor).result()
             self.dirty = False
         release_storage(self.tensor)
+
+    def discard(self) -> None:
+        """Frees its memory and deletes its swap file (its values are gone)."""
+        if self._reading is not None:
+            reading, self._reading = self._reading, None
+            reading.result()
+        release_storage(self.tensor)
+        self.space.unregister(self.key)

@@ -377,7 +377,11 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     """`param`'s full value: gathered (and released from `PRE_SHARDED`) if built under `Init`."""
     if param in PRE_SHARDED:
         value = gather_pre_sharded(param)
-        del PRE_SHARDED[param]
+        shard = PRE_SHARDED.pop(param)
+        if shard.swap is not None:
+            # Its file would otherwise stay allocated until Init's space closes, beside the
+            # engine's own copies: 2-4 bytes per parameter of a disk the states nearly fill.
+            shard.swap.discard()
         return value
     return param.detach()
 
