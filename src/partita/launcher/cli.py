@@ -49,7 +49,7 @@ _PER_NODE = (
     "partita fans out over ssh only (--hostfile), or runs on each node with --num_nodes, "
     "--node_rank and --master_addr (or under srun/mpirun)"
 )
-_ELASTIC = "elastic membership is not supported; use --num_nodes (and --max_restarts)"
+_ELASTIC = "use torchrun's spelling --nnodes MIN:MAX (and --max_restarts)"
 _BINDING = "core binding is not supported; wrap the script with numactl or taskset"
 _SLURM = "Slurm launcher option; run partita under srun instead"
 _UNSUPPORTED: dict[tuple[str, ...], str] = {
@@ -109,6 +109,41 @@ def _port(text: str) -> int:
     return value
 
 
+def _node_range(text: str) -> tuple[int, int]:
+    low, colon, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high)) if colon else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K or MIN:MAX, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"needs 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
+_RDZV_KEYS = (
+    "last_call_timeout",
+    "join_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+    "read_timeout",
+    "timeout",
+)
+
+
+def _rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for item in filter(None, text.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals or key not in _RDZV_KEYS or not value.isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected KEY=SECONDS with KEY one of {', '.join(_RDZV_KEYS)}, got {item!r}"
+            )
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -146,6 +181,14 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         "default all)",
     )
     nodes.add_argument(
+        "--nnodes",
+        type=_node_range,
+        metavar="K|MIN:MAX",
+        help="torchrun's spelling: K as --num_nodes K; MIN:MAX runs elastic (torch's c10d "
+        "rendezvous) on MIN to MAX nodes, restarting at the new size after a node fails or "
+        "joins (with --max_restarts); --node_rank 0 hosts the rendezvous",
+    )
+    nodes.add_argument(
         "--node_rank",
         type=_int_at_least(0),
         metavar="R",
@@ -161,6 +204,20 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         type=_port,
         metavar="PORT",
         help=f"rendezvous port on node 0 (default: a free port; {DEFAULT_MASTER_PORT} when K > 1)",
+    )
+    nodes.add_argument(
+        "--node_addr",
+        metavar="ADDR",
+        help="this node's address: its workers' gloo/NCCL sockets listen on the interface "
+        "carrying it (default on node 0: the store's address)",
+    )
+    nodes.add_argument(
+        "--rdzv_conf",
+        type=_rdzv_conf,
+        default=(),
+        metavar="K=V,...",
+        help="rendezvous settings as torchrun's --rdzv-conf (last_call_timeout, "
+        "keep_alive_interval, keep_alive_max_attempt, join_timeout)",
     )
     nodes.add_argument(
         "--bind_addr",
@@ -275,8 +332,22 @@ def _check_script(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> No
 
 
 def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    ns.min_nodes = None
+    if ns.nnodes is not None:
+        if ns.num_nodes is not None:
+            parser.error("--nnodes and --num_nodes cannot be used together (one node count)")
+        low, ns.num_nodes = ns.nnodes
+        if low != ns.num_nodes:
+            if ns.hostfile is not None:
+                parser.error(
+                    "--nnodes MIN:MAX cannot be used with --hostfile: start partita on "
+                    "each node (--node_rank 0 on the one at --master_addr)"
+                )
+            ns.min_nodes = low
     if ns.hostfile is not None:
-        given = [f"--{f}" for f in ("node_rank", "bind_addr", "no_ssh") if getattr(ns, f)]
+        given = [
+            f"--{f}" for f in ("node_rank", "node_addr", "bind_addr", "no_ssh") if getattr(ns, f)
+        ]
         if given:
             parser.error(
                 f"{given[0]} cannot be used with --hostfile (the fan-out sets it per node)"
@@ -326,6 +397,9 @@ def _options(ns: argparse.Namespace) -> LaunchOptions:
         module=ns.module,
         no_python=ns.no_python,
         no_local_rank=ns.no_local_rank,
+        node_addr=ns.node_addr,
+        min_nodes=ns.min_nodes,
+        rdzv_conf=ns.rdzv_conf,
     )
 
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig
 
+    from partita.launcher.peers import AgentBeat
     from partita.launcher.watchdog import Watchdog
 
 __all__ = [
@@ -103,6 +104,12 @@ class LaunchOptions:
         bind_addr: address node 0's store listens on (``None``: what ``master_addr`` names).
         hang_timeout: seconds without progress before the job counts as hung (``None``: from
             ``PARTITA_HANG_TIMEOUT``, else 240; 0 disables the watchdog).
+        node_addr: this node's address, where its workers' gloo/NCCL sockets listen (``None``:
+            node 0 uses the store's bind address; other nodes let gloo/NCCL choose).
+        min_nodes: elastic membership (``--nnodes MIN:MAX``): the job runs on ``min_nodes`` to
+            ``num_nodes`` nodes through torch's dynamic c10d rendezvous (``None``: static).
+        rdzv_conf: extra rendezvous settings (``last_call_timeout``, ``keep_alive_interval``...
+            as torchrun's ``--rdzv-conf`` takes them).
     """
 
     script: str
@@ -120,6 +127,9 @@ class LaunchOptions:
     monitor_interval: float = 0.1
     bind_addr: str | None = None
     hang_timeout: float | None = None
+    node_addr: str | None = None
+    min_nodes: int | None = None
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -312,6 +322,44 @@ def loopback_env(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def interface_of(addr: str) -> str | None:
+    """The name of the network interface that carries ``addr`` (an IP address, or a name
+    resolved here): the one holding exactly that address, else for a loopback address the
+    loopback interface (127.0.0.2 is local though only 127.0.0.1 is listed); ``None`` when no
+    interface of this machine carries it."""
+    import psutil
+
+    try:
+        ip = ipaddress.ip_address(
+            socket.getaddrinfo(addr.strip("[]"), None, type=socket.SOCK_STREAM)[0][4][0]
+        )
+    except (socket.gaierror, ValueError):
+        return None
+    containing = None
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or not a.netmask:
+                continue
+            here = ipaddress.ip_address(a.address.split("%")[0])
+            if here == ip:
+                return name
+            prefix = bin(int(ipaddress.ip_address(a.netmask))).count("1")
+            network = ipaddress.ip_network((here, prefix), strict=False)
+            # Only loopback answers for every address of its network (127.0.0.2 is local).
+            if containing is None and ip.is_loopback and ip in network:
+                containing = name
+    return containing
+
+
+def _node_address(options: LaunchOptions, bind_addr: str | None) -> str | None:
+    """This node's address: ``--node_addr``, else node 0's store address if it names one."""
+    if options.node_addr is not None:
+        return options.node_addr
+    if bind_addr is None or bind_addr.strip("[]") in ("0.0.0.0", "::"):
+        return None
+    return bind_addr
+
+
 def _endpoint(addr: str, port: int) -> str:
     host = f"[{addr}]" if ":" in addr and not addr.startswith("[") else addr
     return f"{host}:{port}"
@@ -332,19 +380,24 @@ def build_launch_config(
     from partita.launcher import rendezvous
 
     rendezvous.register()
-    configs: dict[str, int] = {"rank": options.node_rank}
+    configs: dict[str, object] = dict(options.rdzv_conf)
+    if options.min_nodes is None:
+        configs["rank"] = options.node_rank
     if listen_fd is not None:
         configs["listen_fd"] = listen_fd
     return LaunchConfig(
-        min_nodes=options.num_nodes,
+        min_nodes=options.num_nodes if options.min_nodes is None else options.min_nodes,
         max_nodes=options.num_nodes,
         nproc_per_node=plan.nproc_per_node,
         # Workers keep the launcher's stdout/stderr; the log dir only holds error files.
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         run_id=_RUN_ID,
-        rdzv_backend=rendezvous.BACKEND,
+        rdzv_backend=rendezvous.BACKEND
+        if options.min_nodes is None
+        else rendezvous.ELASTIC_BACKEND,
         rdzv_endpoint=_endpoint(options.master_addr, master_port),
         rdzv_configs=configs,
+        local_addr=options.node_addr,
         max_restarts=options.max_restarts,
         monitor_interval=options.monitor_interval,
     )
@@ -386,7 +439,25 @@ def _prepare_environment(options: LaunchOptions, plan: WorkerPlan, bind_addr: st
     os.environ.update(worker_env(plan, os.environ))
     if options.num_nodes == 1 and bind_addr is not None and _is_loopback(bind_addr):
         os.environ.update(loopback_env(os.environ))
+    elif options.num_nodes > 1:
+        os.environ.update(node_interface_env(_node_address(options, bind_addr), os.environ))
     os.environ[env_vars.LAUNCHER_PID.name] = str(os.getpid())
+
+
+def node_interface_env(node_addr: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables that put a multi-node job's gloo and NCCL sockets on the interface carrying
+    this node's address (otherwise gloo listens where the host name resolves, which may be an
+    interface the user never named); a user's own value wins. Raises ``LaunchError`` when no
+    interface here carries ``node_addr``."""
+    if node_addr is None:
+        return {}
+    name = interface_of(node_addr)
+    if name is None:
+        raise LaunchError(
+            f"no network interface of this node carries {node_addr!r} (--node_addr, or node 0's "
+            "--master_addr): give this node's own address"
+        )
+    return {var: name for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if var not in environ}
 
 
 def launch(options: LaunchOptions) -> int:
@@ -413,18 +484,42 @@ def launch(options: LaunchOptions) -> int:
         # The store takes the descriptor over; detach so this socket object does not close it.
         listen_fd = None if listener is None else listener.detach()
         config = build_launch_config(options, plan, master_port, log_dir, listen_fd)
+        beat = _start_agent_beat(options, master_port, _node_address(options, bind_addr))
         try:
-            return _run_agent(config, entrypoint, args, options.node_rank, watchdog)
+            return _run_agent(config, entrypoint, args, options, watchdog)
         finally:
+            if beat is not None:
+                beat.stop()
             if watchdog is not None:
                 watchdog.stop()
+
+
+def _start_agent_beat(
+    options: LaunchOptions, master_port: int, node_addr: str | None
+) -> AgentBeat | None:
+    """This agent's heartbeat in the rendezvous store, so a survivor can name a dead node."""
+    from partita.launcher.peers import AgentBeat
+
+    if options.num_nodes == 1:
+        return None
+    beat = AgentBeat(options.master_addr, master_port, options.node_rank, node_addr)
+    beat.start()
+    return beat
+
+
+def _gone_nodes(options: LaunchOptions, master_port: int) -> list[str]:
+    from partita.launcher.peers import gone_nodes
+
+    if options.num_nodes == 1:
+        return []
+    return gone_nodes(options.master_addr, master_port, options.num_nodes, options.node_rank)
 
 
 def _run_agent(
     config: LaunchConfig,
     entrypoint: str,
     args: list[str],
-    node_rank: int,
+    options: LaunchOptions,
     watchdog: Watchdog | None,
 ) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -439,8 +534,11 @@ def _run_agent(
         if watchdog is not None and watchdog.reports:
             headline = "partita: the job hung and was stopped (the watchdog's report is above)."
         else:
-            headline = _failure_headline(err, node_rank)
-        print(headline, err, sep="\n", file=sys.stderr)
+            headline = _failure_headline(err, options.node_rank)
+        port = int(config.rdzv_endpoint.rpartition(":")[2])
+        # A worker here failing because a peer vanished names this node; say which one left.
+        gone = [f"partita: {line}" for line in _gone_nodes(options, port)]
+        print(*gone, headline, err, sep="\n", file=sys.stderr)
         return 1
     except SignalException as err:
         print(f"partita: stopped by {err.sigval.name}; workers terminated", file=sys.stderr)

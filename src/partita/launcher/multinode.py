@@ -18,6 +18,7 @@ ssh's standard input as a script for ``bash -s``, never as arguments, so they do
 
 from __future__ import annotations
 
+import ipaddress
 import shlex
 import shutil
 import subprocess
@@ -153,11 +154,21 @@ def fanout_plan(
         command = [python, "-u", "-m", "partita.launcher"]
         command += ["--num_nodes", str(len(hosts)), "--node_rank", str(rank)]
         command += ["--master_addr", master, "--master_port", str(port)]
+        if _is_ip(host):  # its workers' sockets go on the interface the hostfile named
+            command += ["--node_addr", host]
         command += _agent_args(options, slots, gpus)
         command += [options.script, *options.script_args]
         argv = (ssh, *_SSH_OPTIONS, host, "bash -s")
         plan.append(NodeCommand(host, rank, argv, node_script(node_env, cwd, command)))
     return plan
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def find_ssh(environ: Mapping[str, str]) -> str:

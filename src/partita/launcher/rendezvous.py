@@ -1,4 +1,4 @@
-"""Static rendezvous whose store listens on the socket the launcher bound, not on every interface.
+"""Rendezvous whose stores listen on the sockets the launcher bound, not on every interface.
 
 torchrun's static rendezvous (``StaticTCPRendezvous``) starts its ``TCPStore`` server with only
 a port, and the server then listens on all interfaces (``::``), even for a single-node job
@@ -8,11 +8,19 @@ listening socket itself, on the address the launch names (`partita.launcher.laun
 hands its file descriptor to ``TCPStore(master_listen_fd=...)``; everything else is torch's
 static rendezvous unchanged. Registered as the rendezvous backend ``partita-static``.
 
+Elastic jobs (``--nnodes MIN:MAX``) use torch's dynamic c10d rendezvous, registered as
+``partita-c10d``, the same way: the agent that hosts the rendezvous state (``is_host``, the one
+started with ``--node_rank 0``) serves it from the bound socket, and the store torch starts for
+the workers of group rank 0 listens on that node's own address (``local_addr``), not on ``::``.
+Which node hosts the state is fixed for the job; the group ranks are the rendezvous' choice.
+
 Imports torch: load it only when launching.
 """
 
 from __future__ import annotations
 
+import datetime
+import socket
 from typing import Any, cast
 
 from torch.distributed import TCPStore
@@ -22,12 +30,24 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousParameters,
     rendezvous_handler_registry,
 )
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+)
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-__all__ = ["BACKEND", "BoundStaticRendezvous", "register"]
+__all__ = [
+    "BACKEND",
+    "ELASTIC_BACKEND",
+    "BoundDynamicRendezvous",
+    "BoundStaticRendezvous",
+    "register",
+]
 
 BACKEND = "partita-static"
+ELASTIC_BACKEND = "partita-c10d"
 
 # torch's static rendezvous default (static_tcp_rendezvous._default_timeout_seconds).
 _DEFAULT_TIMEOUT_S = 600
@@ -77,6 +97,67 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
     )
 
 
+class BoundDynamicRendezvous(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous; the store its group rank 0 starts for the workers listens on
+    this node's address (``local_addr``) instead of every interface."""
+
+    def get_backend(self) -> str:
+        """The registered name (torch checks a handler reports the backend it was made for)."""
+        return ELASTIC_BACKEND
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
+        # Imported here: launch imports this module lazily, never the other way at load time.
+        from partita.launcher.launch import listen_socket
+
+        addr = str(socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0][4][0])
+        sock = listen_socket(addr, master_port)
+        return TCPStore(
+            master_addr,
+            int(sock.getsockname()[1]),
+            is_master=True,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+        )
+
+
+def _timeout(params: RendezvousParameters, key: str) -> datetime.timedelta | None:
+    seconds = params.get_as_int(f"{key}_timeout")
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
+def _create_elastic(params: RendezvousParameters) -> RendezvousHandler:
+    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    listen_fd = params.config.get("listen_fd")
+    read_timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    if listen_fd is not None:  # this agent hosts the rendezvous state
+        store = TCPStore(
+            host,
+            port,
+            is_master=True,
+            multi_tenant=True,
+            timeout=read_timeout,
+            master_listen_fd=int(listen_fd),
+        )
+    else:
+        store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=read_timeout)
+    timeout = RendezvousTimeout(
+        *(_timeout(params, key) for key in ("join", "last_call", "close", "heartbeat"))
+    )
+    return BoundDynamicRendezvous.from_backend(
+        params.run_id,
+        store,
+        C10dRendezvousBackend(store, params.run_id),
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=params.get_as_int("keep_alive_interval", 5) or 5,
+        keep_alive_max_attempt=params.get_as_int("keep_alive_max_attempt", 3) or 3,
+    )
+
+
 def register() -> None:
-    """Makes ``partita-static`` a rendezvous backend of this process (idempotent)."""
+    """Makes ``partita-static`` and ``partita-c10d`` rendezvous backends of this process
+    (idempotent)."""
     rendezvous_handler_registry.register(BACKEND, _create)
+    rendezvous_handler_registry.register(ELASTIC_BACKEND, _create_elastic)
