@@ -497,3 +497,110 @@ def test_cli_hostfile_without_ssh_on_path(
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert cli.main(["--hostfile", "hostfile", "--num_procs", "1", _script(tmp_path)]) == 2
     assert "no 'ssh' is on PATH" in capsys.readouterr().err
+
+
+# --- 4. elastic membership, node addresses --------------------------------------------------
+
+
+def test_nnodes_static_and_elastic(tmp_path: Path) -> None:
+    script = _script(tmp_path)
+    node = ["--node_rank", "1", "--master_addr", "10.0.0.1"]
+    fixed = cli.parse_launch_args(["--nnodes", "3", *node, script])
+    assert (fixed.num_nodes, fixed.min_nodes) == (3, None)
+    elastic = cli.parse_launch_args(
+        ["--nnodes", "1:2", *node, "--rdzv_conf", "last_call_timeout=5,keep_alive_interval=1",
+         "--node_addr", "10.0.0.2", script]
+    )  # fmt: skip
+    assert (elastic.num_nodes, elastic.min_nodes, elastic.node_addr) == (2, 1, "10.0.0.2")
+    assert elastic.rdzv_conf == (("last_call_timeout", "5"), ("keep_alive_interval", "1"))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nnodes", "2:1"], "--nnodes: needs 1 <= MIN <= MAX, got '2:1'"),
+        (["--nnodes", "one"], "--nnodes: expected K or MIN:MAX, got 'one'"),
+        (["--nnodes", "2", "--num_nodes", "2"], "--nnodes and --num_nodes cannot be used"),
+        (["--nnodes", "1:2", "--hostfile", "h"], "--nnodes MIN:MAX cannot be used with --hostfile"),
+        (["--nnodes", "1:2"], "--num_nodes 2 needs --node_rank and --master_addr"),
+        (["--hostfile", "h", "--node_addr", "10.0.0.2"], "--node_addr cannot be used with"),
+        (["--rdzv_conf", "last_call=5"], "KEY one of last_call_timeout"),
+        (["--rdzv_conf", "join_timeout=soon"], "got 'join_timeout=soon'"),
+        (["--min_elastic_nodes", "1"], "use torchrun's spelling --nnodes MIN:MAX"),
+    ],
+)
+def test_elastic_flag_refusals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, _script(tmp_path)])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_interface_of_names_the_interface_carrying_an_address() -> None:
+    import socket
+
+    import psutil
+
+    from partita.launcher.launch import interface_of
+
+    ipv4 = [
+        (name, a.address)
+        for name, addrs in psutil.net_if_addrs().items()
+        for a in addrs
+        if a.family == socket.AF_INET
+    ]
+    assert ipv4
+    for name, address in ipv4:
+        assert interface_of(address) == name
+    loopback = next(name for name, address in ipv4 if address.startswith("127."))
+    assert interface_of("127.0.0.2") == loopback  # local, though only 127.0.0.1 is listed
+    assert interface_of("203.0.113.77") is None  # documentation range: no interface here
+    assert interface_of("no-such-host.invalid") is None
+
+
+def test_node_interface_env_pins_gloo_and_nccl_or_names_a_foreign_address() -> None:
+    from partita.launcher.launch import interface_of, node_interface_env
+
+    lo = interface_of("127.0.0.1")
+    assert node_interface_env("127.0.0.2", {}) == {
+        "GLOO_SOCKET_IFNAME": lo,
+        "NCCL_SOCKET_IFNAME": lo,
+    }
+    assert node_interface_env("127.0.0.2", {"GLOO_SOCKET_IFNAME": "eth9"}) == {
+        "NCCL_SOCKET_IFNAME": lo
+    }
+    assert node_interface_env(None, {}) == {}
+    with pytest.raises(
+        LaunchError, match=r"no network interface of this node carries '203\.0\.113\.77'"
+    ):
+        node_interface_env("203.0.113.77", {})
+
+
+def test_elastic_launch_config_uses_the_bound_c10d_backend(tmp_path: Path) -> None:
+    from partita.launcher.launch import WorkerPlan, build_launch_config
+
+    options = LaunchOptions(
+        script="t.py",
+        num_nodes=4,
+        min_nodes=2,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        node_addr="10.0.0.2",
+        rdzv_conf=(("last_call_timeout", "5"),),
+    )
+    config = build_launch_config(options, WorkerPlan("cpu", 1), 29400, str(tmp_path))
+    assert (config.min_nodes, config.max_nodes) == (2, 4)
+    assert config.rdzv_backend == "partita-c10d"
+    assert config.rdzv_endpoint == "10.0.0.1:29400"
+    assert config.local_addr == "10.0.0.2"
+    assert config.rdzv_configs["last_call_timeout"] == "5"
+    assert "rank" not in config.rdzv_configs  # no static rank: the rendezvous assigns
+
+
+def test_fanout_plan_gives_ip_hosts_their_node_addr() -> None:
+    plan = fanout_plan({"10.0.0.5": [0], "worker-2": [0]}, _options(), {}, "/w", gpus=False)
+    first, second = (shlex.split(node.script.splitlines()[-1]) for node in plan)
+    assert first[first.index("--node_addr") + 1] == "10.0.0.5"
+    assert "--node_addr" not in second  # a name is resolved on its node, not here
