@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from partita.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv, _first_slurm_host, detect
@@ -186,3 +192,32 @@ def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "4242")
     assert detect() == ClusterEnv(1, 2, 0, 2, "127.0.0.1", 4242, "torchrun")
+
+
+def test_initialize_uses_an_existing_process_group_as_is(tmp_path: Path) -> None:
+    """Ray Train's entry point: the group exists, no launcher variables say anything."""
+    script = Path(__file__).resolve().parent / "multinode_existing_group.py"
+    launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                     "MASTER_PORT", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in launcher_vars}
+    env["OMP_NUM_THREADS"] = "1"
+    store = str(tmp_path / "store")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), "2", store, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, out
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["same_group"], r["world"], r["rank"]) for r in records] == [
+        (True, 2, 0),
+        (True, 2, 1),
+    ]
+    assert records[0]["grad_bytes"] > 0  # gradients were reduced over that group
