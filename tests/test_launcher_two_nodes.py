@@ -144,18 +144,25 @@ def test_hostfile_fanout_over_ssh_trains_like_one_node(
         assert f"--node_rank {rank} " in script and f"--node_addr {host} " in script
 
 
-def test_killed_node_ends_the_job_naming_it(tmp_path: Path) -> None:
-    node0, node1 = _start_nodes(tmp_path, ["elastic", str(tmp_path / "ckpt"), "4", "--gate", "1"])
+@pytest.mark.parametrize("dead", [1, 0])
+def test_killed_node_ends_the_job_naming_it(tmp_path: Path, dead: int) -> None:
+    nodes = _start_nodes(tmp_path, ["elastic", str(tmp_path / "ckpt"), "4", "--gate", "1"])
+    killed, survivor = nodes[dead], nodes[1 - dead]
     pids: list[int] = []
     try:
-        wait_for_files([tmp_path / "gate0", tmp_path / "gate1"], node0, guard_s=GUARD_S)
-        pids = _job_pids(node0, node1)
-        os.kill(node1.pid, signal.SIGKILL)
-        _, err = finish(node0, guard_s=30)  # the issue's bound, as a hang guard
+        wait_for_files([tmp_path / "gate0", tmp_path / "gate1"], survivor, guard_s=GUARD_S)
+        pids = _job_pids(*nodes)
+        os.kill(killed.pid, signal.SIGKILL)
+        _, err = finish(survivor, guard_s=30)  # the issue's bound, as a hang guard
     finally:
         kill_all(pids)
-    assert node0.returncode == 1, err
-    assert f"partita: node 1 ({NODES[1]}, agent pid {node1.pid}) is gone" in err, err
+    assert survivor.returncode == 1, err
+    if dead == 1:
+        assert f"partita: node 1 ({NODES[1]}, agent pid {killed.pid}) is gone" in err, err
+    else:  # node 0's agent hosted the store: its silence is the news
+        assert (
+            f"partita: node 0 is gone: the rendezvous store its agent hosts at {NODES[0]}:" in err
+        )
     assert wait_gone(pids, bound_s=30) == [], "a worker outlived the job"
 
 

@@ -5,7 +5,10 @@
 ``deepspeed`` launcher, so existing command lines keep working. Multi-node jobs either run
 ``partita`` once on every node with ``--num_nodes``, ``--node_rank`` and ``--master_addr``
 (DeepSpeed's ``--no_ssh`` mode), or name the nodes in a ``--hostfile`` and let partita start
-that per-node command on each over ssh (`partita.launcher.multinode`).
+that per-node command on each over ssh (`partita.launcher.multinode`). ``--nnodes MIN:MAX``
+(torchrun's spelling) makes the job elastic: torch's dynamic c10d rendezvous admits MIN to MAX
+nodes and, with ``--max_restarts``, restarts the workers at the new size when a node dies or
+joins; every agent still gets a distinct ``--node_rank`` (0 hosts the rendezvous store).
 
 If the first argument names a subcommand in ``SUBCOMMANDS`` it runs that instead. Nothing here
 imports torch at module level, so ``partita --help`` answers quickly.
@@ -289,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no_ssh",
         action="store_true",
-        help="accepted for DeepSpeed compatibility; partita always runs per node",
+        help="DeepSpeed's per-node mode (a scheduler starts partita on every node with "
+        "--node_rank K); accepted, as it is what partita does without --hostfile",
     )
     for names, reason in _UNSUPPORTED.items():
         # Listed once in the epilog: a help line each would bury the flags that work.

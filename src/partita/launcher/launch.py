@@ -16,8 +16,14 @@ with a per-rank summary. This module only decides *what* to launch:
 It also keeps the job to itself (issue 13):
 
 - network: node 0 binds the rendezvous store's socket on the address the launch names (a
-  single-node job: 127.0.0.1; see `partita.launcher.rendezvous`), and a single-node job's
-  gloo/NCCL sockets use the loopback interface (``loopback_env``);
+  single-node job: 127.0.0.1; see `partita.launcher.rendezvous`), a single-node job's
+  gloo/NCCL sockets use the loopback interface (``loopback_env``), and a multi-node job's the
+  interface carrying the node's own address (``node_interface_env``: ``--node_addr``, or node
+  0's store address);
+- nodes: each agent of a multi-node job beats in the rendezvous store, so when a worker fails
+  because a peer vanished the survivors name the node that is gone (`partita.launcher.peers`);
+  ``--nnodes MIN:MAX`` selects torch's dynamic rendezvous, whose restarts resume at the new
+  world size;
 - processes: every worker starts through `partita.launcher.worker_exec`, so it dies with the
   launcher even when the launcher is SIGKILLed; SIGTERM/SIGINT stop the job through the agent;
 - hangs: `partita.launcher.watchdog` ends a job whose ranks stopped making progress for
