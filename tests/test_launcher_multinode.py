@@ -8,6 +8,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -604,3 +605,35 @@ def test_fanout_plan_gives_ip_hosts_their_node_addr() -> None:
     first, second = (shlex.split(node.script.splitlines()[-1]) for node in plan)
     assert first[first.index("--node_addr") + 1] == "10.0.0.5"
     assert "--node_addr" not in second  # a name is resolved on its node, not here
+
+
+def test_gone_nodes_names_the_agent_that_stopped_beating() -> None:
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from partita.launcher.launch import find_free_port
+    from partita.launcher.peers import AgentBeat, gone_nodes
+
+    port = find_free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=10))  # fmt: skip
+    beats = [AgentBeat("127.0.0.1", port, rank, f"10.0.0.{rank + 1}") for rank in range(3)]
+    for beat in beats:
+        beat.start()
+    try:
+        while not all(store.check([f"partita_agents/info/{r}"]) for r in range(3)):
+            time.sleep(0.01)  # the beats connect in their own threads
+        assert gone_nodes("127.0.0.1", port, num_nodes=3, self_rank=1) == []
+        beats[2].stop()
+        assert gone_nodes("127.0.0.1", port, num_nodes=3, self_rank=1) == [
+            f"node 2 (10.0.0.3, agent pid {os.getpid()}) is gone: its agent stopped beating in "
+            "the rendezvous store"
+        ]
+    finally:
+        for beat in beats:
+            beat.stop()
+    del store  # the store's host is gone
+    assert gone_nodes("127.0.0.1", port, num_nodes=3, self_rank=1) == [
+        f"node 0 is gone: the rendezvous store its agent hosts at 127.0.0.1:{port} does not answer"
+    ]
