@@ -18,6 +18,7 @@ import torch
 
 from partita import comm, engine_setup
 from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
+from partita.checkpoint import background as checkpoint_background
 from partita.config import DeepSpeedConfig
 from partita.config.sections.runtime import CheckpointConfig
 from partita.monitor import build_monitor
@@ -217,6 +218,8 @@ class Engine(torch.nn.Module):
                 self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
         self._boundary_override = None
+        if checkpoint_background.pending(self):  # an asynchronous save's failure, agreed step
+            checkpoint_background.at_step(self)
 
     def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
         scale_before = self.loss_scaler.scale
@@ -370,8 +373,10 @@ class Engine(torch.nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        async_save: bool | None = None,
     ) -> bool:
-        """Saves a sharded, atomic checkpoint; every rank must call it (see
+        """Saves a sharded, atomic checkpoint; every rank must call it. With `async_save`
+        (default: ``checkpoint.async_save``) training goes on while it is written (see
         `partita.checkpoint.save_checkpoint`)."""
         from partita.checkpoint import save_checkpoint
 
@@ -382,6 +387,7 @@ class Engine(torch.nn.Module):
             client_state=client_state or {},
             save_latest=save_latest,
             exclude_frozen_parameters=exclude_frozen_parameters,
+            async_save=async_save,
         )
 
     def load_checkpoint(
@@ -411,10 +417,14 @@ class Engine(torch.nn.Module):
         )
 
     def destroy(self) -> None:
-        """Releases hooks and closes monitors (the process group stays up)."""
-        accessors.unregister(self.strategy.state)  # its parameters may join another engine
-        self.strategy.close()
-        self.monitor.close()
+        """Waits for a background save (raising its failure), releases hooks and closes
+        monitors (the process group stays up)."""
+        try:
+            checkpoint_background.wait_for(self)
+        finally:
+            accessors.unregister(self.strategy.state)  # its parameters may join another engine
+            self.strategy.close()
+            self.monitor.close()
 
     def _broadcast_module(self) -> None:
         """Makes every rank of a data-parallel group start from the weights and buffers of its

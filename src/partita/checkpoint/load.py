@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from partita.checkpoint import background
 from partita.checkpoint.locate import PARTITA, locate, open_source
 from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
@@ -51,6 +52,7 @@ def load_checkpoint(
     broken checkpoint raises `CheckpointError` on every rank, naming the file and the check."""
     # Every rank of the job loads, every replica the same checkpoint (see [Note: checkpoints
     # of replicas] in `partita.checkpoint.save`); the files' checks are shared by all ranks.
+    background.wait_for(engine)  # a background save first; raises its failure
     rank, world = engine.dims.rank, engine.dims.world_size
     arrival = arrive(load_dir, "load") if os.path.isdir(load_dir) else Arrival(None)
     found = gather_agreed(lambda: _find(load_dir, tag) if rank == 0 else None, WHOLE_JOB)[0]

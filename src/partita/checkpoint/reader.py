@@ -26,6 +26,7 @@ from partita.checkpoint.manifest import (
     inside,
     state_key,
 )
+from partita.checkpoint.memfile import MemoryShard, in_memory_limit, read_verified
 from partita.checkpoint.stfile import file_sha256
 
 _ST_DTYPES = {
@@ -138,6 +139,8 @@ class PartitaSource(StateSource):
         super().__init__(folder, manifest)
         self._open: dict[str, Any] = {}
         self._keys: dict[str, set[str]] = {}
+        self._verified: dict[str, torch.Tensor] = {}
+        """Files this rank checked and holds in memory (see [Note: verified bytes])."""
         for fname, info in manifest["files"].items():
             check_file_name(fname, os.path.join(folder, MANIFEST_NAME))
             for name, ranges in info["ranges"].items():
@@ -159,7 +162,12 @@ class PartitaSource(StateSource):
 
             path = self._path(fname)
             try:
-                handle = safe_open(path, framework="pt")
+                if fname in self._verified:
+                    handle = MemoryShard(path, self._verified.pop(fname))
+                else:
+                    handle = safe_open(path, framework="pt")
+            except CheckpointError:
+                raise
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot be opened as safetensors ({e})") from e
             self._check_header(fname, handle)
@@ -238,6 +246,10 @@ class PartitaSource(StateSource):
                     f"{path}: size check failed: {size} bytes, manifest says {info['bytes']} "
                     "(truncated or overwritten)"
                 )
+            if size <= in_memory_limit():
+                # One read: hashed as it arrives, then loaded from the same bytes.
+                self._verified[fname] = read_verified(path, size, info["sha256"])
+                continue
             digest = file_sha256(path)
             if digest != info["sha256"]:
                 raise CheckpointError(
@@ -246,8 +258,9 @@ class PartitaSource(StateSource):
                 )
 
     def close(self) -> None:
-        """Drops the memory maps."""
+        """Drops the memory maps and the files held in memory."""
         self._open.clear()
+        self._verified.clear()
 
 
 __all__ = ["PartitaSource", "Segment", "StateSource"]

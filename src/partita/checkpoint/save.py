@@ -25,14 +25,17 @@ parallelism); model-parallel slices will need one set of files per slice.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from partita.checkpoint import background, stfile
 from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
@@ -50,6 +53,7 @@ from partita.checkpoint.rendezvous import (
     gather_agreed,
     job_member,
     remove_stale_markers,
+    run_agreed,
 )
 from partita.checkpoint.state import (
     Entry,
@@ -61,7 +65,6 @@ from partita.checkpoint.state import (
     rng_state,
     to_plain,
 )
-from partita.checkpoint.stfile import CHECKSUM, write_safetensors
 from partita.checkpoint.subject import CheckpointSubject
 from partita.optim.cpu_adam import torch_class_name
 
@@ -76,57 +79,133 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    async_save: bool | None = None,
 ) -> bool:
     """Saves `engine`'s state under ``save_dir/tag`` (default tag ``global_step{N}``) and,
     with `save_latest`, points ``save_dir/latest`` at it. Every rank must call it. Returns True
     on every rank once the checkpoint is committed; raises `CheckpointError` on every rank
-    otherwise (the previous checkpoints stay intact)."""
+    otherwise (the previous checkpoints stay intact).
+
+    With `async_save` (default: the config's ``checkpoint.async_save``) it returns once the
+    states are copied to host memory and writes, fsyncs and commits in the background (see
+    [Note: asynchronous saves] in `partita.checkpoint.background`)."""
+    background.wait_for(engine)  # the previous background save first; raises its failure
     wanted = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    asked = engine.checkpoint_config.async_save if async_save is None else bool(async_save)
     os.makedirs(save_dir, exist_ok=True)
     arrival = arrive(save_dir, "save")
     start = time.perf_counter()
-    tags = gather_agreed(lambda: _check_call(wanted, client_state or {}), WHOLE_JOB)
+    calls = gather_agreed(lambda: _check_call(wanted, client_state or {}, asked), WHOLE_JOB)
     arrival.depart()
+    is_async = _agreed_async(calls)
     members = gather_agreed(job_member, WHOLE_JOB)
-    agreed = _agreed_tag(engine, tags)
-    folder = os.path.join(save_dir, agreed)
+    agreed = _agreed_tag(engine, [t for t, _ in calls])
     rank = engine.dims.rank
     staging = Staging(save_dir, agreed)
     try:
+        group = background.writer_group() if is_async else WHOLE_JOB
         opened = gather_agreed(
             lambda: _open_staging(staging, members) if rank == 0 else "", WHOLE_JOB
         )
-        staged = opened[0]  # rank 0's staging folder: every writing rank writes its shard there
-        written = gather_agreed(
-            lambda: _write_shard(engine, staged, exclude_frozen_parameters), WHOLE_JOB
-        )
+        options = (client_state or {}, save_latest, exclude_frozen_parameters)
+        # rank 0's staging folder: every writing rank writes its shard there
+        snap = run_agreed(lambda: _snapshot(engine, opened[0], agreed, is_async, *options),
+                          WHOLE_JOB)  # fmt: skip
+    except BaseException:
+        staging.close()
+        raise
+    folder = os.path.join(save_dir, agreed)
+    if not is_async:
+        _write_and_commit(snap, staging, group, start)
+        return True
+    if rank == 0:
+        logger.info("checkpoint %s: states copied in %.2f s; writing in the background",
+                    folder, time.perf_counter() - start)  # fmt: skip
+    background.start(engine, folder, lambda: _write_and_commit(snap, staging, group, start), group)
+    return True
+
+
+@dataclass
+class _Snapshot:
+    """What one rank writes: its tensors (copies, for a background save) and report, and on
+    rank 0 the manifest without the per-rank parts (the state at the time of the call)."""
+
+    rank: int
+    folder: str
+    tensors: dict[str, torch.Tensor] | None
+    report: dict[str, Any] | None
+    manifest: dict[str, Any] | None
+
+
+def _snapshot(
+    engine: CheckpointSubject,
+    folder: str,
+    tag: str,
+    copy: bool,
+    client_state: dict[str, Any],
+    save_latest: bool,
+    exclude_frozen: bool,
+) -> _Snapshot:
+    """This rank's part of the save, taken now (training may change the engine afterwards)."""
+    dims = engine.dims
+    # Collective for stage-3 frozen parameters: every rank takes the inventory's tensors.
+    tensors, report = _shard_state(engine, exclude_frozen)
+    if copy and tensors is not None:
+        tensors = {k: _host_copy(t) for k, t in tensors.items()}
+    manifest = None
+    if dims.rank == 0:
+        manifest = _manifest(engine, tag, client_state, save_latest, exclude_frozen)
+    return _Snapshot(dims.rank, folder, tensors, report, manifest)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory that training cannot change."""
+    return t.detach().to("cpu", copy=True)
+
+
+def _write_and_commit(snap: _Snapshot, staging: Staging, group: Any, start: float) -> None:
+    """Phases 3 and 4 (see the module docstring), over `group`; the staging folder's leftovers
+    are removed whatever happens."""
+    try:
+        written = gather_agreed(lambda: _write_shard(snap), group)
         reports = sorted((r for r in written if r is not None), key=lambda r: r["rank"])
-        manifest = (agreed, reports, client_state or {}, save_latest, exclude_frozen_parameters)
-        gather_agreed(lambda: _commit(engine, staging, *manifest) if rank == 0 else None, WHOLE_JOB)
+        gather_agreed(
+            lambda: _commit(staging, snap.manifest, reports) if snap.rank == 0 else None, group
+        )
     finally:
         # Every rank has left the phase that failed (each phase ends in a collective), so
         # nobody writes into the staging folder any more.
         staging.close()
-    if rank == 0:
+    if snap.rank == 0:
         total = sum(r["bytes"] for r in reports if r["file"])
         logger.info(
             "saved checkpoint %s (%.1f MB in %d files) in %.2f s",
-            folder,
+            os.path.join(staging.save_dir, staging.tag),
             total / 1e6,
             sum(1 for r in reports if r["file"]),
             time.perf_counter() - start,
         )
-    return True
 
 
-def _check_call(tag: str, client_state: Any) -> str:
+def _check_call(tag: str, client_state: Any, is_async: bool) -> tuple[str, bool]:
     if not _TAG_PATTERN.match(tag):
         raise CheckpointError(
             f"tag {tag!r}: use letters, digits and _ . = + - (no path separators, no leading "
             "dot: the tag is a folder name)"
         )
     check_client_state(client_state)
-    return tag
+    return tag, is_async
+
+
+def _agreed_async(calls: list[tuple[str, bool]]) -> bool:
+    """Every rank's `async_save` (all ranks see the same list, so all raise or none)."""
+    modes = [a for _, a in calls]
+    if len(set(modes)) > 1:
+        raise CheckpointError(
+            f"ranks passed different async_save values {dict(enumerate(modes))}; every rank "
+            "must save the same way (async_save argument or checkpoint.async_save)"
+        )
+    return modes[0]
 
 
 def _agreed_tag(engine: CheckpointSubject, tags: list[str]) -> str:
@@ -141,14 +220,15 @@ def _agreed_tag(engine: CheckpointSubject, tags: list[str]) -> str:
     return tags[0]
 
 
-def _commit(engine: CheckpointSubject, staging: Staging, tag: str, *manifest_args: Any) -> None:
+def _commit(staging: Staging, base: dict[str, Any] | None, reports: list[dict[str, Any]]) -> None:
     """Rank 0: the manifest into the staging folder, the folder in place, then `latest`."""
-    manifest = _manifest(engine, tag, *manifest_args)
+    assert base is not None  # rank 0 took it in `_snapshot`
+    manifest = _complete_manifest(base, reports)
     write_atomic(os.path.join(staging.path, MANIFEST_NAME), _json_bytes(manifest))
     staging.commit()
     if manifest["save_latest"]:
         latest = os.path.join(staging.save_dir, LATEST_NAME)
-        write_atomic(latest, tag.encode(), tmp=staging.latest_temp())
+        write_atomic(latest, manifest["tag"].encode(), tmp=staging.latest_temp())
 
 
 def _open_staging(staging: Staging, members: list[tuple[str, int]]) -> str:
@@ -190,23 +270,19 @@ def _shard_tensors(
     return tensors, ranges, scalars
 
 
-def _write_shard(
-    engine: CheckpointSubject, folder: str, exclude_frozen: bool
-) -> dict[str, Any] | None:
-    """This rank's shard file and its report, on the ranks of the first replica; None on the
-    others (see [Note: checkpoints of replicas])."""
+def _shard_state(
+    engine: CheckpointSubject, exclude_frozen: bool
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+    """This rank's tensors and report (without the file's name, size and checksum) on the
+    ranks of the first replica; (None, None) on the others (see [Note: checkpoints of
+    replicas])."""
     dims = engine.dims
     if not dims.first_replica:
-        return None
-    rank, world = dims.dp_rank, dims.dp_world_size
+        return None, None
+    rank = dims.dp_rank
     tensors, ranges, scalars = _shard_tensors(engine, inventory(engine), exclude_frozen)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "sha256": None}
-    if tensors:
-        name = shard_file_name(rank, world)
-        written = write_safetensors(
-            os.path.join(folder, name), tensors, metadata={"format": "pt", "rank": str(rank)}
-        )
-        report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
+    report["world"] = dims.dp_world_size
     report["ranges"] = ranges
     report["scalar_keys"] = sorted(scalars)
     report["state_dtypes"] = {
@@ -219,14 +295,31 @@ def _write_shard(
     report["data_loader"] = (
         loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None
     )
+    return tensors, report
+
+
+def _write_shard(snap: _Snapshot) -> dict[str, Any] | None:
+    """Writes this rank's shard file into the staging folder; its report, or None on ranks
+    that do not write."""
+    if snap.report is None or snap.tensors is None:
+        return None
+    report = dict(snap.report)
+    tensors, snap.tensors = snap.tensors, None  # freed once written
+    rank, world = report["rank"], report.pop("world")
+    if tensors:
+        name = shard_file_name(rank, world)
+        path = os.path.join(snap.folder, name)
+        try:
+            written = stfile.write_safetensors(path, tensors, {"format": "pt", "rank": str(rank)})
+        except OSError as e:
+            raise CheckpointError(f"{path}: writing rank {rank}'s shard failed ({e})") from e
+        report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
     return report
 
 
-def _tensor_table(
-    engine: CheckpointSubject, exclude_frozen: bool, state_dtypes: dict[str, str]
-) -> dict[str, dict[str, Any]]:
-    """Every tensor's kind, shape and dtype; with `state_dtypes` (only when the stored masters
-    do not share one dtype), each trainable one's stored state dtype."""
+def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
+    """Every tensor's kind, shape and dtype (`_complete_manifest` adds each trainable one's
+    stored state dtype when the stored masters do not share one dtype)."""
     table = {}
     for e in inventory(engine):
         info: dict[str, Any] = {
@@ -238,8 +331,6 @@ def _tensor_table(
             info["alias_of"] = e.alias_of
         if e.kind == "frozen" and exclude_frozen:
             info["stored"] = False
-        if e.name in state_dtypes:
-            info["state_dtype"] = state_dtypes[e.name]
         table[e.name] = info
     return table
 
@@ -247,18 +338,15 @@ def _tensor_table(
 def _manifest(
     engine: CheckpointSubject,
     tag: str,
-    reports: list[dict[str, Any]],
     client_state: dict[str, Any],
     save_latest: bool,
     exclude_frozen: bool,
 ) -> dict[str, Any]:
+    """The manifest as of the call, without what the ranks' reports add (plain data: a
+    background save builds the rest from it while training goes on)."""
     from partita import __version__
 
     scheduler = engine.lr_scheduler
-    stored = {n: d for r in reports for n, d in r["state_dtypes"].items()}
-    # One dtype for all stored states (the usual case) is recorded once; else per tensor.
-    common = set(stored.values())
-    state_dtype = next(iter(common)) if len(common) == 1 else "float32"
     return {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -271,25 +359,13 @@ def _manifest(
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.param_states.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),
-        "state_dtype": state_dtype,
         "sharding": "per file and trainable parameter: the (offset, length) ranges of the "
         "flattened parameter it holds, concatenated in order; padding is never stored",
-        "checksum": CHECKSUM,
-        "tensors": _tensor_table(engine, exclude_frozen, stored if len(common) > 1 else {}),
+        "checksum": stfile.CHECKSUM,
+        "tensors": _tensor_table(engine, exclude_frozen),
         "optimizer": torch_class_name(engine.optimizer),
         "optimizer_state_keys": engine.param_states.optimizer_state_keys(),
-        "scalar_state_keys": sorted({k for r in reports for k in r["scalar_keys"]}),
         "optimizer_param_groups": optimizer_groups(engine.optimizer),
-        "files": {
-            r["file"]: {
-                "rank": r["rank"],
-                "bytes": r["bytes"],
-                "sha256": r["sha256"],
-                "ranges": r["ranges"],
-            }
-            for r in reports
-            if r["file"]
-        },
         "counters": {
             "global_steps": engine.global_steps,
             "global_samples": engine.global_samples,
@@ -300,17 +376,37 @@ def _manifest(
         "lr_scheduler": None
         if scheduler is None
         else to_plain(scheduler.state_dict(), "lr_scheduler.state_dict()"),
-        "rng": [r["rng"] for r in reports],
-        "data_loader": [r["data_loader"] for r in reports],
         "config": engine.config_dict(),
-        "client_state": client_state,
+        "client_state": json.loads(json.dumps(client_state)),  # a copy the caller cannot change
         "exclude_frozen_parameters": exclude_frozen,
     }
 
 
-def _json_bytes(data: Any) -> bytes:
-    import json
+def _complete_manifest(base: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """`base` with the ranks' files, stored dtypes, RNG and data loader states."""
+    manifest = dict(base)
+    stored = {n: d for r in reports for n, d in r["state_dtypes"].items()}
+    # One dtype for all stored states (the usual case) is recorded once; else per tensor.
+    common = set(stored.values())
+    manifest["state_dtype"] = next(iter(common)) if len(common) == 1 else "float32"
+    if len(common) > 1:
+        manifest["tensors"] = {
+            name: {**info, "state_dtype": stored[name]} if name in stored else info
+            for name, info in base["tensors"].items()
+        }
+    manifest["scalar_state_keys"] = sorted({k for r in reports for k in r["scalar_keys"]})
+    manifest["files"] = {
+        r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"],
+                    "ranges": r["ranges"]}
+        for r in reports
+        if r["file"]
+    }  # fmt: skip
+    manifest["rng"] = [r["rng"] for r in reports]
+    manifest["data_loader"] = [r["data_loader"] for r in reports]
+    return manifest
 
+
+def _json_bytes(data: Any) -> bytes:
     return json.dumps(data, indent=1).encode()
 
 

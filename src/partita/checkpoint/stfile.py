@@ -10,10 +10,14 @@ with the `safetensors` library (`safe_open`), which memory-maps them.
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import hashlib
 import json
 import math
+import os
 import struct
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -100,7 +104,8 @@ def write_safetensors_stream(
     """Writes the tensors `specs` describes, asking `produce(name)` for each in turn (so only
     one needs to exist at a time), to `path` atomically; returns size and sha256.
 
-    Hashing runs on a helper thread (hashlib releases the GIL), overlapping the disk writes.
+    Hashing runs on a helper thread (hashlib releases the GIL), overlapping the writes, and
+    the disk writes while the file is produced (see [Note: streaming writeback]).
     """
     hasher = hashlib.sha256()
     nbytes = 0
@@ -119,17 +124,84 @@ def write_safetensors_stream(
                 yield _as_bytes(t)
 
     with atomic_writer(path) as f, ThreadPoolExecutor(1) as pool:
+        flusher = _Writeback(f)
         pending: list[tuple[Future[None], Any]] = []
         for buf, owner in buffers():
-            pending.append((pool.submit(hasher.update, buf), owner))
-            f.write(buf)
-            nbytes += len(buf)
-            # Keep at most a few buffers alive: wait for hashes older than the last two.
-            while len(pending) > 2:
-                pending.pop(0)[0].result()
+            for at in range(0, max(len(buf), 1), _WRITE_CHUNK):
+                piece = buf[at : at + _WRITE_CHUNK]
+                pending.append((pool.submit(hasher.update, piece), owner))
+                f.write(piece)
+                nbytes += len(piece)
+                flusher.written(len(piece))
+                # Keep at most a few pieces alive: wait for hashes older than the last two.
+                while len(pending) > 2:
+                    pending.pop(0)[0].result()
         for p, _ in pending:
             p.result()
     return WrittenFile(path=path, nbytes=nbytes, sha256=hasher.hexdigest())
+
+
+_WRITE_CHUNK = 16 << 20
+"""Bytes per write call: the unit the hash thread and the writer pipeline on."""
+_WRITEBACK_WINDOW = 256 << 20
+"""Bytes after which the kernel is asked to start writing the range out (see `_Writeback`)."""
+
+
+class _Writeback:
+    """Starts the disk writing while the file is still being produced.
+
+    [Note: streaming writeback]
+    Left alone, the kernel keeps a checkpoint's pages dirty until the final fsync (or until
+    the dirty limit throttles the writer), so the disk idles while the bytes are produced
+    and hashed, and then works alone during the fsync. Every `_WRITEBACK_WINDOW` bytes this
+    asks for the window just written to go out (``sync_file_range(SYNC_FILE_RANGE_WRITE)``,
+    which does not wait) and waits for the window before it to be on disk, so the disk
+    works all the time, dirty memory stays at two windows, and the final fsync (kept: it is
+    what makes the file durable, with its metadata) has little left to do. Where
+    ``sync_file_range`` is missing (not Linux) the final fsync does all of it, as before.
+    """
+
+    def __init__(self, f: Any) -> None:
+        self.f, self.offset, self.started = f, 0, 0
+        self.prev: tuple[int, int] | None = None
+
+    def written(self, nbytes: int) -> None:
+        """Counts `nbytes` more written; at a window boundary, writes back (see the note)."""
+        self.offset += nbytes
+        if self.offset - self.started < _WRITEBACK_WINDOW or _sync_file_range() is None:
+            return
+        self.f.flush()
+        fd = self.f.fileno()
+        window = (self.started, self.offset - self.started)
+        _range_sync(fd, *window, _SYNC_WRITE)
+        if self.prev is not None:
+            _range_sync(fd, *self.prev, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
+        self.prev, self.started = window, self.offset
+
+
+_SYNC_WAIT_BEFORE, _SYNC_WRITE, _SYNC_WAIT_AFTER = 1, 2, 4
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        func = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    func.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    func.restype = ctypes.c_int
+    return func
+
+
+def _range_sync(fd: int, offset: int, nbytes: int, flags: int) -> None:
+    """``sync_file_range``; an error is raised as OSError (a write error shows here first)."""
+    if _sync_file_range()(fd, offset, nbytes, flags) != 0:
+        err = ctypes.get_errno()
+        if err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE):
+            return  # unsupported here (e.g. some filesystems): the final fsync does it
+        raise OSError(err, os.strerror(err))
 
 
 def file_sha256(path: str) -> str:

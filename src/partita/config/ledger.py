@@ -282,6 +282,7 @@ LEDGER: dict[str, Entry] = {
     "activation_checkpointing.synchronize_checkpoint_boundary": _inert(_DS_CKPT),
     "activation_checkpointing.profile": _inert(_DS_CKPT),
     "checkpoint.tag_validation": _read("checkpoint/save.py"),
+    "checkpoint.async_save": _read("checkpoint/save.py"),
     "checkpoint.load_universal": _refused(
         "partita's checkpoints reshard on load by themselves; DeepSpeed's universal "
         "checkpoints are not read",

@@ -92,3 +92,8 @@ class CheckpointConfig(Section):
     parallel_write: ParallelWriteConfig = Field(
         default_factory=ParallelWriteConfig, description="Parallel checkpoint writing."
     )
+    async_save: Bool = Field(
+        default=False,
+        description="save_checkpoint returns once the states are copied to host memory; the "
+        "files are written, fsynced and committed in the background (partita's own key).",
+    )
