@@ -236,6 +236,10 @@ LEDGER: dict[str, Entry] = {
     "zero_optimization.enable_sanity_checks": _inert(
         "switches on DeepSpeed's internal debug assertions; partita has none to switch"
     ),
+    "zero_optimization.leaf_module.classes": _read("zero/stage3/leaves.py"),
+    "zero_optimization.leaf_module.names": _read("zero/stage3/leaves.py"),
+    "zero_optimization.leaf_module.name_suffixes": _read("zero/stage3/leaves.py"),
+    "zero_optimization.stage3_check_divergence": _read(_STAGE3),
     "zero_optimization.save_muon_momentum_buffer_in_memory": _inert(
         "applies only to DeepSpeed's Muon optimizer, which partita refuses (optimizer.type)"
     ),

@@ -112,7 +112,6 @@ UNSUPPORTED_KEYS: dict[str, Unsupported] = {
     "vocabulary_size": Unsupported("informational only", _always),
     "optimizer.legacy_fusion": Unsupported(f"{_OFF}: legacy fused FP16 optimizer", _equals(False)),
     "zero_optimization.zenflow": Unsupported(f"{_OFF}: ZenFlow"),
-    "zero_optimization.leaf_module": Unsupported(f"{_OFF}: ZeRO-3 leaf modules"),
     "checkpoint.writer": Unsupported(
         "partita writes checkpoints with its own sharded writer; remove 'writer'"
     ),

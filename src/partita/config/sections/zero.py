@@ -17,7 +17,9 @@ from pydantic import Field, model_validator
 from .base import Bool, Float, Int, NonNegInt, PositiveInt, Section, logger
 
 __all__ = [
+    "LEAF_MODULE_CLASSES",
     "REDUCE_BUCKET_NUMEL",
+    "LeafModuleConfig",
     "OffloadDevice",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -105,6 +107,41 @@ class OffloadOptimizerConfig(Section):
         le=1.0,
         description="Fraction of CPU cores the CPU optimizer may use (with super_offload).",
     )
+
+
+LEAF_MODULE_CLASSES = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""DeepSpeed's default ``leaf_module.classes`` (MoE blocks; in partita they sit inside a
+transformer block's unit already, so they change nothing)."""
+
+
+class LeafModuleConfig(Section):
+    """``zero_optimization.leaf_module``: stage-3 modules that some ranks may not run (a vision
+    tower, MoE experts), gathered with their parent module on every rank."""
+
+    classes: list[str] = Field(
+        default_factory=lambda: list(LEAF_MODULE_CLASSES),
+        description="Module classes, by class name or fully qualified name.",
+    )
+    names: list[str] = Field(
+        default_factory=list,
+        description="Module names as named_modules() gives them; each must exist.",
+    )
+    name_suffixes: list[str] = Field(
+        default_factory=list,
+        description="Suffixes of module names; each must match at least one module.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _single_strings(cls, data: Any) -> Any:
+        # DeepSpeed accepts one string where a list is expected.
+        if isinstance(data, Mapping):
+            return {k: [v] if isinstance(v, str) else v for k, v in data.items()}
+        return data
 
 
 def _legacy_offload_flags(data: dict[str, Any]) -> None:
@@ -282,6 +319,16 @@ class ZeroConfig(Section):
     )
     enable_sanity_checks: Bool = Field(
         default=False, description="Run internal consistency checks."
+    )
+    leaf_module: LeafModuleConfig = Field(
+        default_factory=LeafModuleConfig,
+        description="Stage 3: modules gathered with their parent whether or not a rank runs "
+        "them (DeepSpeed's leaf modules).",
+    )
+    stage3_check_divergence: Bool = Field(
+        default=True,
+        description="partita: check before each stage-3 gather and reduce-scatter that every "
+        "rank is at the same unit, and raise naming each rank's unit and step if not.",
     )
     save_muon_momentum_buffer_in_memory: Bool = Field(
         default=False,

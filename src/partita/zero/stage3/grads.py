@@ -18,6 +18,7 @@ import torch
 from partita import comm
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.stage3.identity import REDUCE
 from partita.zero.stage3.unit import ShardedUnit, trace
 
 
@@ -97,6 +98,8 @@ class UnitGradReducer:
             self._launch(unit)
 
     def _launch(self, unit: ShardedUnit) -> None:
+        if unit.divergence is not None:  # same unit on every rank: [Note: rank divergence]
+            unit.divergence.check(REDUCE, unit.index)
         if unit.grad_buffer is None:  # no gradient reached it: reduce zeros (collectives must pair)
             unit.grad_buffer = self._pool.acquire(
                 unit.layout.padded_numel, unit.flat_shard.dtype, unit.flat_full.device

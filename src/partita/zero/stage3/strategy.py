@@ -25,6 +25,8 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
+from partita.zero.stage3.identity import END, DivergenceCheck
+from partita.zero.stage3.leaves import declared_leaves, leaf_groups
 from partita.zero.stage3.nvme import SwappedOptimizerState
 from partita.zero.stage3.schedule import UnitScheduler
 from partita.zero.stage3.state import UnitShardLayout
@@ -67,27 +69,32 @@ def split_sub_groups(
 
 
 def plan_units(
-    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], threshold: int
+    model: torch.nn.Module,
+    blocks: Sequence[torch.nn.Module],
+    threshold: int,
+    leaves: Sequence[torch.nn.Module] = (),
 ) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
-    """(name, module, parameters) of each unit — each block, then one unit per other module
-    owning parameters directly — and the parameters below `threshold` elements, which stay
-    gathered (persistent)."""
+    """(name, module, parameters) of each unit — each block, then each parent of declared
+    conditional modules (`leaves`: its own parameters and theirs, see [Note: conditional
+    modules]), then one unit per other module owning parameters directly — and the parameters
+    below `threshold` elements, which stay gathered (persistent)."""
     assigned: set[torch.nn.Parameter] = set()
     plan: UnitPlan = []
     names = {id(m): n for n, m in model.named_modules()}
 
-    def take(m: torch.nn.Module, recurse: bool) -> None:
-        params = [
-            p for p in m.parameters(recurse=recurse) if p not in assigned and p.numel() >= threshold
-        ]
-        assigned.update(params)
-        if params:
-            plan.append((names[id(m)] or "root", m, params))
+    def take(m: torch.nn.Module, params: Any) -> None:
+        mine = [p for p in params if p not in assigned and p.numel() >= threshold]
+        assigned.update(mine)
+        if mine:
+            plan.append((names[id(m)] or "root", m, mine))
 
     for m in blocks:
-        take(m, recurse=True)
+        take(m, m.parameters())
+    for _, parent, kids in leaf_groups(model, list(leaves)):
+        own = list(parent.parameters(recurse=False))
+        take(parent, own + [p for kid in kids for p in kid.parameters()])
     for m in model.modules():
-        take(m, recurse=False)
+        take(m, m.parameters(recurse=False))
     return plan, [p for p in model.parameters() if p not in assigned]
 
 
@@ -105,6 +112,17 @@ def _binding_modules(
         return [unit_module]
     owned = {id(p) for p in params}
     return [m for m in root.modules() if any(id(p) in owned for p in m.parameters(recurse=False))]
+
+
+def _plan(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], zero: Any
+) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
+    """`plan_units` with the conditional modules the model and ``zero.leaf_module`` declare;
+    their parents join `blocks` (in place): a parent's own forward gathers its unit whole."""
+    leaves = declared_leaves(model, zero.leaf_module)
+    plan = plan_units(model, blocks, int(zero.stage3_param_persistence_threshold), leaves)
+    blocks += [parent for _, parent, _ in leaf_groups(model, leaves)]
+    return plan
 
 
 @dataclass
@@ -191,7 +209,7 @@ class FullySharded:
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
-        plan, persistent = plan_units(module, modules, int(zero.stage3_param_persistence_threshold))
+        plan, persistent = _plan(module, modules, zero)
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
         build = _UnitFactory(
@@ -201,6 +219,13 @@ class FullySharded:
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
         bindings = self._build_units(build, plan, persistent, module, modules)
+        self.divergence = DivergenceCheck(
+            [u.name for u in self.all_units], group, bool(zero.stage3_check_divergence)
+        )
+        """Identities of the units' collectives, checked across ranks ([Note: rank
+        divergence])."""
+        for index, unit in enumerate(self.all_units):
+            unit.index, unit.divergence = index, self.divergence
         if opt.where == "host" and opt.ratio < 1.0:
             self._keep_masters_on_device(opt.ratio)
         bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
@@ -327,6 +352,9 @@ class FullySharded:
             self.scheduler.end_backward()
             if self.persistent is not None:
                 self.reducer.reduce(self.persistent)
+            # A rank done with this backward meets any rank still gathering: [Note: rank
+            # divergence].
+            self.divergence.check(END)
             self.reducer.finish()
 
     def _masters(self) -> list[torch.nn.Parameter]:
@@ -337,6 +365,7 @@ class FullySharded:
         outcome = self._run_step(clip, loss_scale)
         if outcome.applied:
             self._after_step()
+        self.divergence.next_step()
         return outcome
 
     def _choose_step(self) -> None:

@@ -62,6 +62,7 @@ from partita.accelerator import pin_if
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import mark_gathered, mark_sharded
+from partita.zero.stage3.identity import GATHER, DivergenceCheck
 
 
 class UnitState(enum.Enum):
@@ -115,6 +116,11 @@ class ShardedUnit:
     """Forwards with gradients this step (a unit may run more than once)."""
     backward_calls = 0
     """Of those, the backwards that have finished."""
+    index = -1
+    """Position among the strategy's units (the same on every rank; names it in identities)."""
+    divergence: DivergenceCheck | None = None
+    """Checks each gather's and reduce-scatter's identity across ranks ([Note: rank
+    divergence]); set by the strategy once every unit exists."""
 
     def __init__(
         self,
@@ -247,6 +253,8 @@ class ShardedUnit:
         if self.state is not UnitState.SHARDED:
             return
         with trace("unshard", self.name):
+            if self.divergence is not None:  # before any data moves: see [Note: rank divergence]
+                self.divergence.check(GATHER, self.index)
             self._start_gather(tag)
         self.state = UnitState.UNSHARDING
 

@@ -28,33 +28,53 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         logger.log(level, "[Rank %d] %s", rank, message)
 
 
-_LEAF_CLASSES: set[type] = set()
+def set_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes: list[Any], raise_if_not_found: bool = True
+) -> list[Any]:
+    """Declares the modules of `leaf_module_classes` (classes, class names or qualified names)
+    conditional and returns them, as DeepSpeed does: under ZeRO-3 each is gathered with its
+    parent module on every rank, whether or not a rank runs it (see [Note: conditional
+    modules] in `partita.zero.stage3.leaves`). The flag is DeepSpeed's ``_z3_leaf`` attribute
+    on each instance; call it before ``initialize``. A class that matches nothing is an error
+    naming it."""
+    return _flag(model, leaf_module_classes, True, raise_if_not_found)
 
 
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any]) -> list[Any]:
-    """Records modules of `leaf_module_classes` (classes or class names) as ZeRO-3 leaves and
-    returns them, as DeepSpeed does; a class that matches nothing is an error naming it. partita's
-    stage-3 units are whole transformer blocks, so an MoE block's experts are gathered together
-    with their block already; the record is what `z3_leaf_module` answers."""
-    wanted = {c if isinstance(c, str) else c.__name__ for c in leaf_module_classes}
-    found = [m for m in model.modules() if type(m).__name__ in wanted]
-    seen = {type(m).__name__ for m in found}
-    missing = sorted(wanted - seen)
-    if missing:
-        raise ValueError(f"set_z3_leaf_modules: no module of class {missing} in the model")
-    for m in found:
-        _LEAF_CLASSES.add(type(m))
+def unset_z3_leaf_modules(
+    model: torch.nn.Module, leaf_module_classes: list[Any], raise_if_not_found: bool = True
+) -> list[Any]:
+    """Undoes `set_z3_leaf_modules` for those classes."""
+    return _flag(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def _flag(
+    model: torch.nn.Module, classes: list[Any], value: bool, raise_if_not_found: bool
+) -> list[Any]:
+    wanted = {c if isinstance(c, str) else c.__name__ for c in classes}
+    found = []
+    for m in model.modules():
+        cls = type(m)
+        if {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"} & wanted:
+            m._z3_leaf = value  # type: ignore[assignment]
+            found.append(m)
+    if not found and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules: no module of class {sorted(wanted)} in the model")
     return found
 
 
+def set_z3_leaf_module(model: torch.nn.Module, flag: bool) -> None:
+    """Sets or clears the leaf flag of one module instance."""
+    model._z3_leaf = flag  # type: ignore[assignment]
+
+
 def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Modules of `model` marked by `set_z3_leaf_modules`."""
-    return [m for m in model.modules() if type(m) in _LEAF_CLASSES]
+    """Modules of `model` declared by `set_z3_leaf_modules`."""
+    return [m for m in model.modules() if z3_leaf_module(m)]
 
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
-    """Whether `model` is a marked leaf."""
-    return type(model) in _LEAF_CLASSES
+    """Whether `model` is a declared leaf."""
+    return bool(getattr(model, "_z3_leaf", False))
 
 
 def __getattr__(name: str) -> Any:
@@ -68,6 +88,8 @@ __all__ = [
     "is_initialized",
     "log_dist",
     "logger",
+    "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
     "z3_leaf_module",
 ]
