@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -171,6 +172,12 @@ def parse_args() -> argparse.Namespace:
         "--bf16", action="store_true",
         help="bf16 mixed precision (fp32 masters) for partita and DeepSpeed; the torch peers "
         "stay fp32, so only partita and DeepSpeed rows may run (results get a _bf16 suffix)",
+    )  # fmt: skip
+    p.add_argument(
+        "--check_pair", action="store_true",
+        help="stage 3 with and without the rank-divergence check (stage3_check_divergence), "
+        "paired in one job: one engine whose steps alternate check on/off (ABBA), so both see "
+        "the same machine load; prints the median step-time ratio on/off",
     )  # fmt: skip
     p.add_argument("--nprocs_sweep", help="e.g. 1,2,4: memory of partita's stages per N")
     p.add_argument("--sweep_stages", default="1,2,3", help="partita stages in the sweep")
@@ -334,8 +341,13 @@ def worker(args: argparse.Namespace) -> None:
     model = common.build_gpt2(args.model, args.seed)
     params = common.count_params(model)  # before stage 3 swaps the parameters for placeholders
     step, extra, engine = build_worker(args, model)
+    if args.check_pair:
+        step, checked = alternate_check(step, engine)
     batches = common.corpus_batches(rank, world, args.micro_batch, args.seq_len)
     times, losses, faults = common.time_steps(step, batches, args.warmup, args.steps)
+    if args.check_pair:
+        extra["checked"] = checked[args.warmup :]
+        extra["checks"] = engine.strategy.divergence.checks  # identity exchanges, all steps
     extra["params"] = params
     if engine is not None:
         extra["memory_report"] = all_ranks(engine.memory_report())
@@ -343,6 +355,50 @@ def worker(args: argparse.Namespace) -> None:
     if result is not None:
         Path(args.result_file).write_text(json.dumps(result))
     common.exit_worker()
+
+
+def alternate_check(step: StepFn, engine: Any) -> tuple[StepFn, list[bool]]:
+    """`step` with partita stage 3's divergence check on in calls 0, 3, 4, 7, ... and off in
+    the others (ABBA: a drift in the machine's speed falls on both alike); the list records
+    each call's setting. Every rank switches at the same call, so the identities still pair."""
+    check = engine.strategy.divergence
+    enabled, checked = check.enabled, []
+
+    def paired(batch: torch.Tensor) -> torch.Tensor:
+        check.enabled = enabled and len(checked) % 4 in (0, 3)
+        checked.append(check.enabled)
+        return step(batch)
+
+    return paired, checked
+
+
+def pair_times(times: list[float], checked: list[bool]) -> dict[str, Any]:
+    """Median step time (the slowest rank's) with and without the check, and their ratio."""
+    on = [t for t, c in zip(times, checked, strict=True) if c]
+    off = [t for t, c in zip(times, checked, strict=True) if not c]
+    if not on or not off:
+        return {}
+    med_on, med_off = statistics.median(on), statistics.median(off)
+    return {
+        "steps_on": len(on), "steps_off": len(off), "median_on_s": med_on,
+        "median_off_s": med_off, "ratio_on_off": med_on / med_off,
+    }  # fmt: skip
+
+
+def run_check_pair(args: argparse.Namespace) -> int:
+    """``--check_pair``: one partita stage-3 job, steps alternating the check; prints and
+    saves ``zero3_check_<model>.json``."""
+    errors: dict[str, str] = {}
+    result = run_job(args, "partita-3", args.nprocs, args.threads, errors)
+    if result is None:
+        return 1
+    pair = pair_times(result["step_times_s"], result["checked"])
+    pair["checks_per_step"] = result["checks"] / (args.warmup + args.steps)
+    print(json.dumps(pair, indent=1))
+    out = args.results_dir / f"zero3_check_{args.model}.json"
+    out.write_text(json.dumps({"args": jsonable(vars(args)), "check_pair": pair}, indent=1))
+    print(f"wrote {out}")
+    return 0
 
 
 # --- orchestrator --------------------------------------------------------------------------
@@ -367,7 +423,7 @@ def shared_args(args: argparse.Namespace) -> list[str]:
         "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--steps", str(args.steps),
         "--seed", str(args.seed), "--persistence_threshold", str(args.persistence_threshold),
         "--zero_config", json.dumps(args.zero_config), "--nvme_dir", args.nvme_dir,
-        *(["--bf16"] if args.bf16 else []),
+        *(["--bf16"] if args.bf16 else []), *(["--check_pair"] if args.check_pair else []),
     ]  # fmt: skip
 
 
@@ -634,6 +690,8 @@ def main() -> None:
         return
     if args.nprocs_sweep:
         sys.exit(1 if run_sweep(args) else 0)
+    if args.check_pair:
+        sys.exit(run_check_pair(args))
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
