@@ -40,8 +40,11 @@ class VisionLM(nn.Module):
     """Embedding, an optional `vision` tower, two MLP blocks, a head; returns the mean
     next-token cross-entropy."""
 
-    def __init__(self) -> None:
+    def __init__(self, late: bool = False) -> None:
         super().__init__()
+        self.late = late
+        """Run the tower after the blocks: a rank without an image is then done with its
+        forward while the other still gathers the tower."""
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.vision = VisionTower()
@@ -53,14 +56,17 @@ class VisionLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(tokens)
-        if image is not None:
+        if image is not None and not self.late:
             x = x + self.vision(image)
         for block in self.blocks:
             x = x + block(x)
         logits = self.head(x)
-        return nn.functional.cross_entropy(
+        loss = nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)
         )
+        if image is not None and self.late:  # after the head: the last module of the forward
+            loss = loss + self.vision(image).square().mean()
+        return loss
 
 
 def vision_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -79,12 +85,14 @@ def _z3(**zero: Any) -> dict[str, Any]:
     )
 
 
-def _train_vision(config: dict[str, Any], declare_api: bool = False) -> list[float]:
+def _train_vision(
+    config: dict[str, Any], declare_api: bool = False, late: bool = False
+) -> list[float]:
     import partita
     from partita import comm
     from partita.compat.deepspeed.utils import set_z3_leaf_modules
 
-    model = VisionLM()
+    model = VisionLM(late)
     if declare_api:
         set_z3_leaf_modules(model, [VisionTower])
     engine, *_ = partita.initialize(model=model, config=config)
@@ -167,11 +175,11 @@ def _generate(reference: bool) -> list[int]:
     return out[0].tolist()
 
 
-def _diverge() -> dict[str, Any]:
+def _diverge(late: bool = False) -> dict[str, Any]:
     """The undeclared vision tower: returns what the training raised and after how long."""
     start = time.perf_counter()
     try:
-        _train_vision(_z3())
+        _train_vision(_z3(), late=late)
     except Exception as err:
         return {
             "error": type(err).__name__,
@@ -191,6 +199,8 @@ def divergence_cases() -> dict[str, Any]:
     out["generated"] = _generate(reference=False)
     out["generated_ref"] = _generate(reference=True)
     out["diverged"] = _diverge()
+    # The check raised before any mismatched data moved, so the process group still pairs.
+    out["diverged_late"] = _diverge(late=True)
     return out
 
 
@@ -226,6 +236,20 @@ def test_undeclared_conditional_module_raises_on_every_rank_naming_units_and_ste
         # Rank 0 gathers the vision tower where rank 1 gathers the first block, at step 0.
         assert "rank 0" in message and "'vision.proj'" in message, message
         assert "rank 1" in message and "'blocks.0'" in message, message
+        assert "step 0" in message, message
+
+
+def test_rank_done_with_forward_meets_the_rank_still_gathering(
+    results: list[dict[str, Any]],
+) -> None:
+    # Rank 1 has no image: after the head it starts its backward and reduce-scatters the
+    # head's gradients while rank 0 gathers the tower it runs last.
+    for rank, res in enumerate(results):
+        got = res["diverged_late"]
+        assert got["error"] == "RankDivergenceError", (rank, got)
+        message = got["message"]
+        assert "rank 0 gathers unit 'vision.proj'" in message, message
+        assert "rank 1 reduce-scatters the gradients of unit 'head'" in message, message
         assert "step 0" in message, message
 
 

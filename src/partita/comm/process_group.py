@@ -119,6 +119,7 @@ def get_backend(group: ProcessGroup | None = None) -> str:
     return str(dist.get_backend(group))
 
 
-def new_group(ranks: list[int]) -> ProcessGroup:
-    """A sub-group of the given global ranks (every rank must call it)."""
-    return dist.new_group(ranks)
+def new_group(ranks: list[int], backend: str | None = None) -> ProcessGroup:
+    """A sub-group of the given global ranks (every rank must call it), on `backend` (the
+    default process group's when None; "gloo" gives a host-side group beside NCCL)."""
+    return dist.new_group(ranks, backend=backend)

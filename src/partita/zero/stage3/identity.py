@@ -23,7 +23,6 @@ device's stream); ``zero_optimization.stage3_check_divergence`` false turns it o
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from partita import comm
 
@@ -93,4 +92,4 @@ def _host_group(group: comm.ProcessGroup | None) -> comm.ProcessGroup | None:
     if comm.get_backend(group) == "gloo":
         return group
     ranks = [comm.get_global_rank(group, r) for r in range(comm.get_world_size(group))]
-    return dist.new_group(ranks, backend="gloo")
+    return comm.new_group(ranks, backend="gloo")
