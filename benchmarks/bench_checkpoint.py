@@ -1,15 +1,29 @@
-"""Checkpoint save/load time and bytes: partita vs DeepSpeed vs the disk's write bandwidth.
+"""Checkpoint save/load time: partita (sync and async), DeepSpeed and torch DCP, against the
+disk's own write + fsync of the same bytes measured interleaved with the saves.
 
-A GPT-2 (``--model 124m``: 124M parameters, tied embeddings) trains one step with AdamW under
-ZeRO ``--stage`` (default 3, the highest available) on 2 CPU processes, then saves and loads
-a checkpoint ``--repeats`` times. DeepSpeed runs the same (ZeRO ``--stage``, torch AdamW as a
-client optimizer, DS_ACCELERATOR=cpu, gloo) when ``import deepspeed`` works. The disk's
-sequential write bandwidth is measured in the same run by writing and fsyncing as many bytes
-as partita's checkpoint holds, in 64 MiB blocks, to the same folder.
+A GPT-2 (``--model 124m``: 124M parameters, tied embeddings) trains one step with AdamW on 2
+CPU processes (gloo), then saves and loads ``--repeats`` times, for each ZeRO stage in
+``--stages`` (default 3 and 0):
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--model 124m] [--stage 3] [--repeats 2]
+- partita: ``save_checkpoint`` (sync: write, fsync, sha256, atomic commit), ``load_checkpoint``
+  (sha256 checked), and ``save_checkpoint(async_save=True)``: the *stall* (until it returns,
+  training could go on) and the *total* (until the checkpoint is committed);
+- DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, torch AdamW as a client optimizer, same stage):
+  ``save_checkpoint`` (torch.save, no fsync) and ``load_checkpoint``;
+- torch DCP on the same model and AdamW state (replicated: DCP deduplicates, so each tensor is
+  written once): ``dcp.save``, ``dcp.async_save`` (stall and total) and ``dcp.load``.
 
-Prints a markdown table; writes ``benchmarks/results/checkpoint_<model>_stage<s>.{json,md}``.
+The disk reference ("plain write+fsync") is measured inside every engine's run, interleaved
+with its saves (the order alternates per repeat): the ranks read the files the save just
+wrote back into memory (untimed), then each writes its share (files ``i % world == rank``, so
+for partita each rank its own shard) with plain ``write`` calls and one ``fsync`` per file into
+the same folder, timed between barriers like the saves. `ratio` is reference time / save time
+of each pair: 1.0 is disk speed. This disk's speed drifts a lot within minutes (and other jobs
+share it), which is why the pairs are interleaved; compare ratios, not MB/s across rows.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py [--model 124m] [--stages 3 0] [--repeats 3]
+
+Prints a markdown table per stage; writes ``benchmarks/results/checkpoint_<model>_stage<s>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -18,9 +32,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,145 +60,255 @@ def _config(stage: int) -> dict[str, Any]:
     }
 
 
-def _dir_bytes(path: str) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+def _files(path: str) -> list[str]:
+    return sorted(str(f) for f in Path(path).rglob("*") if f.is_file())
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
 def _one_step(engine: Any) -> None:
-    vocab = engine.module.config.vocab_size
-    tokens = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    tokens = _tokens(engine.module.config.vocab_size)
     loss = engine(input_ids=tokens, labels=tokens).loss
     engine.backward(loss)
     engine.step()
 
 
-def _timed_rounds(engine: Any, folder: str, repeats: int, barrier: Any) -> dict[str, Any]:
-    saves, loads, sizes = [], [], []
+def _timed(barrier: Callable[[], None], fn: Callable[[], Any]) -> float:
+    barrier()
+    start = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - start
+
+
+def plain_write(folder: str, rank: int, world: int, barrier: Callable[[], None]) -> float:
+    """The disk reference: this rank's share of `folder`'s files, read into memory, written
+    back with plain writes and one fsync per file, timed between barriers (see the module
+    docstring)."""
+    mine = [f for i, f in enumerate(_files(folder)) if i % world == rank]
+    data = [Path(f).read_bytes() for f in mine]
+    out = os.path.join(os.path.dirname(folder), f"plain-rank{rank}")
+    os.makedirs(out, exist_ok=True)
+
+    def write() -> None:
+        for i, blob in enumerate(data):
+            with open(os.path.join(out, f"f{i}"), "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+        if data:
+            fd = os.open(out, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    seconds = _timed(barrier, write)
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+
+
+def _interleaved(
+    repeats: int, save: Callable[[int], float], reference: Callable[[int], float]
+) -> tuple[list[float], list[float]]:
+    """Save and reference `repeats` times, the order alternating; the reference of repeat i
+    writes the bytes of save i (or, when it goes first, of the previous save)."""
+    saves, refs = [], []
     for i in range(repeats):
-        barrier()
-        start = time.perf_counter()
-        engine.save_checkpoint(folder, tag=f"bench{i}")
-        barrier()
-        saves.append(time.perf_counter() - start)
-        sizes.append(_dir_bytes(os.path.join(folder, f"bench{i}")))
-        start = time.perf_counter()
-        engine.load_checkpoint(folder, tag=f"bench{i}")
-        barrier()
-        loads.append(time.perf_counter() - start)
-    return {"save_s": saves, "load_s": loads, "bytes": sizes}
+        if i % 2 == 0:
+            saves.append(save(i))
+            refs.append(reference(i))
+        else:
+            refs.append(reference(i - 1))
+            saves.append(save(i))
+    return saves, refs
 
 
-def partita_worker(model_name: str, stage: int, folder: str, repeats: int) -> dict[str, Any]:
+def partita_worker(model_name: str, stage: int, root: str, repeats: int) -> dict[str, Any]:
     """One rank of the partita run."""
     import partita
     from partita import comm
+    from partita.checkpoint import background
 
+    rank, world = comm.get_rank(), comm.get_world_size()
     model = build_gpt2(model_name, seed=0)
     params = count_params(model)
     cfg = {**_config(stage), "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     cfg.pop("zero_allow_untested_optimizer")
     engine, *_ = partita.initialize(model=model, config=cfg)
     _one_step(engine)
-    out = _timed_rounds(engine, folder, repeats, comm.barrier)
-    out["params"] = params
-    return out
+    folder = os.path.join(root, "ckpt")
+
+    def save(i: int) -> float:
+        return _timed(comm.barrier, lambda: engine.save_checkpoint(folder, tag=f"s{i}"))
+
+    saves, refs = _interleaved(
+        repeats,
+        save,
+        lambda i: plain_write(os.path.join(folder, f"s{i}"), rank, world, comm.barrier),
+    )
+    nbytes = sum(os.path.getsize(f) for f in _files(os.path.join(folder, "s0")))
+    loads = [_timed(comm.barrier, lambda: engine.load_checkpoint(folder, tag="s0"))]
+    loads += [_timed(comm.barrier, lambda: engine.load_checkpoint(folder, tag="s0"))
+              for _ in range(repeats - 1)]  # fmt: skip
+    stalls, totals = [], []
+    for i in range(repeats):
+        comm.barrier()
+        start = time.perf_counter()
+        engine.save_checkpoint(folder, tag=f"a{i}", async_save=True)
+        stall = time.perf_counter() - start
+        background.wait_for(engine)
+        comm.barrier()
+        totals.append(time.perf_counter() - start)
+        stalls.append(max(comm.all_gather_object(stall)))
+    engine.destroy()
+    return {"params": params, "bytes": nbytes, "save_s": saves, "ref_s": refs, "load_s": loads,
+            "async_stall_s": stalls, "async_total_s": totals}  # fmt: skip
 
 
-def deepspeed_worker(model_name: str, stage: int, folder: str, repeats: int) -> dict[str, Any]:
+def deepspeed_worker(model_name: str, stage: int, root: str, repeats: int) -> dict[str, Any]:
     """One rank of the DeepSpeed run (torch AdamW as a client optimizer: no op builds)."""
     import deepspeed
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     model = build_gpt2(model_name, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_config(stage))
     _one_step(engine)
-    return _timed_rounds(engine, folder, repeats, dist.barrier)
+    folder = os.path.join(root, "ckpt")
+
+    def save(i: int) -> float:
+        return _timed(dist.barrier, lambda: engine.save_checkpoint(folder, tag=f"s{i}"))
+
+    saves, refs = _interleaved(
+        repeats,
+        save,
+        lambda i: plain_write(os.path.join(folder, f"s{i}"), rank, world, dist.barrier),
+    )
+    nbytes = sum(os.path.getsize(f) for f in _files(os.path.join(folder, "s0")))
+    loads = [_timed(dist.barrier, lambda: engine.load_checkpoint(folder, tag="s0"))
+             for _ in range(repeats)]  # fmt: skip
+    return {"bytes": nbytes, "save_s": saves, "ref_s": refs, "load_s": loads}
 
 
-def disk_write_bandwidth(folder: str, nbytes: int) -> float:
-    """Bytes per second of a sequential write + fsync of `nbytes` in 64 MiB blocks."""
-    block = os.urandom(64 << 20)
-    path = os.path.join(folder, "dd.bin")
-    start = time.perf_counter()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            n = min(left, len(block))
-            f.write(block[:n])
-            left -= n
-        f.flush()
-        os.fsync(f.fileno())
-    seconds = time.perf_counter() - start
-    os.unlink(path)
-    return nbytes / seconds
+def dcp_worker(model_name: str, stage: int, root: str, repeats: int) -> dict[str, Any]:
+    """One rank of the torch DCP run: replicated model and AdamW state (`stage` unused)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_gpt2(model_name, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = _tokens(model.config.vocab_size)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    folder = os.path.join(root, "ckpt")
+
+    def save(i: int) -> float:
+        return _timed(dist.barrier, lambda: dcp.save(state, checkpoint_id=f"{folder}/s{i}"))
+
+    saves, refs = _interleaved(
+        repeats,
+        save,
+        lambda i: plain_write(os.path.join(folder, f"s{i}"), rank, world, dist.barrier),
+    )
+    nbytes = sum(os.path.getsize(f) for f in _files(os.path.join(folder, "s0")))
+
+    def load() -> None:
+        dcp.load(state, checkpoint_id=f"{folder}/s0")
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])  # fmt: skip
+
+    loads = [_timed(dist.barrier, load) for _ in range(repeats)]
+    stalls, totals = [], []
+    for i in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        pending = dcp.async_save(state, checkpoint_id=f"{folder}/a{i}")
+        stall = time.perf_counter() - start
+        getattr(pending, "upload_completion", pending).result()
+        dist.barrier()
+        totals.append(time.perf_counter() - start)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, stall)
+        stalls.append(max(gathered))
+    return {"bytes": nbytes, "save_s": saves, "ref_s": refs, "load_s": loads,
+            "async_stall_s": stalls, "async_total_s": totals}  # fmt: skip
 
 
-def _run(worker: Any, args: argparse.Namespace, env: dict[str, str] | None) -> dict[str, Any]:
-    folder = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
+def _run(worker: Any, args: argparse.Namespace, stage: int, env: dict[str, str] | None) -> Any:
+    root = tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir)
     try:
         ranks = run_distributed(
-            worker, 2, args.model, args.stage, folder, args.repeats, timeout=1800, env=env
+            worker, 2, args.model, stage, root, args.repeats, timeout=3600, env=env
         )
         return ranks[0]
+    except Exception as e:  # report why, keep the other engines' numbers
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def main() -> None:
-    """Runs the comparison and writes the results."""
+    """Runs the comparison for every stage and writes the results."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="124m", choices=sorted(MODEL_SHAPES))
-    p.add_argument("--stage", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 0])
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     args = p.parse_args()
-    rows: dict[str, Any] = {"partita": _run(partita_worker, args, None)}
-    try:
-        import deepspeed  # noqa: F401
+    for stage in args.stages:
+        runs = {
+            "partita": _run(partita_worker, args, stage, None),
+            "deepspeed": _run(deepspeed_worker, args, stage, {"DS_ACCELERATOR": "cpu"}),
+            "torch DCP": _run(dcp_worker, args, stage, None),
+        }
+        result = {"model": args.model, "params": runs["partita"].get("params"), "stage": stage,
+                  "world_size": 2, "repeats": args.repeats, "runs": runs,
+                  "torch": torch.__version__}  # fmt: skip
+        text = render(result)
+        print(text, flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        stem = RESULTS / f"checkpoint_{args.model}_stage{stage}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
+        stem.with_suffix(".md").write_text(text + "\n")
 
-        rows["deepspeed"] = _run(deepspeed_worker, args, {"DS_ACCELERATOR": "cpu"})
-    except Exception as e:  # report why, keep partita's numbers
-        rows["deepspeed"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    folder = tempfile.mkdtemp(prefix="ckpt-bench-dd-", dir=args.dir)
-    nbytes = max(rows["partita"]["bytes"])
-    bandwidth = disk_write_bandwidth(folder, nbytes)
-    shutil.rmtree(folder, ignore_errors=True)
-    result = {"model": args.model, "params": rows["partita"]["params"], "stage": args.stage,
-              "world_size": 2, "repeats": args.repeats, "disk_write_bytes_per_s": bandwidth,
-              "runs": rows, "torch": torch.__version__}  # fmt: skip
-    text = render(result)
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"checkpoint_{args.model}_stage{args.stage}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    stem.with_suffix(".md").write_text(text + "\n")
+
+def _ratios(run: dict[str, Any]) -> list[float]:
+    return [r / s for r, s in zip(run["ref_s"], run["save_s"], strict=True)]
 
 
 def render(result: dict[str, Any]) -> str:
-    """The markdown table."""
-    bw = result["disk_write_bytes_per_s"]
+    """The markdown table of one stage."""
+    params = result["params"]
+    size = f"{params / 1e6:.0f}M parameters" if params else "parameters unknown"
     lines = [
-        f"GPT-2 {result['model']} ({result['params'] / 1e6:.0f}M parameters), ZeRO stage "
-        f"{result['stage']}, 2 CPU processes, best of {result['repeats']}; disk sequential "
-        f"write+fsync: {bw / 1e6:.0f} MB/s",
+        f"GPT-2 {result['model']} ({size}), ZeRO stage {result['stage']}, 2 CPU processes, "
+        f"{result['repeats']} repeats (median; ratio = plain write+fsync of the same bytes, "
+        "interleaved, / save: 1.0 is disk speed)",
         "",
-        "| engine | bytes written | save s | save MB/s | % of disk | load s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| engine | bytes | save s | ratio (each pair) | plain write+fsync s | async stall s "
+        "| async total s | load s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, run in result["runs"].items():
         if "error" in run:
-            lines.append(f"| {name} | not run: {run['error']} | | | | |")
+            lines.append(f"| {name} | not run: {run['error']} | | | | | | |")
             continue
-        nbytes, save, load = max(run["bytes"]), min(run["save_s"]), min(run["load_s"])
+        med = statistics.median
+        ratios = _ratios(run)
+        stall = f"{med(run['async_stall_s']):.2f}" if "async_stall_s" in run else "-"
+        total = f"{med(run['async_total_s']):.2f}" if "async_total_s" in run else "-"
         lines.append(
-            f"| {name} | {nbytes / 1e6:.0f} MB | {save:.2f} | {nbytes / save / 1e6:.0f} | "
-            f"{100 * nbytes / save / bw:.0f}% | {load:.2f} |"
+            f"| {name} | {run['bytes'] / 1e6:.0f} MB | {med(run['save_s']):.2f} | "
+            f"{med(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)}) | "
+            f"{med(run['ref_s']):.2f} | {stall} | {total} | {med(run['load_s']):.2f} |"
         )
-    nbytes = max(result["runs"]["partita"]["bytes"])
-    lines.append(f"| disk (dd-like) | {nbytes / 1e6:.0f} MB | {nbytes / bw:.2f} | "
-                 f"{bw / 1e6:.0f} | 100% | |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -143,3 +143,20 @@ def test_memory_shard_rejects_bad_headers_naming_the_file(header: bytes) -> None
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     with pytest.raises(CheckpointError, match=r"/ckpt/rank0\.safetensors: not a valid"):
         MemoryShard("/ckpt/rank0.safetensors", buf)
+
+
+def test_streamed_tensors_nobody_else_holds_are_hashed_before_they_are_freed(
+    tmp_path: Any,
+) -> None:
+    # A producer that keeps no reference (as a synchronous save's lazy states and a background
+    # save's one-use copies): each tensor lives only in the writer's pending list, so it must
+    # stay there until its hash is done, else the hash reads freed memory.
+    gen = torch.Generator().manual_seed(1)
+    sizes = [32, 7, 1, 4096, 32, 129, 1, 32] * 8
+    specs = [(f"t{i}", torch.float32, (n,)) for i, n in enumerate(sizes)]
+    path = str(tmp_path / "s.safetensors")
+    written = stfile.write_safetensors_stream(
+        path, specs, lambda name: torch.randn(sizes[int(name[1:])], generator=gen)
+    )
+    with open(path, "rb") as f:
+        assert written.sha256 == hashlib.sha256(f.read()).hexdigest()

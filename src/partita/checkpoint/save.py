@@ -25,11 +25,13 @@ parallelism); model-parallel slices will need one set of files per slice.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,6 @@ from partita.checkpoint.rendezvous import (
     gather_agreed,
     job_member,
     remove_stale_markers,
-    run_agreed,
 )
 from partita.checkpoint.state import (
     Entry,
@@ -108,9 +109,15 @@ def save_checkpoint(
             lambda: _open_staging(staging, members) if rank == 0 else "", WHOLE_JOB
         )
         options = (client_state or {}, save_latest, exclude_frozen_parameters)
-        # rank 0's staging folder: every writing rank writes its shard there
-        snap = run_agreed(lambda: _snapshot(engine, opened[0], agreed, is_async, *options),
-                          WHOLE_JOB)  # fmt: skip
+        # Into rank 0's staging folder every writing rank writes its shard. The snapshot
+        # stays on this rank (`box`): only errors travel in the collective.
+        box: list[_Snapshot] = []
+
+        def take() -> None:
+            box.append(_snapshot(engine, opened[0], agreed, is_async, *options))
+
+        gather_agreed(take, WHOLE_JOB)
+        snap = box[0]
     except BaseException:
         staging.close()
         raise
@@ -132,7 +139,7 @@ class _Snapshot:
 
     rank: int
     folder: str
-    tensors: dict[str, torch.Tensor] | None
+    shard: _Shard | None
     report: dict[str, Any] | None
     manifest: dict[str, Any] | None
 
@@ -149,18 +156,21 @@ def _snapshot(
     """This rank's part of the save, taken now (training may change the engine afterwards)."""
     dims = engine.dims
     # Collective for stage-3 frozen parameters: every rank takes the inventory's tensors.
-    tensors, report = _shard_state(engine, exclude_frozen)
-    if copy and tensors is not None:
-        tensors = {k: _host_copy(t) for k, t in tensors.items()}
+    shard, report = _shard_state(engine, exclude_frozen)
+    if copy and shard is not None:
+        shard = shard.taken()
     manifest = None
     if dims.rank == 0:
         manifest = _manifest(engine, tag, client_state, save_latest, exclude_frozen)
-    return _Snapshot(dims.rank, folder, tensors, report, manifest)
+    return _Snapshot(dims.rank, folder, shard, report, manifest)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` in host memory that training cannot change."""
-    return t.detach().to("cpu", copy=True)
+    """`t` in host memory, where training cannot change it. Host tensors are used as they are:
+    `_shard_tensors` gets fresh copies already (``ParamStates.local_state`` concatenates or
+    clones, `full_module_value` clones); test_checkpoint_async's in-flight test shows the
+    files stay bitwise those of a synchronous save while training steps run."""
+    return t if t.device.type == "cpu" else t.to("cpu")
 
 
 def _write_and_commit(snap: _Snapshot, staging: Staging, group: Any, start: float) -> None:
@@ -240,17 +250,24 @@ def _open_staging(staging: Staging, members: list[tuple[str, int]]) -> str:
     return staging.open()
 
 
+Producer = Callable[[], torch.Tensor]
+"""Makes one tensor of a shard when it is written."""
+
+
 def _shard_tensors(
     engine: CheckpointSubject, entries: list[Entry], exclude_frozen: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, list[list[int]]], set[str]]:
+) -> tuple[list[stfile.TensorSpec], dict[str, Producer], dict[str, list[list[int]]]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
-    state; frozen parameters and buffers on rank 0 only."""
+    state; frozen parameters and buffers on rank 0 only. Their specs, in file order, and how
+    to make each: trainable state when it is written (a synchronous save then copies each
+    state while the disk writes the previous one), module tensors now (stage 3 gathers
+    frozen parameters collectively, in the same order on every rank)."""
     strategy, rank = engine.param_states, engine.dims.dp_rank
     writes_trainable = rank == 0 or not strategy.replicated
     keys = ["param", *strategy.optimizer_state_keys()]
-    tensors: dict[str, torch.Tensor] = {}
+    specs: list[stfile.TensorSpec] = []
+    producers: dict[str, Producer] = {}
     ranges: dict[str, list[list[int]]] = {}
-    scalars: set[str] = set()
     for e in entries:
         if e.kind == "trainable" and writes_trainable:
             owned = [[int(o), int(n)] for o, n in strategy.owned_ranges(e.tensor) if n > 0]
@@ -258,36 +275,47 @@ def _shard_tensors(
                 continue
             ranges[e.name] = owned
             for what in keys:
-                value = strategy.local_state(e.tensor, what)
-                if value is not None:
-                    tensors[state_key(what, e.name)] = value
-                    if value.dim() == 0:
-                        scalars.add(what)
+                spec = strategy.local_state_spec(e.tensor, what)
+                if spec is not None:
+                    key = state_key(what, e.name)
+                    specs.append((key, *spec))
+                    producers[key] = functools.partial(_local_state, strategy, e.tensor, what)
         elif e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen):
             value = full_module_value(e)  # collective for stage-3 frozen parameters
             if rank == 0:
-                tensors[MODULE_PREFIX + e.name] = value
-    return tensors, ranges, scalars
+                key = MODULE_PREFIX + e.name
+                specs.append((key, value.dtype, tuple(value.shape)))
+                producers[key] = functools.partial(lambda v: v, value)
+    return specs, producers, ranges
+
+
+def _local_state(strategy: Any, param: torch.Tensor, what: str) -> torch.Tensor:
+    value = strategy.local_state(param, what)
+    assert value is not None  # its spec said it exists
+    return value
 
 
 def _shard_state(
     engine: CheckpointSubject, exclude_frozen: bool
-) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-    """This rank's tensors and report (without the file's name, size and checksum) on the
-    ranks of the first replica; (None, None) on the others (see [Note: checkpoints of
-    replicas])."""
+) -> tuple[_Shard | None, dict[str, Any] | None]:
+    """This rank's shard (specs and producers) and report (without the file's name, size and
+    checksum) on the ranks of the first replica; (None, None) on the others (see [Note:
+    checkpoints of replicas])."""
     dims = engine.dims
     if not dims.first_replica:
         return None, None
     rank = dims.dp_rank
-    tensors, ranges, scalars = _shard_tensors(engine, inventory(engine), exclude_frozen)
+    specs, producers, ranges = _shard_tensors(engine, inventory(engine), exclude_frozen)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "sha256": None}
     report["world"] = dims.dp_world_size
     report["ranges"] = ranges
-    report["scalar_keys"] = sorted(scalars)
+    report["scalar_keys"] = sorted(
+        {k.partition("::")[0] for k, _, shape in specs if shape == () and "::" in k
+         and not k.startswith(MODULE_PREFIX)}
+    )  # fmt: skip
     report["state_dtypes"] = {
-        key.partition("::")[2]: dtype_name(t.dtype)
-        for key, t in tensors.items()
+        key.partition("::")[2]: dtype_name(dtype)
+        for key, dtype, _ in specs
         if key.startswith("param::")
     }
     report["rng"] = rng_state()
@@ -295,26 +323,49 @@ def _shard_state(
     report["data_loader"] = (
         loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None
     )
-    return tensors, report
+    return _Shard(specs, producers), report
+
+
+@dataclass
+class _Shard:
+    """One rank's shard file to be: tensor specs in file order and how to make each."""
+
+    specs: list[stfile.TensorSpec]
+    producers: dict[str, Producer]
+
+    def taken(self) -> _Shard:
+        """The values made now, in host memory (a background save's snapshot)."""
+        values = {k: _host_copy(p()) for k, p in self.producers.items()}
+        return _Shard(self.specs, {k: functools.partial(lambda v: v, v) for k, v in
+                                   values.items()})  # fmt: skip
 
 
 def _write_shard(snap: _Snapshot) -> dict[str, Any] | None:
     """Writes this rank's shard file into the staging folder; its report, or None on ranks
     that do not write."""
-    if snap.report is None or snap.tensors is None:
+    if snap.report is None or snap.shard is None:
         return None
     report = dict(snap.report)
-    tensors, snap.tensors = snap.tensors, None  # freed once written
+    shard, snap.shard = snap.shard, None  # freed once written
     rank, world = report["rank"], report.pop("world")
-    if tensors:
+    if shard.specs:
         name = shard_file_name(rank, world)
         path = os.path.join(snap.folder, name)
+        produce = _one_use(shard.producers)
         try:
-            written = stfile.write_safetensors(path, tensors, {"format": "pt", "rank": str(rank)})
+            written = stfile.write_safetensors_stream(
+                path, shard.specs, produce, {"format": "pt", "rank": str(rank)}
+            )
         except OSError as e:
             raise CheckpointError(f"{path}: writing rank {rank}'s shard failed ({e})") from e
         report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
     return report
+
+
+def _one_use(producers: dict[str, Producer]) -> Callable[[str], torch.Tensor]:
+    """`producers` as the stream writer's `produce`, each dropped once used (so a background
+    save's copies are freed as they are written)."""
+    return lambda name: producers.pop(name)()
 
 
 def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, dict[str, Any]]:

@@ -134,8 +134,11 @@ def write_safetensors_stream(
                 nbytes += len(piece)
                 flusher.written(len(piece))
                 # Keep at most a few pieces alive: wait for hashes older than the last two.
+                # The entry (and its buffer's owner) leaves `pending` only once its hash
+                # is done: the producer keeps no reference, so the owner is the only one.
                 while len(pending) > 2:
-                    pending.pop(0)[0].result()
+                    pending[0][0].result()
+                    pending.pop(0)
         for p, _ in pending:
             p.result()
     return WrittenFile(path=path, nbytes=nbytes, sha256=hasher.hexdigest())

@@ -154,6 +154,19 @@ class ParamStates:
         parts = [flat[at : at + n] for _, at, n in slot.ranges]
         return torch.cat(parts).to(full_dtype(src)) if parts else flat.new_zeros(0)
 
+    def local_state_spec(
+        self, param: torch.Tensor, what: str
+    ) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """dtype and shape of what `local_state` returns, without copying; None when absent
+        (lets a checkpoint write its header before producing the values)."""
+        slot = self._slot(param)
+        src = self.layout.source(slot, what)
+        if src is None or src.dim() == 0:
+            return None if src is None else (src.dtype, ())
+        if not slot.ranges:
+            return src.dtype, (0,)
+        return full_dtype(src), (sum(n for _, _, n in slot.ranges),)
+
     def full_state(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
         """Parameter-shaped fp32 value of `what` (collective unless replicated: every rank of
         the data-parallel group must call it, in the same order)."""
