@@ -69,12 +69,15 @@ class VisionLM(nn.Module):
         return loss
 
 
-def vision_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rank `rank`'s micro-batch at `step`: only rank 0's batches carry an image."""
+def vision_batch(
+    step: int, rank: int, both_until: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rank `rank`'s micro-batch at `step`: only rank 0's batches carry an image (from step
+    `both_until` on; before it, every rank's)."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     tokens = torch.randint(0, VOCAB, (MICRO, SEQ), generator=gen)
     image = torch.randn(MICRO, DIM, generator=gen)
-    return tokens, image if rank == 0 else None
+    return tokens, image if rank == 0 or step < both_until else None
 
 
 def _z3(**zero: Any) -> dict[str, Any]:
@@ -86,7 +89,7 @@ def _z3(**zero: Any) -> dict[str, Any]:
 
 
 def _train_vision(
-    config: dict[str, Any], declare_api: bool = False, late: bool = False
+    config: dict[str, Any], declare_api: bool = False, late: bool = False, both_until: int = 0
 ) -> list[float]:
     import partita
     from partita import comm
@@ -98,7 +101,7 @@ def _train_vision(
     engine, *_ = partita.initialize(model=model, config=config)
     losses = []
     for step in range(STEPS):
-        loss = engine(*vision_batch(step, comm.get_rank()))
+        loss = engine(*vision_batch(step, comm.get_rank(), both_until))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -175,11 +178,11 @@ def _generate(reference: bool) -> list[int]:
     return out[0].tolist()
 
 
-def _diverge(late: bool = False) -> dict[str, Any]:
+def _diverge(late: bool = False, both_until: int = 0) -> dict[str, Any]:
     """The undeclared vision tower: returns what the training raised and after how long."""
     start = time.perf_counter()
     try:
-        _train_vision(_z3(), late=late)
+        _train_vision(_z3(), late=late, both_until=both_until)
     except Exception as err:
         return {
             "error": type(err).__name__,
@@ -201,6 +204,10 @@ def divergence_cases() -> dict[str, Any]:
     out["diverged"] = _diverge()
     # The check raised before any mismatched data moved, so the process group still pairs.
     out["diverged_late"] = _diverge(late=True)
+    # Both ranks run the tower in steps 0-1, so step 2 runs on their shared schedule, with
+    # identities verified after the data collectives start ([Note: asynchronous identities]).
+    # Last: the rank on the schedule leaves a gather nobody receives.
+    out["diverged_scheduled"] = _diverge(both_until=2)
     return out
 
 
@@ -251,6 +258,20 @@ def test_rank_done_with_forward_meets_the_rank_still_gathering(
         assert "rank 0 gathers unit 'vision.proj'" in message, message
         assert "rank 1 reduce-scatters the gradients of unit 'head'" in message, message
         assert "step 0" in message, message
+
+
+def test_divergence_after_agreeing_steps_is_caught_on_the_schedule(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank, res in enumerate(results):
+        got = res["diverged_scheduled"]
+        assert got["error"] == "RankDivergenceError", (rank, got)
+        message = got["message"]
+        # Both prefetch the tower by the recorded order, so forward pairs; rank 1 never ran
+        # it, so only rank 0 reduce-scatters its gradients, where rank 1 ends its backward.
+        assert "rank 0 reduce-scatters the gradients of unit 'vision.proj'" in message, message
+        assert "rank 1 ends its backward" in message, message
+        assert "step 2" in message, message
 
 
 def test_declared_conditional_module_trains_like_one_process(

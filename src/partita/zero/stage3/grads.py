@@ -138,6 +138,8 @@ class UnitGradReducer:
 
     def _retire(self, pending: _Pending) -> None:
         self._in_flight_numel -= pending.numel
+        if pending.unit.divergence is not None:  # see [Note: asynchronous identities]
+            pending.unit.divergence.flush()
         if pending.handle is not None:
             pending.handle.wait()
         out = pending.output

@@ -279,6 +279,8 @@ class ShardedUnit:
             self.unshard(tag)
         if self.state is UnitState.UNSHARDING:
             with trace("wait_for_unshard", self.name):
+                if self.divergence is not None:  # see [Note: asynchronous identities]
+                    self.divergence.flush()
                 for h in self._handles:
                     h.wait()
                 self._handles = []
