@@ -106,6 +106,36 @@ def _run_case(folder: str, dtype: torch.dtype, tp: dict[str, Any]) -> dict[str, 
     }
 
 
+def _training_checkpoint_case(hf_folder: str, ckpt_dir: str, tp: dict[str, Any]) -> dict[str, Any]:
+    """Saves the model of `hf_folder` as a ZeRO-3 training checkpoint at world 4 (each rank
+    holding a quarter of every unit), then loads it tensor-parallel from that checkpoint:
+    the logits must be the model's."""
+    from transformers import AutoModelForCausalLM
+
+    import partita
+    from partita.inference import init_inference
+    from partita.inference.load import build_skeleton
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = partita.initialize(model=model, config=config)
+    engine.save_checkpoint(ckpt_dir, tag="step0")
+    engine.destroy()
+    skeleton = build_skeleton(hf_folder, torch.float32)
+    tp_engine = init_inference(
+        skeleton, tensor_parallel=tp, dtype=torch.float32, checkpoint=ckpt_dir
+    )
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        logits = tp_engine(ids).logits.float()
+    tokens = tp_engine.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return {"logits": logits, "tokens": tokens}
+
+
 def _inplace_case(folder: str, group: Any) -> torch.Tensor:
     """DeepSpeed's way: every rank holds the full model, init_inference slices it in place
     (vocabulary-parallel, GPT-2's tied head)."""
@@ -182,6 +212,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
         for name in VOCAB_CASES
     }
     out["inplace"] = _inplace_case(folders["gpt2_v127"], group)
+    out["from_training"] = _training_checkpoint_case(folders["gpt2"], folders["partita_ckpt"], tp)
     dims = ParallelDims.tensor_parallel(2)
     out["dims"] = (dims.tp_ranks, dims.tp_rank, dims.dp_ranks, dims.dp_rank)
     out["memory"] = memory_case(memory_folder)

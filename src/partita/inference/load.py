@@ -1,4 +1,5 @@
-"""Sharded loading: each rank reads only its slices of a Hugging Face safetensors folder.
+"""Sharded loading: each rank reads only its slices of a Hugging Face safetensors folder (a
+``partita export`` folder is one) or of a partita training checkpoint.
 
 [Note: sharded loading memory]
 The model skeleton is built with its parameters on the meta device (buffers such as rotary
@@ -11,12 +12,18 @@ tensor and closed right after, so the mapped pages a read touches leave this pro
 resident set with the mapping, instead of accumulating for the whole file. A rank's
 peak host memory is then its own slices plus about one tensor, not the whole model (DeepSpeed
 loads the full model on every rank first).
+
+From a partita training checkpoint (a save directory or one checkpoint folder) the fp32 master
+weights are read through the checkpoint's reader: a row slice as the flat ranges of its rows
+(only those bytes), any other slice cut from its whole tensor, which is read alone, so the
+bound is the same: this rank's slices plus one full tensor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -160,7 +167,7 @@ class _Stack:
         return torch.stack([item.read(spec) for item in self.items])
 
 
-def _mixtral(name: str, stored: dict[str, _Stored]) -> _Source | None:
+def _mixtral(name: str, stored: dict[str, _Source]) -> _Source | None:
     """Transformers 5 keeps Mixtral's experts as 3-D tensors but saves them per expert."""
     match = re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
     if not match:
@@ -195,6 +202,74 @@ def _stored(folder: str) -> dict[str, _Stored]:
     return out
 
 
+@dataclass
+class _Saved:
+    """One parameter of a partita training checkpoint (`source` is its
+    `partita.checkpoint.reader.StateSource`)."""
+
+    source: Any
+    name: str
+    shape: tuple[int, ...]
+
+    def _whole(self) -> torch.Tensor:
+        info = self.source.tensors[self.name]
+        if info["kind"] != "trainable":
+            return self.source.read_module(self.name)
+        value = self.source.read(self.name, "param", [(0, math.prod(self.shape))])
+        if value is None:
+            raise LoadError(f"{self.source.folder}: no master weights for {self.name!r}")
+        return value.view(self.shape)
+
+    def read(self, spec: RankSlice | None) -> torch.Tensor:
+        if spec is not None and spec.zero:
+            return torch.zeros(self.shape)
+        trainable = self.source.tensors[self.name]["kind"] == "trainable"
+        if spec is None or not trainable or spec.dim % len(self.shape) != 0:
+            whole = self._whole()
+            if spec is None:
+                return whole
+            ndim = len(self.shape)
+            pieces = [whole[_index(ndim, spec.dim, a, b)] for a, b in spec.ranges]
+            return torch.cat(pieces, dim=spec.dim).clone()
+        row = math.prod(self.shape[1:])  # rows are contiguous: read only their elements
+        ranges = [(a * row, (b - a) * row) for a, b in spec.ranges]
+        flat = self.source.read(self.name, "param", ranges)
+        if flat is None:
+            raise LoadError(f"{self.source.folder}: no master weights for {self.name!r}")
+        return flat.view(-1, *self.shape[1:])
+
+
+def _is_hf_folder(folder: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(folder, f))
+        for f in ("model.safetensors", "model.safetensors.index.json")
+    )
+
+
+def _saved(folder: str) -> dict[str, _Source]:
+    """The parameters of the partita checkpoint in `folder`, by name (aliases of tied weights
+    resolved to what they alias)."""
+    from partita.checkpoint.export import open_checkpoint
+    from partita.checkpoint.manifest import CheckpointError
+
+    try:
+        source = open_checkpoint(folder, None, trust_pickle=False)
+    except CheckpointError as error:
+        raise LoadError(
+            f"{folder}: neither a Hugging Face safetensors folder nor a partita checkpoint "
+            f"({error})"
+        ) from None
+    out: dict[str, _Source] = {}
+    for name, info in source.tensors.items():
+        target = str(info["alias_of"]) if info["kind"] == "alias" else name
+        kind = source.tensors[target]["kind"]
+        if kind not in ("trainable", "frozen"):
+            continue  # buffers are computed by the skeleton
+        shape = tuple(int(d) for d in source.tensors[target]["shape"])
+        out[name] = _Saved(source, target, shape)
+    return out
+
+
 def _renamed(model: nn.Module, stored: dict[str, _Stored]) -> dict[str, _Stored]:
     """`stored` plus each key as Transformers renames it on load (GPT-NeoX's ``embed_out``
     is ``lm_head``, Mixtral's ``block_sparse_moe`` is ``mlp``...)."""
@@ -214,7 +289,7 @@ def _renamed(model: nn.Module, stored: dict[str, _Stored]) -> dict[str, _Stored]
     return out
 
 
-def _source(name: str, model: nn.Module, stored: dict[str, _Stored]) -> _Source | None:
+def _source(name: str, model: nn.Module, stored: dict[str, _Source]) -> _Source | None:
     if name in stored:
         return stored[name]
     if getattr(getattr(model, "config", None), "model_type", "") == "mixtral":
@@ -228,7 +303,8 @@ def load_slices(
     """Fills every meta parameter of `model` with this rank's slice (cast to `dtype`) read
     from `folder`; tied parameters stay tied. Raises `LoadError` naming missing tensors or a
     shape that does not match the model's."""
-    stored = _renamed(model, _stored(folder))
+    stored: dict[str, _Source]
+    stored = dict(_renamed(model, _stored(folder))) if _is_hf_folder(folder) else _saved(folder)
     groups: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
