@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
 from partita.estimate.model import ModelShape
+from partita.estimate.plan import HEADROOM
 from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
 
 __all__ = ["estimate_main", "plan_main"]
@@ -24,6 +25,18 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a fraction such as 0.1 or 10%, got {text!r}"
+        ) from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
     return value
 
 
@@ -45,7 +58,14 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         "--checkpointing", choices=["on", "off", "both"], default="both",
         help="activation checkpointing (default: consider both)",
     )  # fmt: skip
-    ap.add_argument("--cpu", action="store_true", help="ranks are CPU processes (no pinning)")
+    ap.add_argument(
+        "--cpu", action="store_true",
+        help="ranks are CPU processes: their device memory is host memory (give --host_memory)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--headroom", type=_fraction, default=HEADROOM,
+        help=f"fraction of each memory kept free for what the estimate misses ({HEADROOM})",
+    )  # fmt: skip
     ap.add_argument("--detail", action="store_true", help="print every item of every config")
     ap.add_argument("--plot", metavar="FILE.png", help="stacked bars per configuration")
     return ap
@@ -73,6 +93,7 @@ def _estimates(args: argparse.Namespace) -> tuple[ModelShape, list[Estimate]]:
         None if args.host_memory is None else parse_bytes(args.host_memory, "--host_memory"),
         None if args.nvme is None else parse_bytes(args.nvme, "--nvme"),
         "cpu" if args.cpu else "cuda",
+        args.headroom,
     )
     model = _model(args)
     ckpt = {"on": True, "off": False, "both": None}[args.checkpointing]
@@ -150,20 +171,27 @@ def plan_main(argv: Sequence[str]) -> int:
     ap.add_argument("--flops", help="sustained FLOP/s per device (default: a short calibration)")
     ap.add_argument("--link_bandwidth", default="100GB", help="collective bytes/s per rank")
     ap.add_argument("--host_bandwidth", default="20GB", help="device-host bytes/s per rank")
-    ap.add_argument("--adam_rate", default="1B", help="CPU Adam parameters/s per rank")
+    ap.add_argument(
+        "--adam_rate",
+        help="CPU Adam parameters/s per rank (default: measured here with --cpu, else 1B)",
+    )
     ap.add_argument("--disk_bandwidth", default="3GB", help="NVMe bytes/s per node")
     ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
     ap.add_argument("--output", default="ds_config.json", help="where to write the config")
     args = ap.parse_args(list(argv))
-    from partita.estimate.plan import Rates, calibrate_flops, ds_config, rank, write_ds_config
+    from partita.estimate import plan
 
     try:
-        flops = float(parse_count(args.flops, "--flops")) if args.flops else calibrate_flops()
-        rates = Rates(
+        flops = float(parse_count(args.flops, "--flops")) if args.flops else plan.calibrate_flops()
+        if args.adam_rate is not None:
+            adam = float(parse_count(args.adam_rate, "--adam_rate"))
+        else:
+            adam = plan.calibrate_adam_rate() if args.cpu else 1e9
+        rates = plan.Rates(
             flops,
             parse_bytes(args.link_bandwidth, "--link_bandwidth"),
             parse_bytes(args.host_bandwidth, "--host_bandwidth"),
-            parse_count(args.adam_rate, "--adam_rate"),
+            adam,
             parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
         )
         model, estimates = _estimates(args)
@@ -171,7 +199,7 @@ def plan_main(argv: Sequence[str]) -> int:
         print(f"partita plan: error: {error}", file=sys.stderr)
         return 2
     tokens = args.micro_batch * args.seq_len
-    ranked = rank(estimates, model.trainable, tokens, rates)
+    ranked = plan.rank(estimates, model.trainable, tokens, rates)
     if not ranked:
         print(_nothing_fits(estimates))
         return 1
@@ -184,7 +212,7 @@ def plan_main(argv: Sequence[str]) -> int:
             f" {t.offload:8.3g} {t.nvme:8.3g}"
         )
     best: Candidate = ranked[0][0].candidate
-    write_ds_config(args.output, ds_config(best, args.micro_batch, args.nvme_path))
+    plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
     extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
     print(f"chose {best.label}; wrote {args.output}{extra}")
     return 0
