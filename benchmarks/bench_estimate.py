@@ -10,6 +10,13 @@ own estimator (``estimate_zero{2,3}_model_states_mem_needs``, per GPU + per CPU 
 beside it where DeepSpeed has one (stages 2 and 3).
 
     .venv/bin/python benchmarks/bench_estimate.py [--models 10m,50m] [--json FILE]
+    .venv/bin/python benchmarks/bench_estimate.py --plan_cap 410MiB [--models 10m]
+
+``--plan_cap`` checks the planner instead: with that much memory per rank (and the rates
+measured here: FLOP/s, CPU Adam parameters/s, gloo all-reduce bytes/s) it ranks the
+configurations that fit, then trains each fitting one (activation checkpointing included)
+and the ones the cap excludes, and prints predicted and measured step time and peak: the
+choice should be the fastest measured among those within the cap.
 
 On CPU the device is the host: predicted peak = device + host items with the estimator's
 defaults (10% allocator slack; no pinned staging on CPU). Runs minutes on 2 cores.
@@ -49,8 +56,11 @@ def _config(name: str) -> Any:
     return GPT2Config(**SHAPES[name], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def worker(name: str, stage: int, opt: str, param: str, nvme_dir: str) -> dict[str, int]:
-    """One rank: baseline, build, initialize, three steps; the memory report and peak RSS."""
+def worker(
+    name: str, stage: int, opt: str, param: str, nvme_dir: str, ckpt: bool = False
+) -> dict[str, Any]:
+    """One rank: baseline, build, initialize, three steps; the memory report, peak RSS and
+    the mean time of the steps after the first."""
     # Imported before the baseline: code is not training memory (GPT-2's modelling module and
     # what its first forward imports weigh ~100 MiB of RSS).
     import transformers.loss.loss_utils
@@ -68,6 +78,8 @@ def worker(name: str, stage: int, opt: str, param: str, nvme_dir: str) -> dict[s
     base = host_rss()
     torch.manual_seed(0)
     model = GPT2LMHeadModel(_config(name))
+    if ckpt:
+        model.gradient_checkpointing_enable()
     zero: dict[str, Any] = {"stage": stage}
     for key, where in (("offload_optimizer", opt), ("offload_param", param)):
         if where != "none":
@@ -83,11 +95,15 @@ def worker(name: str, stage: int, opt: str, param: str, nvme_dir: str) -> dict[s
     del model
     g = torch.Generator().manual_seed(engine.global_rank)
     vocab = SHAPES[name]["vocab_size"]
+    times = []
     for _ in range(STEPS):
         x = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=g)
+        start = time.perf_counter()
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
-    report = engine.memory_report()
+        times.append(time.perf_counter() - start)
+    report: dict[str, Any] = dict(engine.memory_report())
+    report["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
     report["peak_over_base"] = host_peak_rss() - base
     engine.destroy()
     return report
@@ -126,6 +142,66 @@ def _deepspeed(total: int, largest: int, stage: int, opt: str, param: str) -> in
     return None
 
 
+def link_worker(numel: int = 1 << 22, repeats: int = 5) -> float:
+    """Bus bytes/s of a gloo all-reduce of `numel` fp32 elements (best of `repeats`)."""
+    import torch.distributed as dist
+
+    x = torch.ones(numel)
+    dist.all_reduce(x)  # warm-up: connections and buffers
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        best = min(best, time.perf_counter() - start)
+    n = dist.get_world_size()
+    return 2 * (n - 1) / n * numel * 4 / best
+
+
+def plan_check(name: str, cap: int, env: dict[str, str]) -> None:
+    """Ranks the configurations for `cap` bytes per rank with rates measured here, then trains
+    each candidate (fitting or not) and prints predicted against measured."""
+    import bench_estimate
+    from partita.estimate import Hardware, candidates, estimate
+    from partita.estimate.model import from_hf_config
+    from partita.estimate.plan import HEADROOM, Rates, calibrate_adam_rate, calibrate_flops, rank
+    from partita.testing import run_distributed
+
+    link = min(run_distributed(bench_estimate.link_worker, 2, timeout=300, env=env))
+    rates = Rates(calibrate_flops(1.0), link_bandwidth=link, adam_rate=calibrate_adam_rate())
+    print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {link / 1e9:.2f} GB/s, "
+          f"Adam {rates.adam_rate / 1e6:.0f} M params/s", flush=True)  # fmt: skip
+    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
+    hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=HEADROOM)
+    ests = [
+        estimate(shape, c, hw)
+        for c in candidates("fp32", None)
+        if "nvme" not in (c.offload_optimizer, c.offload_param)
+    ]
+    ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates)
+    predicted = {e.candidate.label: t.total for e, t in ranked}
+    print("| config | fits (predicted) | predicted peak MiB | measured peak MiB | within cap | "
+          "predicted step s | measured step s |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    measured: dict[str, tuple[float, int]] = {}
+    for e in ests:
+        c = e.candidate
+        reports = run_distributed(
+            bench_estimate.worker, 2, name, c.stage, c.offload_optimizer, c.offload_param, "",
+            c.checkpointing, timeout=900, env=env,
+        )  # fmt: skip
+        peak = max(r["peak_over_base"] for r in reports)
+        step = max(r["step_s"] for r in reports)
+        measured[c.label] = (step, peak)
+        pred = f"{predicted[c.label]:.3f}" if c.label in predicted else "-"
+        print(f"| {c.label} | {'yes' if e.fits else 'no'} | {_mb(e.total('device') + e.total('host'))} | "
+              f"{_mb(peak)} | {'yes' if peak <= cap else 'NO'} | {pred} | {step:.3f} |",
+              flush=True)  # fmt: skip
+    chosen = ranked[0][0].candidate.label if ranked else None
+    within = {k: v for k, v in measured.items() if v[1] <= cap}
+    fastest = min(within, key=lambda k: within[k][0]) if within else None
+    print(f"\nchosen: {chosen}; measured within the cap: {len(within)} of {len(measured)}; "
+          f"fastest measured within the cap: {fastest}")  # fmt: skip
+
+
 def main() -> None:
     """Runs every cell and prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,7 +211,16 @@ def main() -> None:
         "--repredict", metavar="FILE.json",
         help="re-render a saved run's measurements with the current estimator (no training)",
     )  # fmt: skip
+    ap.add_argument("--plan_cap", help="check the planner under this memory per rank, e.g. 410MiB")
     args = ap.parse_args()
+    if args.plan_cap:
+        from partita.estimate.units import parse_bytes
+
+        sys.path.insert(0, HERE)
+        env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+        for name in args.models.split(","):
+            plan_check(name, parse_bytes(args.plan_cap, "--plan_cap"), env)
+        return
     if args.repredict:
         with open(args.repredict) as f:
             rows = json.load(f)
