@@ -104,8 +104,10 @@ class Settings:
     """offload_optimizer.pipeline_read/write: up to three sub-groups resident instead of one."""
     optimizer_bytes_per_param: int = 8
     """Adam/AdamW: two fp32 moments."""
-    allocator_slack: float = 0.10
-    """Device memory the caching allocator holds beyond live tensors (fragmentation)."""
+    allocator_slack: float | None = None
+    """Memory the allocator holds beyond live tensors (fragmentation); None: 0.10 on CUDA
+    (torch's caching allocator), 0.05 on CPU ranks (partita's host allocator keeps what it
+    maps within 1.05x of the peak requested, ``host_cache.py``)."""
 
 
 @dataclass(frozen=True)
@@ -346,7 +348,10 @@ def estimate(
     else:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)
-    items.append(Item("allocator slack", device=int(live * s.allocator_slack)))
+    slack = s.allocator_slack
+    if slack is None:
+        slack = 0.05 if hardware.accelerator == "cpu" else 0.10
+    items.append(Item("allocator slack", device=int(live * slack)))
     if hardware.accelerator == "cpu":
         items.append(Item("runtime", device=CPU_RUNTIME))
     else:
