@@ -15,9 +15,11 @@ leftovers of earlier interrupted saves it still sees.
 The victim kills itself, so every kill counted lands inside a save: while it is inside
 ``engine.save_checkpoint`` (a flag set just before the call and cleared just after it returns),
 a profile hook counts Python and C function calls, and at the chosen count sends ("dying",
-where) and SIGKILLs its own process. The count is a random fraction of the calls the chosen
-save is expected to make (measured by a calibration trial and refined by every completed
-save). Half the trials count every call (most of them build the manifest and the shards), half
+where) and SIGKILLs its own process. The count is a random fraction of the fewest calls a save
+of the same kind made so far (a re-save of an existing tag and a save of a new tag differ;
+counted by a calibration trial and every completed save since), so the kill lands inside the
+save the trial chose, whatever the machine's speed does to the number of calls (waits for the
+writer threads poll). Half the trials count every call (most of them build the manifest and the shards), half
 only filesystem calls (writes, fsync, renames, the swap, `latest`, lock and clean-up), so kills
 land between every pair of filesystem steps too. If the save makes fewer calls than chosen,
 the count carries over into the next save of the trial; a kill that never happens is reported
@@ -59,10 +61,12 @@ class _Killer:
     """Counts calls (and filesystem calls) inside saves; SIGKILLs this process at the chosen
     one (see the module note)."""
 
-    def __init__(self, conn: Connection, arm: tuple[int, float, float, str] | None) -> None:
+    def __init__(
+        self, conn: Connection, arm: tuple[int, float, dict[bool, float], str] | None
+    ) -> None:
         self.conn, self.inside, self.save, self.resave = conn, False, 0, False
         self.counts = {"call": 0, "io": 0}
-        # arm = (save index, fraction, expected count per save, "call" or "io").
+        # arm = (save index, fraction, {re-save?: fewest calls of such a save}, "call"/"io").
         self.arm = arm
         self.left: int | None = None
 
@@ -70,7 +74,7 @@ class _Killer:
         self.save, self.inside, self.resave = save, True, resave
         self.counts = {"call": 0, "io": 0}
         if self.arm is not None and save == self.arm[0]:
-            self.left = max(1, int(self.arm[1] * self.arm[2]))
+            self.left = max(1, int(self.arm[1] * self.arm[2][resave]))
 
     def leave(self) -> dict[str, int]:
         self.inside = False
@@ -118,7 +122,7 @@ def _child(rank: int, store_path: str, ckpt: str, steps: int, conn: Connection, 
         killer.enter(saves, resave)
         engine.save_checkpoint(ckpt, tag=tag)
         counts = killer.leave()
-        conn.send(("save_end", saves, time.perf_counter() - start, counts))
+        conn.send(("save_end", saves, time.perf_counter() - start, counts, resave))
         if saves == 1 and rank == 0:
             conn.send(("leftovers", leftovers(ckpt)))
 
@@ -188,8 +192,7 @@ def _run_pair(
         parent, child = ctx.Pipe(duplex=False)
         arm = None
         if kill and kill[0] == rank:
-            recent = [c[kill[3]] for c in calls[-40:]]
-            arm = (kill[1], kill[2], sum(recent) / max(1, len(recent)), kill[3])
+            arm = (kill[1], kill[2], _fewest_calls(calls, kill[3]), kill[3])
         p = ctx.Process(target=_child, args=(rank, store, ckpt, steps, child, arm), daemon=True)
         p.start()
         child.close()
@@ -207,6 +210,17 @@ def _run_pair(
     report["exitcodes"] = [p.exitcode for p in procs]
     report["seconds"] = time.perf_counter() - began
     return report
+
+
+def _fewest_calls(calls: list[dict[str, int]], kind: str) -> dict[bool, float]:
+    """Per kind of save (re-save or not), the fewest `kind` calls a completed save made (of
+    either kind while none of that one completed yet)."""
+    every = [c[kind] for c in calls]
+    out = {}
+    for resave in (False, True):
+        same = [c[kind] for c in calls if bool(c["resave"]) == resave]
+        out[resave] = float(min(same or every or [1]))
+    return out
 
 
 def _collect(conns: list[Connection], report: dict[str, Any], calls: list[dict[str, int]]) -> None:
@@ -229,7 +243,7 @@ def _collect(conns: list[Connection], report: dict[str, Any], calls: list[dict[s
             elif kind == "leftovers":
                 report["leftovers"] = msg[1]
             elif kind == "save_end":
-                calls.append(msg[3])
+                calls.append({**msg[3], "resave": msg[4]})
             elif kind == "dying":  # [rank, save index, "call"/"io", function, re-save?]
                 report["killed"] = [rank, *msg[1:]]
 

@@ -8,7 +8,9 @@ process's checkpoint calls, so it agrees across ranks of one job) and waits, pol
 folder, until every rank's marker for the same call is there. After `timeout_s()` it removes its
 own marker and raises `CheckpointError` naming the missing ranks; no collective was entered, so
 nothing hangs. Each rank removes its marker once a later collective proves every rank has seen
-it (`Arrival.depart`). Markers left by a killed job (its process is gone) or by this job's
+it (`Arrival.depart`). A marker is written under a temporary name carrying the writer's pid
+and host, then renamed, so a process killed while writing it leaves a temporary file its name
+identifies (removed like a dead process's marker), never an empty marker nobody can claim. Markers left by a killed job (its process is gone) or by this job's
 earlier calls are removed by the next save; another live job's markers are left alone. The folder is
 the checkpoint directory itself, which every rank must reach anyway; where it cannot be written
 (a read-only load directory) the check is skipped and the process group's timeout applies.
@@ -51,6 +53,10 @@ def timeout_s() -> float:
     return comm.DEFAULT_TIMEOUT.total_seconds() if seconds is None else seconds
 
 
+_PARTIAL = ".partial-"
+"""Infix of a marker being written: ``<marker>.partial-<pid>-<host>``."""
+
+
 def _marker(folder: str, op: str, seq: int, rank: int) -> str:
     return os.path.join(folder, CALLS_DIR, f"{op}-{seq:08d}-rank{rank:05d}")
 
@@ -78,11 +84,16 @@ def arrive(folder: str, op: str) -> Arrival:
         return Arrival(None)
     seq = _state["seq"]
     mine = _marker(folder, op, seq, rank)
+    host, pid = job_member()
+    partial = f"{mine}{_PARTIAL}{pid}-{host}"
     try:
         os.makedirs(os.path.dirname(mine), exist_ok=True)
-        with open(mine, "w", encoding="utf-8") as f:
-            f.write("{} pid {}\n".format(*job_member()))
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(f"{host} pid {pid}\n")
+        os.rename(partial, mine)
     except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
         return Arrival(None)
     limit = timeout_s()
     deadline = time.monotonic() + limit
@@ -126,12 +137,23 @@ def remove_stale_markers(folder: str, members: list[tuple[str, int]]) -> None:
                 os.unlink(path)
 
 
+def _writer(marker: str) -> tuple[str, str]:
+    """(host, pid) of a marker's writer: from a partial marker's name, else its content;
+    raises ValueError or OSError when neither says."""
+    name = os.path.basename(marker)
+    if _PARTIAL in name:
+        pid, _, host = name.split(_PARTIAL, 1)[1].partition("-")
+        return host, pid
+    with open(marker, encoding="utf-8") as f:
+        host, _, pid = f.read().split()
+    return host, pid
+
+
 def _removable(marker: str, members: list[tuple[str, int]]) -> bool:
-    """True when `marker` ("<host> pid <pid>") was written by one of `members` or by a
-    process of this host that no longer exists."""
+    """True when `marker` ("<host> pid <pid>", or a partial one named after its writer) was
+    written by one of `members` or by a process of this host that no longer exists."""
     try:
-        with open(marker, encoding="utf-8") as f:
-            host, _, pid = f.read().split()
+        host, pid = _writer(marker)
     except (OSError, ValueError):
         return False
     if not pid.isdigit():
