@@ -54,6 +54,8 @@ from common import RESULTS_DIR, corpus_batches, environment
 GB = 1e9
 MB = 1e6
 VOCAB = 50257
+_KEEP: list[Any] = []
+"""Objects that must outlive the model (DeepSpeed's Hugging Face config)."""
 PRESETS: dict[str, tuple[int, int]] = {
     # name: (layers, hidden); parameters at vocab 50257 and 128 positions
     "tiny": (2, 128),  # 6.8M: a smoke test of the script itself
@@ -143,6 +145,12 @@ def build_model(args: argparse.Namespace, backend: Any, config: dict[str, Any]) 
         attn_pdrop=0.0,
     )
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    if args.deepspeed:
+        # Without it Hugging Face's _init_weights writes into DeepSpeed's placeholders (lost):
+        # the embeddings keep N(0, 1) and the model is not the one partita trains.
+        from transformers.integrations import HfDeepSpeedConfig
+
+        _KEEP.append(HfDeepSpeedConfig(config))  # alive while the model is used
     with backend.zero.Init(remote_device="nvme", config_dict_or_path=config, dtype=dtype):
         return GPT2LMHeadModel(shape)
 
