@@ -202,6 +202,15 @@ def plan_check(name: str, cap: int, env: dict[str, str]) -> None:
           f"fastest measured within the cap: {fastest}")  # fmt: skip
 
 
+def _plan_checks(names: list[str], cap: str) -> None:
+    from partita.estimate.units import parse_bytes
+
+    sys.path.insert(0, HERE)
+    env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    for name in names:
+        plan_check(name, parse_bytes(cap, "--plan_cap"), env)
+
+
 def main() -> None:
     """Runs every cell and prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -214,12 +223,7 @@ def main() -> None:
     ap.add_argument("--plan_cap", help="check the planner under this memory per rank, e.g. 410MiB")
     args = ap.parse_args()
     if args.plan_cap:
-        from partita.estimate.units import parse_bytes
-
-        sys.path.insert(0, HERE)
-        env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-        for name in args.models.split(","):
-            plan_check(name, parse_bytes(args.plan_cap, "--plan_cap"), env)
+        _plan_checks(args.models.split(","), args.plan_cap)
         return
     if args.repredict:
         with open(args.repredict) as f:

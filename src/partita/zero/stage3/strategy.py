@@ -219,13 +219,9 @@ class FullySharded:
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
         bindings = self._build_units(build, plan, persistent, module, modules)
-        self.divergence = DivergenceCheck(
-            [u.name for u in self.all_units], group, bool(zero.stage3_check_divergence)
-        )
+        self.divergence = self._check_divergence(group, bool(zero.stage3_check_divergence))
         """Identities of the units' collectives, checked across ranks ([Note: rank
         divergence])."""
-        for index, unit in enumerate(self.all_units):
-            unit.index, unit.divergence = index, self.divergence
         if opt.where == "host" and opt.ratio < 1.0:
             self._keep_masters_on_device(opt.ratio)
         bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
@@ -250,13 +246,7 @@ class FullySharded:
             for p in seg.params
         ]
         self.optimizer = make_optimizer(self._masters_by_group(len(groups)))
-        self._master_index = {id(m): i for i, m in enumerate(self._masters())}
-        self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
-        # A unit's masters are consecutive: its shard is written back after the last of them.
-        self._unit_done = {
-            i for i, (u, _) in enumerate(self._master_home)
-            if i + 1 == len(self._master_home) or self._master_home[i + 1][0] is not u
-        }  # fmt: skip
+        self._index_masters()
         if self.swapped is not None:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
@@ -268,6 +258,24 @@ class FullySharded:
         )  # fmt: skip
         self.state = ParamStates(self._state_layout, gatherer=self)
         """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
+
+    def _check_divergence(self, group: comm.ProcessGroup | None, enabled: bool) -> DivergenceCheck:
+        """The cross-rank identity check every unit's collectives go through."""
+        check = DivergenceCheck([u.name for u in self.all_units], group, enabled)
+        for index, unit in enumerate(self.all_units):
+            unit.index, unit.divergence = index, check
+        return check
+
+    def _index_masters(self) -> None:
+        """Where each master sits in the optimizer, which unit it belongs to, and after which
+        master a unit's shard is complete."""
+        self._master_index = {id(m): i for i, m in enumerate(self._masters())}
+        self._master_home = [(u, idx) for u in self.all_units for idx in u.masters]
+        # A unit's masters are consecutive: its shard is written back after the last of them.
+        self._unit_done = {
+            i for i, (u, _) in enumerate(self._master_home)
+            if i + 1 == len(self._master_home) or self._master_home[i + 1][0] is not u
+        }  # fmt: skip
 
     def _make_host_step(self, sub_group_size: int) -> HostStep | None:
         """Masters on the host that are copies of shards in memory (optimizer offload to CPU,
