@@ -5,9 +5,9 @@ A GPT-2 (``--model 124m``: 124M parameters, tied embeddings) trains one step wit
 CPU processes (gloo), then saves and loads ``--repeats`` times, for each ZeRO stage in
 ``--stages`` (default 3 and 0):
 
-- partita: ``save_checkpoint`` (sync: write, fsync, sha256, atomic commit), ``load_checkpoint``
-  (sha256 checked), and ``save_checkpoint(async_save=True)``: the *stall* (until it returns,
-  training could go on) and the *total* (until the checkpoint is committed);
+- partita: ``save_checkpoint`` (sync: write, fsync, XXH3-128 digest, atomic commit),
+  ``load_checkpoint`` (digest checked), and ``save_checkpoint(async_save=True)``: the *stall*
+  (until it returns, training could go on) and the *total* (until the checkpoint is committed);
 - DeepSpeed 0.19.8 (``DS_ACCELERATOR=cpu``, torch AdamW as a client optimizer, same stage):
   ``save_checkpoint`` (torch.save, no fsync) and ``load_checkpoint``;
 - torch DCP on the same model and AdamW state (replicated: DCP deduplicates, so each tensor is

@@ -234,10 +234,10 @@ def _rename_file(folder: str, old: str, new: str) -> None:
 
 def _rewrite_shard(folder: str, fname: str, change: Callable[[str, torch.Tensor], Any]) -> None:
     """Rewrites shard `fname` with `change(key, tensor)` applied (None: unchanged) and
-    updates its size and sha256 in the manifest, so only the content check can object."""
+    updates its size and digest in the manifest, so only the content check can object."""
     from safetensors.torch import load_file, save_file
 
-    from partita.checkpoint.stfile import file_sha256
+    from partita.checkpoint.digest import ALGORITHM, file_digest
 
     path = os.path.join(folder, fname)
     tensors = load_file(path)
@@ -249,7 +249,9 @@ def _rewrite_shard(folder: str, fname: str, change: Callable[[str, torch.Tensor]
     save_file(tensors, path, metadata={"format": "pt"})
 
     def edit(m: dict[str, Any]) -> None:
-        m["files"][fname].update(bytes=os.path.getsize(path), sha256=file_sha256(path))
+        m["files"][fname].update(
+            bytes=os.path.getsize(path), digest={ALGORITHM: file_digest(path)}
+        )
 
     _edit_manifest(folder, edit)
 

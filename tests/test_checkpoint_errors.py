@@ -30,7 +30,7 @@ def spawn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 CORRUPTIONS = {
     "truncated": ("rank00001-of-00002.safetensors", "size check failed"),
-    "flipped": ("rank00000-of-00002.safetensors", "sha256 check failed"),
+    "flipped": ("rank00000-of-00002.safetensors", "checksum check failed"),
     "missing": ("rank00001-of-00002.safetensors", "missing"),
     "empty_latest": ("latest", "empty"),
     "no_manifest": ("manifest.json", "manifest missing"),

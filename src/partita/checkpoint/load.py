@@ -2,7 +2,7 @@
 
 Phases (each a collective that fails every rank together, see `rendezvous`): arrival; rank 0
 finds the checkpoint and reads its manifest; every rank checks a share of the files (size,
-sha256); every rank reads the ranges it owns and writes them through the state-access
+digest); every rank reads the ranges it owns and writes them through the state-access
 interface (`engine.param_states`); the module's weights are refreshed from the masters;
 counters, loss scale, scheduler, RNG and data loader position are restored.
 """

@@ -11,8 +11,9 @@ Layout of a save directory::
 
 The manifest (JSON) records the format version, partita and torch versions, the tag, world size
 and ZeRO stage at save time, every saved tensor (name, shape, dtype, kind: trainable / frozen /
-buffer / alias), for every shard file its rank, size, sha256 and the (offset, length) ranges of
-each flattened parameter it holds (padding never stored), the optimizer state keys and group
+buffer / alias), for every shard file its rank, size, digest (``{algorithm: hex}``; ``sha256`` in
+older manifests) and the (offset, length) ranges of each flattened parameter it holds (padding
+never stored), the optimizer state keys and group
 hyperparameters, counters, loss-scaler and scheduler state, per-rank RNG and data loader
 states, the config and the client state.
 """
@@ -109,10 +110,14 @@ def _check_structure(data: dict[str, Any], path: str) -> None:
     for fname, info in files.items():
         check_file_name(fname, path)
         where = f"'files'[{fname!r}]"
+        expected = "rank, bytes, digest (or sha256) and ranges"
         if not isinstance(info, dict) or not _is_int(info.get("rank")):
-            raise _fail(path, where, info, "rank, bytes, sha256 and ranges")
-        if not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
-            raise _fail(path, where, info, "rank, bytes, sha256 and ranges")
+            raise _fail(path, where, info, expected)
+        # Which algorithm, and whether it is known, is checked by the file's reader
+        # (`digest.expected_digest`), naming the file and the algorithm.
+        has_digest = isinstance(info.get("digest"), dict) or isinstance(info.get("sha256"), str)
+        if not _is_int(info.get("bytes")) or not has_digest:
+            raise _fail(path, where, info, expected)
         ranges = info.get("ranges")
         if not isinstance(ranges, dict):
             raise _fail(path, f"{where}['ranges']", ranges, "a mapping")

@@ -1,7 +1,7 @@
 """Reading a shard file once: its bytes are hashed as they arrive and then served from memory.
 
 [Note: verified bytes]
-Checking a file's sha256 and then reading its tensors through a memory map reads every byte
+Checking a file's digest and then reading its tensors through a memory map reads every byte
 twice, and what is loaded is whatever the file holds at the second read, not what was checked.
 `read_verified` reads the file into one buffer in chunks while a helper thread hashes the
 chunks already read (reading overlaps verification), compares size and digest with the
@@ -14,7 +14,6 @@ trustworthy as the manifest that names it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from partita.checkpoint.digest import digest_mismatch, new_hasher
 from partita.checkpoint.manifest import CheckpointError
 
 _CHUNK = 16 << 20
@@ -51,12 +51,13 @@ def in_memory_limit() -> int:
         return 0
 
 
-def read_verified(path: str, nbytes: int, sha256: str) -> torch.Tensor:
-    """The bytes of `path` (a uint8 tensor) after checking their count and sha256 against
-    the manifest's; `CheckpointError` naming the file and the check otherwise."""
+def read_verified(path: str, nbytes: int, algorithm: str, expected: str) -> torch.Tensor:
+    """The bytes of `path` (a uint8 tensor) after checking their count and `algorithm` digest
+    against the manifest's (`expected`); `CheckpointError` naming the file and the check
+    otherwise."""
     buf = torch.empty(nbytes, dtype=torch.uint8)
     view = buf.numpy().data.cast("B") if nbytes else memoryview(bytearray())
-    hasher = hashlib.sha256()
+    hasher = new_hasher(algorithm)
     got = 0
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
         pending: Future[None] | None = None
@@ -76,9 +77,8 @@ def read_verified(path: str, nbytes: int, sha256: str) -> torch.Tensor:
         raise CheckpointError(f"{path}: size check failed: {size} bytes, manifest says "
                               f"{nbytes} (truncated or overwritten)")  # fmt: skip
     digest = hasher.hexdigest()
-    if digest != sha256:
-        raise CheckpointError(f"{path}: sha256 check failed: {digest}, manifest says {sha256} "
-                              "(the file is corrupt)")  # fmt: skip
+    if digest != expected:
+        raise digest_mismatch(path, algorithm, digest, expected)
     return buf
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from partita.checkpoint.digest import digest_mismatch, expected_digest, file_digest
 from partita.checkpoint.manifest import (
     MANIFEST_NAME,
     MODULE_PREFIX,
@@ -27,7 +28,6 @@ from partita.checkpoint.manifest import (
     state_key,
 )
 from partita.checkpoint.memfile import MemoryShard, in_memory_limit, read_verified
-from partita.checkpoint.stfile import file_sha256
 
 _ST_DTYPES = {
     "F64": "float64",
@@ -231,7 +231,7 @@ class PartitaSource(StateSource):
         raise CheckpointError(f"{self.folder}: no saved tensor {name!r} in rank 0's file")
 
     def verify(self, rank: int, world: int) -> None:
-        """Size and sha256 of files ``i`` with ``i % world == rank`` (every rank a share)."""
+        """Size and digest of files ``i`` with ``i % world == rank`` (every rank a share)."""
         for i, (fname, info) in enumerate(sorted(self.meta["files"].items())):
             if i % world != rank:
                 continue
@@ -246,16 +246,14 @@ class PartitaSource(StateSource):
                     f"{path}: size check failed: {size} bytes, manifest says {info['bytes']} "
                     "(truncated or overwritten)"
                 )
+            algorithm, expected = expected_digest(info, path)
             if size <= in_memory_limit():
                 # One read: hashed as it arrives, then loaded from the same bytes.
-                self._verified[fname] = read_verified(path, size, info["sha256"])
+                self._verified[fname] = read_verified(path, size, algorithm, expected)
                 continue
-            digest = file_sha256(path)
-            if digest != info["sha256"]:
-                raise CheckpointError(
-                    f"{path}: sha256 check failed: {digest}, manifest says {info['sha256']} "
-                    "(the file is corrupt)"
-                )
+            got = file_digest(path, algorithm)
+            if got != expected:
+                raise digest_mismatch(path, algorithm, got, expected)
 
     def close(self) -> None:
         """Drops the memory maps and the files held in memory."""

@@ -7,7 +7,7 @@ Phases (each ends in a collective that fails every rank if one failed, see `rend
    those: another live job's save is left alone) and opens a staging folder beside the tag
    folders (`atomic.Staging`), whose path every rank receives;
 3. each rank writes its shard file there (temporary name, fsync, rename) and reports its size,
-   sha256, ranges, stored dtypes, RNG and data loader states;
+   digest (XXH3-128), ranges, stored dtypes, RNG and data loader states;
 4. rank 0 writes the manifest into the staging folder, swaps it in for ``save_dir/tag`` (an
    existing checkpoint under that tag stays complete and loadable until the atomic swap), then
    writes `latest` (atomically) and removes the old content.
@@ -258,18 +258,19 @@ def _shard_tensors(
     engine: CheckpointSubject, entries: list[Entry], exclude_frozen: bool
 ) -> tuple[list[stfile.TensorSpec], dict[str, Producer], dict[str, list[list[int]]]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
-    state; frozen parameters and buffers on rank 0 only. Their specs, in file order, and how
+    state (replicated state: the parameters `_replicated_writers` gives this rank); frozen
+    parameters and buffers on rank 0 only. Their specs, in file order, and how
     to make each: trainable state when it is written (a synchronous save then copies each
     state while the disk writes the previous one), module tensors now (stage 3 gathers
     frozen parameters collectively, in the same order on every rank)."""
     strategy, rank = engine.param_states, engine.dims.dp_rank
-    writes_trainable = rank == 0 or not strategy.replicated
+    writers = _replicated_writers(entries, engine.dims.dp_world_size) if strategy.replicated else {}
     keys = ["param", *strategy.optimizer_state_keys()]
     specs: list[stfile.TensorSpec] = []
     producers: dict[str, Producer] = {}
     ranges: dict[str, list[list[int]]] = {}
     for e in entries:
-        if e.kind == "trainable" and writes_trainable:
+        if e.kind == "trainable" and writers.get(e.name, rank) == rank:
             owned = [[int(o), int(n)] for o, n in strategy.owned_ranges(e.tensor) if n > 0]
             if not owned:
                 continue
@@ -289,6 +290,22 @@ def _shard_tensors(
     return specs, producers, ranges
 
 
+def _replicated_writers(entries: list[Entry], world: int) -> dict[str, int]:
+    """Which rank writes each trainable parameter when every rank holds all of them (stage
+    0): rank 0 writing everything alone would copy, hash and write the whole model on one
+    core while the others wait. Largest first, each to the rank with the fewest elements so
+    far; the same on every rank (same inventory). The manifest's per-file ranges already say
+    which file holds what, so loads (of these and of older checkpoints) need nothing new."""
+    trainable = [e for e in entries if e.kind == "trainable"]
+    load = [0] * max(world, 1)
+    writers: dict[str, int] = {}
+    for e in sorted(trainable, key=lambda e: (-e.tensor.numel(), e.name)):
+        writer = min(range(len(load)), key=lambda r: (load[r], r))
+        writers[e.name] = writer
+        load[writer] += e.tensor.numel()
+    return writers
+
+
 def _local_state(strategy: Any, param: torch.Tensor, what: str) -> torch.Tensor:
     value = strategy.local_state(param, what)
     assert value is not None  # its spec said it exists
@@ -306,7 +323,7 @@ def _shard_state(
         return None, None
     rank = dims.dp_rank
     specs, producers, ranges = _shard_tensors(engine, inventory(engine), exclude_frozen)
-    report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "sha256": None}
+    report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "digest": None}
     report["world"] = dims.dp_world_size
     report["ranges"] = ranges
     report["scalar_keys"] = sorted(
@@ -358,7 +375,7 @@ def _write_shard(snap: _Snapshot) -> dict[str, Any] | None:
             )
         except OSError as e:
             raise CheckpointError(f"{path}: writing rank {rank}'s shard failed ({e})") from e
-        report.update(file=name, bytes=written.nbytes, sha256=written.sha256)
+        report.update(file=name, bytes=written.nbytes, digest={written.algorithm: written.digest})
     return report
 
 
@@ -447,7 +464,7 @@ def _complete_manifest(base: dict[str, Any], reports: list[dict[str, Any]]) -> d
         }
     manifest["scalar_state_keys"] = sorted({k for r in reports for k in r["scalar_keys"]})
     manifest["files"] = {
-        r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "sha256": r["sha256"],
+        r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "digest": r["digest"],
                     "ranges": r["ranges"]}
         for r in reports
         if r["file"]

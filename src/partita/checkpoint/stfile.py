@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import hashlib
 import json
 import math
 import os
@@ -25,10 +24,11 @@ from typing import Any
 
 import torch
 
+from partita.checkpoint import digest as digests
 from partita.checkpoint.atomic import atomic_writer
 
-CHECKSUM = "sha256"
-"""Checksum algorithm recorded in manifests."""
+CHECKSUM = digests.ALGORITHM
+"""Checksum algorithm recorded in manifests (see [Note: digest algorithms])."""
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -42,7 +42,6 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_READ_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,8 @@ class WrittenFile:
 
     path: str
     nbytes: int
-    sha256: str
+    algorithm: str
+    digest: str
 
 
 TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]
@@ -90,7 +90,7 @@ def _as_bytes(t: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
 def write_safetensors(
     path: str, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> WrittenFile:
-    """Writes `tensors` (in the mapping's order) to `path` atomically; returns size and sha256."""
+    """Writes `tensors` (in the mapping's order) to `path` atomically; returns size and digest."""
     specs = [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     return write_safetensors_stream(path, specs, tensors.__getitem__, metadata)
 
@@ -102,12 +102,12 @@ def write_safetensors_stream(
     metadata: dict[str, str] | None = None,
 ) -> WrittenFile:
     """Writes the tensors `specs` describes, asking `produce(name)` for each in turn (so only
-    one needs to exist at a time), to `path` atomically; returns size and sha256.
+    one needs to exist at a time), to `path` atomically; returns size and digest (`CHECKSUM`).
 
-    Hashing runs on a helper thread (hashlib releases the GIL), overlapping the writes, and
+    Hashing runs on a helper thread (xxhash releases the GIL), overlapping the writes, and
     the disk writes while the file is produced (see [Note: streaming writeback]).
     """
-    hasher = hashlib.sha256()
+    hasher = digests.new_hasher(CHECKSUM)
     nbytes = 0
 
     def buffers() -> Iterator[tuple[memoryview, Any]]:
@@ -141,7 +141,7 @@ def write_safetensors_stream(
                     pending.pop(0)
         for p, _ in pending:
             p.result()
-    return WrittenFile(path=path, nbytes=nbytes, sha256=hasher.hexdigest())
+    return WrittenFile(path=path, nbytes=nbytes, algorithm=CHECKSUM, digest=hasher.hexdigest())
 
 
 _WRITE_CHUNK = 16 << 20
@@ -208,20 +208,8 @@ def _range_sync(fd: int, offset: int, nbytes: int, flags: int) -> None:
 
 
 def file_sha256(path: str) -> str:
-    """The sha256 of a file, read in chunks (reading overlaps hashing on a helper thread)."""
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
-        pending = None
-        while True:
-            chunk = f.read(_READ_CHUNK)
-            if not chunk:
-                break
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(hasher.update, chunk)
-        if pending is not None:
-            pending.result()
-    return hasher.hexdigest()
+    """The sha256 of a file (manifests written before XXH3-128 record it)."""
+    return digests.file_digest(path, "sha256")
 
 
 __all__ = [
