@@ -322,3 +322,21 @@ def test_set_z3_leaf_modules_marks_instances() -> None:
     assert z3_leaf_module(model.vision) and not z3_leaf_module(other.vision)
     assert get_z3_leaf_modules(model) == [model.vision]
     assert copy.deepcopy(model).vision._z3_leaf
+
+
+def test_an_unchecked_run_keeps_only_the_last_pass() -> None:
+    """With the check off (one rank, or ``stage3_check_divergence: false``) the collectives of
+    a pass are still recorded (a benchmark toggles the check), but each backward's end starts
+    a new record: nothing grows with the number of steps."""
+    from partita.zero.stage3.identity import END, GATHER, REDUCE, DivergenceCheck
+
+    check = DivergenceCheck(["a", "b"], None, enabled=False)
+    for _ in range(50):
+        for unit in (0, 1):
+            check.check(GATHER, unit)
+        for unit in (1, 0):
+            check.check(REDUCE, unit)
+        check.check(END)
+        check.next_step()
+    assert check.schedule == [(GATHER, 0), (GATHER, 1), (REDUCE, 1), (REDUCE, 0)]
+    assert check._current == [] and check.checks == 0

@@ -80,11 +80,15 @@ class DivergenceCheck:
             len(self._current) : len(self._current) + 1
         ] == [key]
         self._current.append(key)  # recorded even when off, so a benchmark may toggle it
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._exchange(key, on_schedule)
+        if what == END:  # also when off: the pass's record must not grow step after step
+            self.schedule, self._current = self._current[:-1], []
+
+    def _exchange(self, key: tuple[int, int], on_schedule: bool) -> None:
         if not on_schedule:
             self.flush()
-        mine = torch.tensor([what, unit, self.step, self.seq], dtype=torch.int64)
+        mine = torch.tensor([*key, self.step, self.seq], dtype=torch.int64)
         self.seq += 1
         self.checks += 1
         table = torch.empty(self.world * 4, dtype=torch.int64)
@@ -94,8 +98,6 @@ class DivergenceCheck:
         self._pending.append((table, handle))
         if not on_schedule:
             self.flush()
-        if what == END:
-            self.schedule, self._current = self._current[:-1], []
 
     def flush(self) -> None:
         """Verifies every identity exchange started so far (call before blocking on any
