@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from partita.checkpoint import background, stfile
+from partita.checkpoint import background, digest, stfile
 from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
@@ -429,7 +429,7 @@ def _manifest(
         "param_dtype": dtype_name(engine.policy.param_dtype),
         "sharding": "per file and trainable parameter: the (offset, length) ranges of the "
         "flattened parameter it holds, concatenated in order; padding is never stored",
-        "checksum": stfile.CHECKSUM,
+        "checksum": digest.ALGORITHM,
         "tensors": _tensor_table(engine, exclude_frozen),
         "optimizer": torch_class_name(engine.optimizer),
         "optimizer_state_keys": engine.param_states.optimizer_state_keys(),

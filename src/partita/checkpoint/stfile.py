@@ -27,9 +27,6 @@ import torch
 from partita.checkpoint import digest as digests
 from partita.checkpoint.atomic import atomic_writer
 
-CHECKSUM = digests.ALGORITHM
-"""Checksum algorithm recorded in manifests (see [Note: digest algorithms])."""
-
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -102,12 +99,12 @@ def write_safetensors_stream(
     metadata: dict[str, str] | None = None,
 ) -> WrittenFile:
     """Writes the tensors `specs` describes, asking `produce(name)` for each in turn (so only
-    one needs to exist at a time), to `path` atomically; returns size and digest (`CHECKSUM`).
+    one needs to exist at a time), to `path` atomically; returns size and digest (`digest.ALGORITHM`).
 
     Hashing runs on a helper thread (xxhash releases the GIL), overlapping the writes, and
     the disk writes while the file is produced (see [Note: streaming writeback]).
     """
-    hasher = digests.new_hasher(CHECKSUM)
+    hasher = digests.new_hasher(digests.ALGORITHM)
     nbytes = 0
 
     def buffers() -> Iterator[tuple[memoryview, Any]]:
@@ -141,7 +138,9 @@ def write_safetensors_stream(
                     pending.pop(0)
         for p, _ in pending:
             p.result()
-    return WrittenFile(path=path, nbytes=nbytes, algorithm=CHECKSUM, digest=hasher.hexdigest())
+    return WrittenFile(
+        path=path, nbytes=nbytes, algorithm=digests.ALGORITHM, digest=hasher.hexdigest()
+    )
 
 
 _WRITE_CHUNK = 16 << 20
@@ -207,16 +206,9 @@ def _range_sync(fd: int, offset: int, nbytes: int, flags: int) -> None:
         raise OSError(err, os.strerror(err))
 
 
-def file_sha256(path: str) -> str:
-    """The sha256 of a file (manifests written before XXH3-128 record it)."""
-    return digests.file_digest(path, "sha256")
-
-
 __all__ = [
-    "CHECKSUM",
     "TensorSpec",
     "WrittenFile",
-    "file_sha256",
     "write_safetensors",
     "write_safetensors_stream",
 ]
