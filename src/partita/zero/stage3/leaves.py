@@ -36,7 +36,7 @@ def declared_leaves(model: torch.nn.Module, config: Any) -> list[torch.nn.Module
     if config is None:
         return found
     classes = set(config.classes)
-    found += [m for _, m in named if _class_names(m) & classes]
+    found += [m for _, m in named if class_names(m) & classes]
     by_name = dict(named)
     for name in config.names:
         if name not in by_name:
@@ -55,7 +55,8 @@ def declared_leaves(model: torch.nn.Module, config: Any) -> list[torch.nn.Module
     return list(unique.values())
 
 
-def _class_names(module: torch.nn.Module) -> set[str]:
+def class_names(module: torch.nn.Module) -> set[str]:
+    """The names a declaration may give `module`'s class by: bare and qualified."""
     cls = type(module)
     return {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"}
 

@@ -12,6 +12,7 @@ from partita import comm
 from partita.compat.deepspeed._missing import missing_attribute
 from partita.utils import *  # noqa: F403  (the safe_get_* / safe_set_* accessors)
 from partita.utils import __all__ as _accessors
+from partita.zero.stage3.leaves import class_names, is_leaf
 
 logger = logging.getLogger("partita")
 
@@ -53,8 +54,7 @@ def _flag(
     wanted = {c if isinstance(c, str) else c.__name__ for c in classes}
     found = []
     for m in model.modules():
-        cls = type(m)
-        if {cls.__name__, f"{cls.__module__}.{cls.__qualname__}"} & wanted:
+        if class_names(m) & wanted:
             m._z3_leaf = value  # type: ignore[assignment]
             found.append(m)
     if not found and raise_if_not_found:
@@ -74,7 +74,7 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
     """Whether `model` is a declared leaf."""
-    return bool(getattr(model, "_z3_leaf", False))
+    return is_leaf(model)
 
 
 def __getattr__(name: str) -> Any:
