@@ -44,10 +44,12 @@ def open_checkpoint(checkpoint_dir: str, tag: str | None, trust_pickle: bool) ->
     return source
 
 
-def _full(source: StateSource, name: str) -> torch.Tensor:
+def full_tensor(source: StateSource, name: str) -> torch.Tensor:
+    """Parameter or buffer `name` of a saved checkpoint, whole (trainable ones from the fp32
+    masters; aliases of tied weights resolved)."""
     info = source.tensors[name]
     if info["kind"] == "alias":
-        return _full(source, info["alias_of"])
+        return full_tensor(source, info["alias_of"])
     if info["kind"] == "trainable":
         shape = [int(s) for s in info["shape"]]
         value = source.read(name, "param", [(0, math.prod(shape))])
@@ -93,7 +95,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
             if info["kind"] == "alias" and info["alias_of"] in out:
                 out[name] = out[info["alias_of"]]
                 continue
-            t = _full(source, name)
+            t = full_tensor(source, name)
             out[name] = t.float() if t.is_floating_point() else t.clone()
     finally:
         source.close()
@@ -164,7 +166,7 @@ def _write_shards(source: StateSource, out_dir: str, shards: list[list[TensorSpe
     dtypes = {n: dt for shard in shards for n, dt, _ in shard}
 
     def produce(name: str) -> torch.Tensor:
-        return _full(source, name).to(dtypes[name]).contiguous()
+        return full_tensor(source, name).to(dtypes[name]).contiguous()
 
     files, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards):
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
 __all__ = [
     "export_checkpoint",
+    "full_tensor",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
     "main",

@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from partita.checkpoint.export import full_tensor, open_checkpoint
+from partita.checkpoint.manifest import CheckpointError
 from partita.inference.plan import RankSlice
 from partita.inference.shard import set_parameter
 
@@ -211,21 +213,12 @@ class _Saved:
     name: str
     shape: tuple[int, ...]
 
-    def _whole(self) -> torch.Tensor:
-        info = self.source.tensors[self.name]
-        if info["kind"] != "trainable":
-            return self.source.read_module(self.name)
-        value = self.source.read(self.name, "param", [(0, math.prod(self.shape))])
-        if value is None:
-            raise LoadError(f"{self.source.folder}: no master weights for {self.name!r}")
-        return value.view(self.shape)
-
     def read(self, spec: RankSlice | None) -> torch.Tensor:
         if spec is not None and spec.zero:
             return torch.zeros(self.shape)
         trainable = self.source.tensors[self.name]["kind"] == "trainable"
         if spec is None or not trainable or spec.dim % len(self.shape) != 0:
-            whole = self._whole()
+            whole = full_tensor(self.source, self.name)
             if spec is None:
                 return whole
             ndim = len(self.shape)
@@ -249,9 +242,6 @@ def _is_hf_folder(folder: str) -> bool:
 def _saved(folder: str) -> dict[str, _Source]:
     """The parameters of the partita checkpoint in `folder`, by name (aliases of tied weights
     resolved to what they alias)."""
-    from partita.checkpoint.export import open_checkpoint
-    from partita.checkpoint.manifest import CheckpointError
-
     try:
         source = open_checkpoint(folder, None, trust_pickle=False)
     except CheckpointError as error:
