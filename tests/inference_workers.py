@@ -2,8 +2,9 @@
 
 Models are built from small configs with seeded random weights and saved with
 ``save_pretrained``; nothing is downloaded. `tp_worker` runs on four ranks: ranks {0, 1} and
-{2, 3} are two tensor-parallel groups of 2 (fp32 on the first, bf16 on the second), then all
-four split two families at TP 4 and load a larger model for the memory check.
+{2, 3} are two tensor-parallel groups of 2 (fp32 on the first, bf16 then fp16 on the
+second), then all four split two families at TP 4 and load a larger model for the memory
+check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "opt", "gpt_neox", "falcon", "phi")
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral", "opt", "gpt_neox", "falcon", "phi",
+            "falcon_rw", "falcon_40b")  # fmt: skip
+"""Falcon three ways: Falcon-7B's multi-query parallel blocks, Falcon-RW's multi-head ALiBi
+sequential blocks, Falcon-40B's new decoder (grouped key/value heads)."""
+FP16_FAMILIES = ("gpt2", "llama", "falcon_rw")
+"""Run in fp16 as well, on the second TP-2 group."""
 TP4_FAMILIES = ("llama", "gpt2")
 VOCAB_CASES = ("gpt2_v127", "llama")
 """Vocabulary-parallel cases: GPT-2 with a tied head and 127 tokens (ranks hold 64 and 63
@@ -49,6 +55,12 @@ def family_config(family: str) -> Any:
         return t.GPTNeoXConfig(**common, intermediate_size=96, max_position_embeddings=64)
     if family == "falcon":  # Falcon-7B's layout: multi-query attention, parallel blocks
         return t.FalconConfig(**common, multi_query=True, parallel_attn=True, alibi=False)
+    if family == "falcon_rw":  # Falcon-RW: every head its own key/value, ALiBi, sequential
+        return t.FalconConfig(**common, multi_query=False, parallel_attn=False, alibi=True,
+                              bias=True)  # fmt: skip
+    if family == "falcon_40b":  # Falcon-40B: new decoder architecture, 2 key/value groups
+        return t.FalconConfig(**common, new_decoder_architecture=True, num_kv_heads=2,
+                              parallel_attn=True, alibi=False)  # fmt: skip
     if family == "phi":
         return t.PhiConfig(**common, intermediate_size=96, max_position_embeddings=64)
     raise ValueError(family)
@@ -205,6 +217,8 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     tp = {"tp_size": 2, "tp_group": group}
     for family in FAMILIES:
         out["tp2"][family] = _run_case(folders[family], dtype, tp)
+    if rank >= 2:
+        out["fp16"] = {f: _run_case(folders[f], torch.float16, tp) for f in FP16_FAMILIES}
     for family in TP4_FAMILIES:
         out["tp4"][family] = _run_case(folders[family], torch.float32, {"tp_size": 4})
     out["vocab"] = {

@@ -33,7 +33,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     refs: dict[str, Any] = {}
     for family, folder in folders.items():
         w.save_family(family, folder)
-        refs[family] = {d: w.reference(folder, d) for d in (torch.float32, torch.bfloat16)}
+        dtypes = (torch.float32, torch.bfloat16)
+        dtypes += (torch.float16,) if family in w.FP16_FAMILIES else ()
+        refs[family] = {d: w.reference(folder, d) for d in dtypes}
     folders["gpt2_v127"] = str(root / "gpt2_v127")
     w.save_family("gpt2", folders["gpt2_v127"], vocab=127)
     refs["gpt2_v127"] = {torch.float32: w.reference(folders["gpt2_v127"], torch.float32)}
@@ -64,6 +66,17 @@ def test_tp2_bf16_within_bf16_tolerance(runs: dict, family: str) -> None:
         got = runs["ranks"][rank]["tp2"][family]["logits"]
         scale = ref.abs().max().item()
         torch.testing.assert_close(got, ref, rtol=1.6e-2, atol=1.6e-2 * scale)
+
+
+@pytest.mark.parametrize("family", w.FP16_FAMILIES)
+def test_tp2_fp16_within_fp16_tolerance(runs: dict, family: str) -> None:
+    """Against the one-process fp16 model, two fp16 roundings (2 x 2^-10) relative to each
+    logit and to the largest one, as the bf16 test allows two bf16 roundings."""
+    ref = runs["refs"][family][torch.float16]["logits"]
+    for rank in (2, 3):
+        got = runs["ranks"][rank]["fp16"][family]["logits"]
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3 * scale)
 
 
 @pytest.mark.parametrize("family", w.TP4_FAMILIES)

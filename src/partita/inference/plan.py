@@ -19,6 +19,11 @@ heads: GPT-2's ``c_attn`` holds [q | k | v] (three ranges per rank); GPT-NeoX's 
 ``query_key_value`` interleave per head or per key/value group (one contiguous range), except
 Falcon's multi-query layout [q heads | k | v], where each rank takes its query heads and the
 single key and value head whole.
+
+ALiBi (Falcon-RW's ``alibi=True``) adds a per-head bias that the model builds once for all
+heads and hands to every attention module, as ``alibi`` and baked into a 4-D attention mask:
+each rank keeps the rows of its own heads (`ShardPlan.head_ranges`, a pre-hook in
+`partita.inference.shard`), so the bias of head h still meets head h.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class ShardPlan:
     """Rows per rank (the last rank may hold fewer: its logits are padded to this)."""
     vocab_size: int = 0
     """The whole vocabulary."""
+    head_ranges: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Attention module -> (first head, stop, all heads) whose ALiBi rows this rank keeps."""
 
 
 def _pattern(text: str) -> re.Pattern[str]:
@@ -350,6 +357,9 @@ def _attention_attrs(model: nn.Module, plan: ShardPlan) -> None:
                 values[attr] = value if keep else value // n
         if values:
             plan.attrs[parent] = values
+        if getattr(getattr(model, "config", None), "alibi", False):
+            start, stop = _chunk(heads, n, plan.tp_rank, f"{parent} (ALiBi heads)")
+            plan.head_ranges[parent] = (start, stop, heads)
 
 
 def _vocab_plan(model: nn.Module, plan: ShardPlan) -> None:

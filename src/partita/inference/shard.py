@@ -100,6 +100,27 @@ def _vocab_head_hook(plan: ShardPlan, group: ProcessGroup | None) -> Callable[..
     return hook
 
 
+def _alibi_hook(heads: tuple[int, int, int]) -> Callable[..., Any]:
+    """Keeps this rank's heads of the ALiBi bias ((batch x heads, 1, keys) or (batch, heads,
+    1, keys)) and of a 4-D attention mask with one row per head (the model builds both for
+    all heads)."""
+    start, stop, total = heads
+
+    def pre(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        alibi = kwargs.get("alibi")
+        if isinstance(alibi, torch.Tensor) and alibi.dim() == 4:  # (batch, heads, 1, keys)
+            kwargs["alibi"] = alibi[:, start:stop]
+        elif isinstance(alibi, torch.Tensor):  # (batch x heads, 1, keys)
+            per_head = alibi.view(-1, total, *alibi.shape[1:])[:, start:stop]
+            kwargs["alibi"] = per_head.reshape(-1, *alibi.shape[1:])
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1] == total:
+            kwargs["attention_mask"] = mask[:, start:stop]
+        return args, kwargs
+
+    return pre
+
+
 def install_plan(model: nn.Module, plan: ShardPlan, group: ProcessGroup | None) -> None:
     """Hooks and attributes of `plan` on `model` (its parameters must already be sliced)."""
     if plan.tp_size == 1:
@@ -117,6 +138,9 @@ def install_plan(model: nn.Module, plan: ShardPlan, group: ProcessGroup | None) 
         module = model.get_submodule(name)
         for attr, value in values.items():
             setattr(module, attr, value)
+    for name, heads in plan.head_ranges.items():
+        hook = _alibi_hook(heads)
+        model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def shard_module(
