@@ -57,10 +57,16 @@ def _config(name: str) -> Any:
 
 
 def worker(
-    name: str, stage: int, opt: str, param: str, nvme_dir: str, ckpt: bool = False
+    name: str,
+    stage: int,
+    opt: str,
+    param: str,
+    nvme_dir: str,
+    ckpt: bool = False,
+    steps: int = STEPS,
 ) -> dict[str, Any]:
-    """One rank: baseline, build, initialize, three steps; the memory report, peak RSS and
-    the mean time of the steps after the first."""
+    """One rank: baseline, build, initialize, `steps` steps; the memory report, peak RSS and
+    the times of the steps after the first (the first builds state and warms caches)."""
     # Imported before the baseline: code is not training memory (GPT-2's modelling module and
     # what its first forward imports weigh ~100 MiB of RSS).
     import transformers.loss.loss_utils
@@ -96,7 +102,7 @@ def worker(
     g = torch.Generator().manual_seed(engine.global_rank)
     vocab = SHAPES[name]["vocab_size"]
     times = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         x = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=g)
         start = time.perf_counter()
         engine.backward(engine(input_ids=x, labels=x).loss)
@@ -104,6 +110,7 @@ def worker(
         times.append(time.perf_counter() - start)
     report: dict[str, Any] = dict(engine.memory_report())
     report["step_s"] = sum(times[1:]) / max(1, len(times) - 1)
+    report["step_times"] = times[1:]
     report["peak_over_base"] = host_peak_rss() - base
     engine.destroy()
     return report
@@ -157,58 +164,136 @@ def link_worker(numel: int = 1 << 22, repeats: int = 5) -> float:
     return 2 * (n - 1) / n * numel * 4 / best
 
 
-def plan_check(name: str, cap: int, env: dict[str, str]) -> None:
-    """Ranks the configurations for `cap` bytes per rank with rates measured here, then trains
-    each candidate (fitting or not) and prints predicted against measured."""
+def _rates(env: dict[str, str]) -> Any:
+    """The planner's calibration, as `partita plan --cpu` does it, plus gloo's all-reduce."""
     import bench_estimate
-    from partita.estimate import Hardware, candidates, estimate
-    from partita.estimate.model import from_hf_config
-    from partita.estimate.plan import HEADROOM, Rates, calibrate_adam_rate, calibrate_flops, rank
+    from partita.estimate.plan import Rates, calibrate_adam_rate, calibrate_flops
     from partita.testing import run_distributed
 
     link = min(run_distributed(bench_estimate.link_worker, 2, timeout=300, env=env))
-    rates = Rates(calibrate_flops(1.0), link_bandwidth=link, adam_rate=calibrate_adam_rate())
-    print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {link / 1e9:.2f} GB/s, "
-          f"Adam {rates.adam_rate / 1e6:.0f} M params/s", flush=True)  # fmt: skip
-    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
-    hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=HEADROOM)
-    ests = [
-        estimate(shape, c, hw)
-        for c in candidates("fp32", None)
-        if "nvme" not in (c.offload_optimizer, c.offload_param)
-    ]
-    ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates)
-    predicted = {e.candidate.label: t.total for e, t in ranked}
-    print("| config | fits (predicted) | predicted peak MiB | measured peak MiB | within cap | "
-          "predicted step s | measured step s |\n|---|---|---|---|---|---|---|")  # fmt: skip
-    measured: dict[str, tuple[float, int]] = {}
-    for e in ests:
-        c = e.candidate
-        reports = run_distributed(
-            bench_estimate.worker, 2, name, c.stage, c.offload_optimizer, c.offload_param, "",
-            c.checkpointing, timeout=900, env=env,
-        )  # fmt: skip
-        peak = max(r["peak_over_base"] for r in reports)
-        step = max(r["step_s"] for r in reports)
-        measured[c.label] = (step, peak)
-        pred = f"{predicted[c.label]:.3f}" if c.label in predicted else "-"
-        print(f"| {c.label} | {'yes' if e.fits else 'no'} | {_mb(e.total('device') + e.total('host'))} | "
-              f"{_mb(peak)} | {'yes' if peak <= cap else 'NO'} | {pred} | {step:.3f} |",
-              flush=True)  # fmt: skip
+    return Rates(calibrate_flops(1.0), link_bandwidth=link, adam_rate=calibrate_adam_rate())
+
+
+def _measure(
+    name: str, cands: list[Any], repeats: int, steps: int, env: dict[str, str]
+) -> dict[str, dict[str, list[float]]]:
+    """Trains every candidate `repeats` times, interleaved (round r starts r places further
+    along the list, so no candidate always runs first or after the same neighbour while the
+    machine's load drifts); per candidate, each run's step time (mean of its steady steps,
+    the slower rank's) and peak RSS over baseline (the larger rank's)."""
+    import bench_estimate
+    from partita.testing import run_distributed
+
+    out: dict[str, dict[str, list[float]]] = {c.label: {"step": [], "peak": []} for c in cands}
+    for r in range(repeats):
+        shift = (r * len(cands)) // max(1, repeats)
+        for c in cands[shift:] + cands[:shift]:
+            reports = run_distributed(
+                bench_estimate.worker, 2, name, c.stage, c.offload_optimizer, c.offload_param,
+                "", c.checkpointing, steps, timeout=900, env=env,
+            )  # fmt: skip
+            out[c.label]["step"].append(max(rep["step_s"] for rep in reports))
+            out[c.label]["peak"].append(max(rep["peak_over_base"] for rep in reports))
+            print(f"  round {r + 1} {c.label}: {out[c.label]['step'][-1]:.3f} s, "
+                  f"{_mb(int(out[c.label]['peak'][-1]))} MiB", flush=True)  # fmt: skip
+    return out
+
+
+def _verdict(cap: int, ests: list[Any], ranked: list[Any], meas: dict[str, Any]) -> dict[str, Any]:
+    """The planner's choice under `cap` against the measurements: does it fit, and is it the
+    fastest (by median) of those whose every run stayed within the cap; "within noise" when
+    the two runs' ranges of step time overlap."""
+    import statistics
+
+    within = [k for k, v in meas.items() if max(v["peak"]) <= cap]
+    median = {k: statistics.median(v["step"]) for k, v in meas.items()}
+    fastest = min(within, key=median.__getitem__) if within else None
     chosen = ranked[0][0].candidate.label if ranked else None
-    within = {k: v for k, v in measured.items() if v[1] <= cap}
-    fastest = min(within, key=lambda k: within[k][0]) if within else None
-    print(f"\nchosen: {chosen}; measured within the cap: {len(within)} of {len(measured)}; "
-          f"fastest measured within the cap: {fastest}")  # fmt: skip
+    overlap = None
+    if chosen and fastest:
+        a, b = meas[chosen]["step"], meas[fastest]["step"]
+        overlap = chosen == fastest or (min(a) <= max(b) and min(b) <= max(a))
+    return {
+        "cap": cap, "chosen": chosen, "fastest_within_cap": fastest,
+        "chosen_fits": chosen in within if chosen else None,
+        "chosen_is_fastest": chosen == fastest, "within_noise": overlap,
+        "within_cap": within, "predicted_fit": [e.candidate.label for e in ests if e.fits],
+        "predicted_step": {e.candidate.label: t.total for e, t in ranked},
+    }  # fmt: skip
 
 
-def _plan_checks(names: list[str], cap: str) -> None:
+def _cap_table(name: str, ests: list[Any], verdict: dict[str, Any], meas: dict[str, Any]) -> str:
+    import statistics
+
+    cap, pred = verdict["cap"], verdict["predicted_step"]
+    lines = [
+        f"cap {_mb(cap)} MiB per rank ({name}): chosen {verdict['chosen']}; fastest measured "
+        f"within the cap {verdict['fastest_within_cap']}; chosen fits: {verdict['chosen_fits']}; "
+        f"chosen is fastest: {verdict['chosen_is_fastest']} (ranges overlap: "
+        f"{verdict['within_noise']})",
+        "",
+        "| config | fits (predicted) | predicted peak MiB | measured peak MiB (max) | within cap "
+        "| predicted step s | measured step s (median) | min-max |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in ests:
+        label, m = e.candidate.label, meas[e.candidate.label]
+        step = f"{pred[label]:.3f}" if label in pred else "-"
+        lines.append(
+            f"| {label} | {'yes' if e.fits else 'no'} | {_mb(e.total('device') + e.total('host'))}"
+            f" | {_mb(int(max(m['peak'])))} | {'yes' if max(m['peak']) <= cap else 'NO'} | {step}"
+            f" | {statistics.median(m['step']):.3f} | {min(m['step']):.3f}-{max(m['step']):.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plan_check(
+    name: str, caps: list[int], repeats: int, steps: int, env: dict[str, str]
+) -> dict[str, Any]:
+    """Ranks the configurations for each cap (bytes per rank) with rates measured here, trains
+    every candidate (fitting or not: the measurements do not depend on the cap) `repeats`
+    times interleaved, and prints predicted against measured for each cap."""
+    from partita.estimate import Hardware, candidates, estimate
+    from partita.estimate.model import from_hf_config
+    from partita.estimate.plan import HEADROOM, rank
+
+    rates = _rates(env)
+    print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {rates.link_bandwidth / 1e9:.2f} GB/s, "
+          f"Adam {rates.adam_rate / 1e6:.0f} M params/s; headroom {HEADROOM}", flush=True)  # fmt: skip
+    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
+    cands = [
+        c for c in candidates("fp32", None) if "nvme" not in (c.offload_optimizer, c.offload_param)
+    ]
+    meas = _measure(name, cands, repeats, steps, env)
+    result: dict[str, Any] = {"model": name, "rates": vars(rates), "headroom": HEADROOM,
+                              "measured": meas, "caps": []}  # fmt: skip
+    for cap in caps:
+        hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=HEADROOM)
+        ests = [estimate(shape, c, hw) for c in cands]
+        ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates, shape.recomputed)
+        verdict = _verdict(cap, ests, ranked, meas)
+        verdict["predicted_peak"] = {e.candidate.label: e.total("device") for e in ests}
+        result["caps"].append(verdict)
+        print("\n" + _cap_table(name, ests, verdict, meas) + "\n", flush=True)
+    return result
+
+
+def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
     from partita.estimate.units import parse_bytes
 
     sys.path.insert(0, HERE)
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
-    for name in names:
-        plan_check(name, parse_bytes(cap, "--plan_cap"), env)
+    caps = [parse_bytes(c, "--plan_cap") for c in args.plan_cap.split(",")]
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    load = os.getloadavg()
+    results = [plan_check(n, caps, args.repeats, args.plan_steps, env) for n in names]
+    if args.json:
+        meta = {"command": " ".join(sys.argv), "started": started,
+                "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "loadavg_start": load, "loadavg_end": os.getloadavg(),
+                "cpus": os.cpu_count(), "steps": args.plan_steps, "repeats": args.repeats}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
 
 
 def main() -> None:
@@ -220,10 +305,15 @@ def main() -> None:
         "--repredict", metavar="FILE.json",
         help="re-render a saved run's measurements with the current estimator (no training)",
     )  # fmt: skip
-    ap.add_argument("--plan_cap", help="check the planner under this memory per rank, e.g. 410MiB")
+    ap.add_argument(
+        "--plan_cap",
+        help="check the planner under this memory per rank, e.g. 410MiB (or several: 400MiB,440MiB)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="--plan_cap: runs per candidate")
+    ap.add_argument("--plan_steps", type=int, default=5, help="--plan_cap: steps per run")
     args = ap.parse_args()
     if args.plan_cap:
-        _plan_checks(args.models.split(","), args.plan_cap)
+        _plan_checks(args.models.split(","), args)
         return
     if args.repredict:
         with open(args.repredict) as f:

@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
-from partita.estimate import Candidate, Hardware, candidates, estimate, from_hf_config
+from partita.estimate import (
+    Candidate,
+    Hardware,
+    ModelShape,
+    candidates,
+    estimate,
+    from_hf_config,
+)
 from partita.estimate.plan import HEADROOM, Rates, ds_config, rank
 from partita.testing import run_distributed
 
@@ -96,3 +104,29 @@ def test_the_planners_choice_runs_within_the_cap() -> None:
             f"rank {r}: {chosen.label} peaked {peak / MIB:.0f} MiB over its baseline, "
             f"cap {CAP / MIB:.0f} MiB"
         )
+
+
+def test_checkpointing_recomputes_only_the_blocks_it_wraps() -> None:
+    """Activation checkpointing runs each wrapped block's forward again in backward; the
+    embedding, the tied LM head and the loss run once. So the predicted cost of checkpointing
+    is 2 FLOPs per token per parameter *inside the blocks*, not per parameter of the model
+    (for this GPT-2 the LM head is nearly half of it)."""
+    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
+    block = sum(n for unit in shape.units[: SHAPE["n_layer"]] for n in unit)
+    assert shape.recomputed == block < shape.trainable
+    hw = Hardware(RANKS, accelerator="cpu")
+    tokens = MICRO_BATCH * SEQ
+    off, on = (
+        rank([estimate(shape, Candidate(1, precision="fp32", checkpointing=c), hw)],
+             shape.trainable, tokens, RATES, shape.recomputed)[0][1]
+        for c in (False, True)
+    )  # fmt: skip
+    assert on.compute - off.compute == pytest.approx(2 * block * tokens / RATES.flops)
+    assert on.comm == off.comm and on.offload == off.offload
+
+
+def test_a_count_alone_recomputes_every_parameter() -> None:
+    """Without the blocks known (a parameter count), the planner keeps the upper bound: the
+    whole forward runs again."""
+    shape = ModelShape.from_count(10**9)
+    assert shape.recomputed == shape.trainable

@@ -199,7 +199,7 @@ def plan_main(argv: Sequence[str]) -> int:
         print(f"partita plan: error: {error}", file=sys.stderr)
         return 2
     tokens = args.micro_batch * args.seq_len
-    ranked = plan.rank(estimates, model.trainable, tokens, rates)
+    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
     if not ranked:
         print(_nothing_fits(estimates))
         return 1

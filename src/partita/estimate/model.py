@@ -42,6 +42,9 @@ class ModelShape:
     order: tuple[int, ...] = ()
     """Trainable parameter sizes in the module's registration order (stage 1-2 buckets are
     cut from it, last first); empty when only counts are known (then the units' order)."""
+    blocks: int = 0
+    """Trainable elements inside the blocks activation checkpointing wraps (the transformer
+    blocks: their forward runs again in backward); 0 when unknown."""
 
     @classmethod
     def from_count(
@@ -71,6 +74,12 @@ class ModelShape:
     def param_order(self) -> tuple[int, ...]:
         """Trainable parameter sizes in registration order (as best known)."""
         return self.order or tuple(n for u in self.units for n in u)
+
+    @property
+    def recomputed(self) -> int:
+        """Elements whose forward runs again under activation checkpointing: the blocks' when
+        known, else every trainable one (an upper bound)."""
+        return self.blocks or self.trainable
 
     @property
     def largest_param(self) -> int:
@@ -104,7 +113,10 @@ def describe_module(
             units.append(trainable)
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     order = tuple(p.numel() for p in module.parameters() if p.requires_grad)
-    return ModelShape(type(module).__name__, tuple(units), frozen, order=order)
+    inside = {id(p): p.numel() for b in blocks for p in b.parameters() if p.requires_grad}
+    return ModelShape(
+        type(module).__name__, tuple(units), frozen, order=order, blocks=sum(inside.values())
+    )
 
 
 def load_hf_config(source: Any) -> Any:

@@ -3,8 +3,9 @@ one written as a ``ds_config.json``.
 
 Step time is the sum of (no overlap is assumed, so it is an upper bound):
 
-- compute: 6 FLOPs per parameter per token (8 with activation checkpointing, which recomputes
-  the forward) at the given or calibrated FLOP rate;
+- compute: 6 FLOPs per parameter per token, plus 2 per parameter inside the checkpointed blocks
+  with activation checkpointing (their forward runs again in backward; the embedding, a tied
+  LM head and the loss run once), at the given or calibrated FLOP rate;
 - communication, from partita's comm model: each step moves 2Ψ elements per rank in the reduce
   dtype for stages 0-2 (reduce-scatter or all-reduce of gradients, all-gather of parameters)
   and 3Ψ for stage 3 (parameters gathered in forward and again in backward), times (N-1)/N;
@@ -74,12 +75,16 @@ class Timing:
         return self.compute + self.comm + self.offload + self.nvme
 
 
-def step_time(est: Estimate, params: int, tokens_per_rank: int, rates: Rates) -> Timing:
+def step_time(
+    est: Estimate, params: int, tokens_per_rank: int, rates: Rates, recomputed: int | None = None
+) -> Timing:
     """Predicted step time of `est`'s configuration for `params` trainable parameters and
-    `tokens_per_rank` tokens per rank per step (micro-batch x sequence length)."""
+    `tokens_per_rank` tokens per rank per step (micro-batch x sequence length); `recomputed`:
+    the parameters inside the checkpointed blocks (`ModelShape.recomputed`; None: all)."""
     c, hw = est.candidate, est.hardware
     n, p = hw.world, DTYPE_BYTES[c.precision]
-    flops = (8 if c.checkpointing else 6) * params * tokens_per_rank
+    again = params if recomputed is None else recomputed
+    flops = (6 * params + (2 * again if c.checkpointing else 0)) * tokens_per_rank
     factor = 3 if c.stage == 3 else 2
     comm = factor * params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
     shard = params / n
@@ -100,10 +105,17 @@ def step_time(est: Estimate, params: int, tokens_per_rank: int, rates: Rates) ->
 
 
 def rank(
-    estimates: list[Estimate], params: int, tokens_per_rank: int, rates: Rates
+    estimates: list[Estimate],
+    params: int,
+    tokens_per_rank: int,
+    rates: Rates,
+    recomputed: int | None = None,
 ) -> list[tuple[Estimate, Timing]]:
-    """The estimates that fit, fastest first."""
-    timed = [(e, step_time(e, params, tokens_per_rank, rates)) for e in estimates if e.fits]
+    """The estimates that fit, fastest first (ties keep `estimates`' order, which
+    `candidates` gives simplest first); `recomputed` as in `step_time`."""
+    timed = [
+        (e, step_time(e, params, tokens_per_rank, rates, recomputed)) for e in estimates if e.fits
+    ]
     return sorted(timed, key=lambda et: et[1].total)
 
 
