@@ -39,9 +39,15 @@ __all__ = [
 ]
 
 
-HEADROOM = 0.15
-"""Fraction of each memory the planner keeps free for what the estimate misses: measured peaks
-ran up to 11% above the estimate on a 9M-parameter model (README's validation table)."""
+HEADROOM = 0.065
+"""Fraction of each memory the planner keeps free for what the estimate misses. The estimate is
+meant to be at or a little above the measured peak, so this covers its errors below, not a
+margin on top: on 2 CPU ranks (GPT-2 10m and 50m, fp32, stages 0-3, 2026-12-04,
+``benchmarks/results/estimate_10m_50m.md``) the largest measured peak was 4.2% above its
+prediction (10m, stage 1 with optimizer offload) and repeated runs of one configuration spread
+by up to 2.3% of RSS, so the planner allows at most 1.042 x 1.023 ~ 1.066 x the prediction:
+it keeps 1 - 1/1.066 = 6.2% free, rounded up. It was 0.15 when an older table read predictions 1-14% *above* measured, which made
+the planner refuse configurations that ran well within the cap."""
 
 
 @dataclass(frozen=True)
