@@ -160,3 +160,122 @@ def test_streamed_tensors_nobody_else_holds_are_hashed_before_they_are_freed(
     )
     with open(path, "rb") as f:
         assert written.digest == xxhash.xxh3_128(f.read()).hexdigest()
+
+
+def test_a_producer_may_reuse_its_memory_for_the_next_tensor(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A synchronous save hands the writer views of the engine's own state; making the next
+    # tensor may reuse that memory (a swapped-in optimizer state). The writer must be done
+    # hashing a tensor before it asks for the next. Here hashing waits (up to a second) for
+    # a second `produce` call to have overwritten the one shared buffer: a writer that asks
+    # early records the digest of the wrong bytes; one that waits just hashes a second later.
+    import threading
+
+    from partita.checkpoint import digest
+
+    monkeypatch.setattr(stfile, "_INLINE_HASH", 0, raising=False)  # all on the hash thread
+    overwritten = threading.Event()
+    calls: list[str] = []
+
+    class Lagging:
+        def __init__(self) -> None:
+            self.inner = xxhash.xxh3_128()
+
+        def update(self, data: Any) -> None:
+            overwritten.wait(timeout=1.0)
+            self.inner.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.inner.hexdigest())
+
+    monkeypatch.setattr(digest, "new_hasher", lambda algorithm=digest.ALGORITHM: Lagging())
+    shared = torch.empty(1000)
+
+    def produce(name: str) -> torch.Tensor:
+        calls.append(name)
+        shared.fill_(float(int(name[1:]) + 1))
+        if len(calls) > 1:
+            overwritten.set()
+        return shared
+
+    specs = [(f"t{i}", torch.float32, (1000,)) for i in range(3)]
+    path = str(tmp_path / "reused.safetensors")
+    written = stfile.write_safetensors_stream(path, specs, produce)
+    with open(path, "rb") as f:
+        assert written.digest == xxhash.xxh3_128(f.read()).hexdigest()
+    back = load_file(path)
+    assert [float(back[f"t{i}"][0]) for i in range(3)] == [1.0, 2.0, 3.0]
+
+
+def borrowed_state_worker(root: str) -> dict[str, Any]:
+    """Stage 3, one rank: a synchronous save's views of the engine's state and a load's
+    borrowed reads of the verified bytes (no copies), then a corrupted shard refused."""
+    from partita.checkpoint.locate import locate, open_source
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = partita.initialize(model=make_model(seed=2), config=cfg)
+    for batch in global_batches(2, 2, seed=3):
+        tokens, targets = rank_micro_batch(batch, 0, 1, 2, 0)
+        engine.backward(engine(tokens, targets))
+        engine.step()
+    states, params = engine.param_states, list(engine.module.named_parameters())
+    views = [states.local_state_view(p, "exp_avg") for _, p in params]
+    copies = [states.local_state(p, "exp_avg") for _, p in params]
+    out: dict[str, Any] = {
+        "views_equal": all(
+            v is not None and torch.equal(v, c) for v, c in zip(views, copies, strict=True)
+        ),
+        # Stage 3 keeps a unit's masters (and their state) flat: views share that storage.
+        "view_storages": len({v.untyped_storage().data_ptr() for v in views if v is not None}),
+        "copy_storages": len({c.untyped_storage().data_ptr() for c in copies}),
+    }
+    engine.save_checkpoint(root, tag="t")
+    found = locate(root, "t")
+    assert found is not None
+    source = open_source(*found)
+    source.verify(0, 1)
+    borrowed = [source.read(n, "exp_avg", [(0, q.numel())], borrow=True) for n, q in params]
+    owned = [source.read(n, "exp_avg", [(0, q.numel())]) for n, q in params]
+    out["borrowed_equal"] = all(
+        b is not None and o is not None and torch.equal(b, o) and torch.equal(b, c)
+        for b, o, c in zip(borrowed, owned, copies, strict=True)
+    )
+    out["borrowed_storages"] = len(
+        {b.untyped_storage().data_ptr() for b in borrowed if b is not None}
+    )
+    out["owned_storages"] = len({o.untyped_storage().data_ptr() for o in owned if o is not None})
+    source.close()
+    shard = os.path.join(found[0], "rank00000-of-00001.safetensors")
+    with open(shard, "r+b") as f:  # one byte of tensor data flipped
+        f.seek(os.path.getsize(shard) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        engine.load_checkpoint(root, tag="t")
+        out["error"] = None
+    except CheckpointError as e:
+        out["error"] = str(e)
+    out["still_trained"] = all(
+        torch.equal(states.local_state(p, "exp_avg"), c)
+        for (_, p), c in zip(params, copies, strict=True)
+    )
+    engine.destroy()
+    return out
+
+
+def test_saves_and_loads_borrow_the_state_and_still_refuse_corruption(tmp_path: Any) -> None:
+    (result,) = run_distributed(borrowed_state_worker, 1, str(tmp_path), timeout=180)
+    assert result["views_equal"] is True
+    assert result["view_storages"] < result["copy_storages"]
+    assert result["borrowed_equal"] is True
+    assert result["borrowed_storages"] == 1 < result["owned_storages"]
+    assert result["error"] is not None
+    assert "rank00000-of-00001.safetensors: checksum check failed" in result["error"]
+    assert result["still_trained"] is True

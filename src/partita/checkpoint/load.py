@@ -173,7 +173,8 @@ def _load_trainable(
 ) -> None:
     ranges = [(int(o), int(n)) for o, n in strategy.owned_ranges(e.tensor)]
     if info["kind"] == "trainable":
-        value = src.read(e.name, "param", ranges)
+        # Borrowed: copied into the engine's state at once (one copy from the verified bytes).
+        value = src.read(e.name, "param", ranges, borrow=True)
         if value is None:
             raise CheckpointError(f"{src.folder}: no master weights for {e.name!r}")
     else:  # saved frozen (or as a buffer), trained now: start from its saved value
@@ -187,7 +188,11 @@ def _load_trainable(
     strategy.set_local_state(e.tensor, "param", value.to(e.tensor.device))
     scalars = set(src.meta.get("scalar_state_keys") or [])
     for what in keys:
-        state = src.scalar(e.name, what) if what in scalars else src.read(e.name, what, ranges)
+        state = (
+            src.scalar(e.name, what)
+            if what in scalars
+            else src.read(e.name, what, ranges, borrow=True)
+        )
         if state is not None:
             strategy.set_local_state(e.tensor, what, state.to(e.tensor.device))
 

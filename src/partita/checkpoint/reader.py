@@ -95,15 +95,29 @@ class StateSource:
                 return self._fetch(seg.source, name, what, 0, 0)
         return None
 
-    def read(self, name: str, what: str, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    def read(
+        self,
+        name: str,
+        what: str,
+        ranges: Sequence[tuple[int, int]],
+        *,
+        borrow: bool = False,
+    ) -> torch.Tensor | None:
         """The saved elements of `ranges` (concatenated, fp32) of state `what` of `name`;
         None when the checkpoint has no such state for the parameter. Overlaps of saved
-        segments and asked ranges: see [Note: resharding]."""
+        segments and asked ranges: see [Note: resharding].
+
+        With `borrow` the result may be a view of the source's own bytes (no copy when one
+        saved fp32 segment holds the whole request): read it before `close` and never write
+        to it. Without it the result is a fresh tensor the caller owns."""
         segments = self.segments.get(name)
         if not segments:
             raise CheckpointError(f"{self.folder}: no saved state for parameter {name!r}")
         if not any(self.has_state(s.source, name, what) for s in segments):
             return None
+        whole = self._whole_piece(name, what, ranges, segments) if borrow else None
+        if whole is not None:
+            return whole
         total = sum(n for _, n in ranges)
         out = torch.empty(total, dtype=torch.float32)
         filled = 0
@@ -130,6 +144,26 @@ class StateSource:
                 "requested elements (overlapping or missing shards)"
             )
         return out
+
+    def _whole_piece(
+        self, name: str, what: str, ranges: Sequence[tuple[int, int]], segments: list[Segment]
+    ) -> torch.Tensor | None:
+        """The common case without a copy: one asked range lying inside one saved segment
+        (a load at the saving world size and stage) whose stored values are fp32 already.
+        The result is then a view of the source's bytes (for a verified file, the checked
+        buffer, see [Note: verified bytes]), which the caller copies into its state once;
+        None when the general path must assemble the result."""
+        if len(ranges) != 1:
+            return None
+        offset, length = ranges[0]
+        for seg in segments:
+            if seg.offset <= offset and offset + length <= seg.offset + seg.length:
+                if not self.has_state(seg.source, name, what):
+                    return None  # the general path names the file lacking it
+                start = seg.position + offset - seg.offset
+                piece = self._fetch(seg.source, name, what, start, start + length).reshape(-1)
+                return piece if piece.dtype == torch.float32 else piece.float()
+        return None
 
 
 class PartitaSource(StateSource):

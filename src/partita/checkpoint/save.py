@@ -156,7 +156,7 @@ def _snapshot(
     """This rank's part of the save, taken now (training may change the engine afterwards)."""
     dims = engine.dims
     # Collective for stage-3 frozen parameters: every rank takes the inventory's tensors.
-    shard, report = _shard_state(engine, exclude_frozen)
+    shard, report = _shard_state(engine, exclude_frozen, borrow=not copy)
     if copy and shard is not None:
         shard = shard.taken()
     manifest = None
@@ -255,7 +255,7 @@ Producer = Callable[[], torch.Tensor]
 
 
 def _shard_tensors(
-    engine: CheckpointSubject, entries: list[Entry], exclude_frozen: bool
+    engine: CheckpointSubject, entries: list[Entry], exclude_frozen: bool, borrow: bool
 ) -> tuple[list[stfile.TensorSpec], dict[str, Producer], dict[str, list[list[int]]]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
     state (replicated state: the parameters `_replicated_writers` gives this rank); frozen
@@ -280,7 +280,9 @@ def _shard_tensors(
                 if spec is not None:
                     key = state_key(what, e.name)
                     specs.append((key, *spec))
-                    producers[key] = functools.partial(_local_state, strategy, e.tensor, what)
+                    producers[key] = functools.partial(
+                        _local_state, strategy, e.tensor, what, borrow
+                    )
         elif e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen):
             value = full_module_value(e)  # collective for stage-3 frozen parameters
             if rank == 0:
@@ -306,23 +308,31 @@ def _replicated_writers(entries: list[Entry], world: int) -> dict[str, int]:
     return writers
 
 
-def _local_state(strategy: Any, param: torch.Tensor, what: str) -> torch.Tensor:
+def _local_state(strategy: Any, param: torch.Tensor, what: str, borrow: bool) -> torch.Tensor:
+    """This rank's elements of `what`: with `borrow`, a view of the engine's own tensor when
+    one serves (a synchronous save writes and hashes it before the engine runs again, and
+    before the next tensor is made, see `stfile.write_safetensors_stream`), else a copy (a
+    background save's snapshot must not change while training goes on)."""
+    view = strategy.local_state_view(param, what) if borrow else None
+    if view is not None:
+        return view
     value = strategy.local_state(param, what)
     assert value is not None  # its spec said it exists
     return value
 
 
 def _shard_state(
-    engine: CheckpointSubject, exclude_frozen: bool
+    engine: CheckpointSubject, exclude_frozen: bool, borrow: bool
 ) -> tuple[_Shard | None, dict[str, Any] | None]:
     """This rank's shard (specs and producers) and report (without the file's name, size and
     checksum) on the ranks of the first replica; (None, None) on the others (see [Note:
-    checkpoints of replicas])."""
+    checkpoints of replicas]). With `borrow` (a synchronous save) the producers give views
+    of the engine's state where no copy is needed (see `_local_state`)."""
     dims = engine.dims
     if not dims.first_replica:
         return None, None
     rank = dims.dp_rank
-    specs, producers, ranges = _shard_tensors(engine, inventory(engine), exclude_frozen)
+    specs, producers, ranges = _shard_tensors(engine, inventory(engine), exclude_frozen, borrow)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "digest": None}
     report["world"] = dims.dp_world_size
     report["ranges"] = ranges

@@ -102,7 +102,10 @@ def write_safetensors_stream(
     one needs to exist at a time), to `path` atomically; returns size and digest (`digest.ALGORITHM`).
 
     Hashing runs on a helper thread (xxhash releases the GIL), overlapping the writes, and
-    the disk writes while the file is produced (see [Note: streaming writeback]).
+    the disk writes while the file is produced (see [Note: streaming writeback]). Each
+    tensor is written and hashed to its last byte before the next is asked for, so
+    `produce` may return a view of memory that making the next tensor reuses (a swapped-in
+    optimizer state, see `ParamStates.local_state_view`).
     """
     hasher = digests.new_hasher(digests.ALGORITHM)
     nbytes = 0
@@ -124,9 +127,14 @@ def write_safetensors_stream(
         flusher = _Writeback(f)
         pending: list[tuple[Future[None], Any]] = []
         for buf, owner in buffers():
+            # `buffers` produces the next tensor when asked for its next item: by then every
+            # piece of this one is hashed (see the docstring).
             for at in range(0, max(len(buf), 1), _WRITE_CHUNK):
                 piece = buf[at : at + _WRITE_CHUNK]
-                pending.append((pool.submit(hasher.update, piece), owner))
+                if pending or len(piece) >= _INLINE_HASH:
+                    pending.append((pool.submit(hasher.update, piece), owner))
+                else:  # small and nothing queued: a thread handoff costs more than the hash
+                    hasher.update(piece)
                 f.write(piece)
                 nbytes += len(piece)
                 flusher.written(len(piece))
@@ -136,8 +144,9 @@ def write_safetensors_stream(
                 while len(pending) > 2:
                     pending[0][0].result()
                     pending.pop(0)
-        for p, _ in pending:
-            p.result()
+            for p, _ in pending:
+                p.result()
+            pending.clear()
     return WrittenFile(
         path=path, nbytes=nbytes, algorithm=digests.ALGORITHM, digest=hasher.hexdigest()
     )
@@ -145,6 +154,9 @@ def write_safetensors_stream(
 
 _WRITE_CHUNK = 16 << 20
 """Bytes per write call: the unit the hash thread and the writer pipeline on."""
+_INLINE_HASH = 1 << 20
+"""Pieces below this many bytes are hashed on the writing thread (the hash order is kept:
+only when no earlier piece is still queued)."""
 _WRITEBACK_WINDOW = 256 << 20
 """Bytes after which the kernel is asked to start writing the range out (see `_Writeback`)."""
 

@@ -154,6 +154,20 @@ class ParamStates:
         parts = [flat[at : at + n] for _, at, n in slot.ranges]
         return torch.cat(parts).to(full_dtype(src)) if parts else flat.new_zeros(0)
 
+    def local_state_view(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        """What `local_state` returns, as a view of the strategy's own tensor when that needs
+        no copy (one run of elements, already in their full dtype, on the host); None when
+        it would (use `local_state`). For a reader that is done with it before the strategy
+        runs again (a synchronous checkpoint write): never written to, never kept."""
+        slot = self._slot(param)
+        src = self.layout.source(slot, what)
+        if src is None or src.dim() == 0 or len(slot.ranges) != 1:
+            return None
+        if src.dtype != full_dtype(src) or src.device.type != "cpu" or not src.is_contiguous():
+            return None
+        _, at, n = slot.ranges[0]
+        return src.detach().view(-1)[at : at + n]
+
     def local_state_spec(
         self, param: torch.Tensor, what: str
     ) -> tuple[torch.dtype, tuple[int, ...]] | None:
