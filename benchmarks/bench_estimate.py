@@ -19,7 +19,7 @@ and the ones the cap excludes, and prints predicted and measured step time and p
 choice should be the fastest measured among those within the cap.
 
 On CPU the device is the host: predicted peak = device + host items with the estimator's
-defaults (10% allocator slack; no pinned staging on CPU). Runs minutes on 2 cores.
+defaults (5% allocator slack on CPU ranks; no pinned staging on CPU). Runs minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -272,7 +272,9 @@ def plan_check(
         ests = [estimate(shape, c, hw) for c in cands]
         ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates, shape.recomputed)
         verdict = _verdict(cap, ests, ranked, meas)
-        verdict["predicted_peak"] = {e.candidate.label: e.total("device") for e in ests}
+        verdict["predicted_peak"] = {
+            e.candidate.label: e.total("device") + e.total("host") for e in ests
+        }
         result["caps"].append(verdict)
         print("\n" + _cap_table(name, ests, verdict, meas) + "\n", flush=True)
     return result

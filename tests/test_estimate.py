@@ -194,6 +194,18 @@ def test_offload_moves_bytes_from_device_to_host() -> None:
     assert swapped.model_states("nvme") == par.model_states("host")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_on_cpu_ranks_optimizer_offload_moves_nothing(stage: int) -> None:
+    """A CPU rank's "device" is the host: offloading the optimizer to the CPU moves its states
+    between two names for one memory, which one allocator serves, so the predicted peak
+    (allocator slack included) does not change. Measured: 10m GPT-2, stage 1, 433.6 and
+    434.4 MiB without and with offload (benchmarks/results/plan_cap_10m.md)."""
+    hw = Hardware(2, accelerator="cpu")
+    on, off = (estimate(SMALL, Candidate(stage, o), hw) for o in ("none", "cpu"))
+    assert off.total("host") > 0
+    assert off.total("device") + off.total("host") == on.total("device") + on.total("host")
+
+
 # --- DeepSpeed's names -------------------------------------------------------------------------
 _ALIAS_SCRIPT = """
 import partita.as_deepspeed

@@ -348,6 +348,8 @@ def estimate(
     else:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)
+    if hardware.accelerator == "cpu":  # one allocator serves a CPU rank's "device" and host
+        live += sum(i.host for i in items)
     slack = s.allocator_slack
     if slack is None:
         slack = 0.05 if hardware.accelerator == "cpu" else 0.10
