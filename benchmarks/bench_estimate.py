@@ -253,18 +253,32 @@ def plan_check(
     """Ranks the configurations for each cap (bytes per rank) with rates measured here, trains
     every candidate (fitting or not: the measurements do not depend on the cap) `repeats`
     times interleaved, and prints predicted against measured for each cap."""
-    from partita.estimate import Hardware, candidates, estimate
-    from partita.estimate.model import from_hf_config
-    from partita.estimate.plan import HEADROOM, rank
+    from partita.estimate.plan import HEADROOM
 
     rates = _rates(env)
     print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {rates.link_bandwidth / 1e9:.2f} GB/s, "
           f"Adam {rates.adam_rate / 1e6:.0f} M params/s; headroom {HEADROOM}", flush=True)  # fmt: skip
-    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
-    cands = [
+    meas = _measure(name, _plan_candidates(), repeats, steps, env)
+    return judge(name, caps, rates, meas)
+
+
+def _plan_candidates() -> list[Any]:
+    from partita.estimate import candidates
+
+    return [
         c for c in candidates("fp32", None) if "nvme" not in (c.offload_optimizer, c.offload_param)
     ]
-    meas = _measure(name, cands, repeats, steps, env)
+
+
+def judge(name: str, caps: list[int], rates: Any, meas: dict[str, Any]) -> dict[str, Any]:
+    """The planner's choice for each cap (the estimator and HEADROOM as they are now, `rates`)
+    against measurements `meas` (as `_measure` returns them); prints a table per cap."""
+    from partita.estimate import Hardware, estimate
+    from partita.estimate.model import from_hf_config
+    from partita.estimate.plan import HEADROOM, rank
+
+    shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
+    cands = [c for c in _plan_candidates() if c.label in meas]
     result: dict[str, Any] = {"model": name, "rates": vars(rates), "headroom": HEADROOM,
                               "measured": meas, "caps": []}  # fmt: skip
     for cap in caps:
@@ -286,6 +300,14 @@ def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
     sys.path.insert(0, HERE)
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
     caps = [parse_bytes(c, "--plan_cap") for c in args.plan_cap.split(",")]
+    if args.repredict:  # the saved run's measurements and rates, today's estimator and caps
+        from partita.estimate.plan import Rates
+
+        with open(args.repredict) as f:
+            saved = json.load(f)
+        for res in saved["results"]:
+            judge(res["model"], caps, Rates(**res["rates"]), res["measured"])
+        return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
     results = [plan_check(n, caps, args.repeats, args.plan_steps, env) for n in names]
@@ -305,7 +327,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument(
         "--repredict", metavar="FILE.json",
-        help="re-render a saved run's measurements with the current estimator (no training)",
+        help="re-render a saved run's measurements with the current estimator (no training); "
+        "with --plan_cap, a saved --plan_cap --json run",
     )  # fmt: skip
     ap.add_argument(
         "--plan_cap",
