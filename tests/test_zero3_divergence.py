@@ -178,11 +178,11 @@ def _generate(reference: bool) -> list[int]:
     return out[0].tolist()
 
 
-def _diverge(late: bool = False, both_until: int = 0) -> dict[str, Any]:
+def _diverge(late: bool = False, both_until: int = 0, **zero: Any) -> dict[str, Any]:
     """The undeclared vision tower: returns what the training raised and after how long."""
     start = time.perf_counter()
     try:
-        _train_vision(_z3(), late=late, both_until=both_until)
+        _train_vision(_z3(**zero), late=late, both_until=both_until)
     except Exception as err:
         return {
             "error": type(err).__name__,
@@ -233,6 +233,18 @@ def results() -> list[dict[str, Any]]:
     return run_distributed(divergence_cases, 2, timeout=240)
 
 
+def diverge_waiting_on_the_schedule() -> dict[str, Any]:
+    """Without prefetch, after two agreeing steps: rank 0 gathers the tower on the schedule
+    (its identity only started, [Note: asynchronous identities]) and waits for it at once,
+    while rank 1 gathers the first block. Its own spawn: it leaves a gather nobody receives."""
+    return _diverge(both_until=2, stage3_prefetch_bucket_size=0)
+
+
+@pytest.fixture(scope="module")
+def waiting_results() -> list[dict[str, Any]]:
+    return run_distributed(diverge_waiting_on_the_schedule, 2, timeout=120)  # a hang guard
+
+
 def test_undeclared_conditional_module_raises_on_every_rank_naming_units_and_step(
     results: list[dict[str, Any]],
 ) -> None:
@@ -271,6 +283,19 @@ def test_divergence_after_agreeing_steps_is_caught_on_the_schedule(
         # it, so only rank 0 reduce-scatters its gradients, where rank 1 ends its backward.
         assert "rank 0 reduce-scatters the gradients of unit 'vision.proj'" in message, message
         assert "rank 1 ends its backward" in message, message
+        assert "step 2" in message, message
+
+
+def test_a_rank_waiting_for_its_scheduled_gather_raises_instead_of_hanging(
+    waiting_results: list[dict[str, Any]],
+) -> None:
+    # Rank 0 must verify the identity of the very gather it waits for (not only the earlier
+    # ones): rank 1 raised without issuing it, so its data never comes.
+    for rank, got in enumerate(waiting_results):
+        assert got["error"] == "RankDivergenceError", (rank, got)
+        message = got["message"]
+        assert "rank 0 gathers unit 'vision.proj'" in message, message
+        assert "rank 1 gathers unit 'blocks.0'" in message, message
         assert "step 2" in message, message
 
 

@@ -32,6 +32,8 @@ class _Pending:
     """The unit's gradient buffer, returned to the pool when this (its last) reduction ends."""
     numel: int = 0
     """Gradient elements this reduction reads (its segment, padded)."""
+    ticket: int | None = None
+    """The divergence check's ticket of the unit's reduce-scatter (None: verify all)."""
 
 
 @dataclass
@@ -98,8 +100,9 @@ class UnitGradReducer:
             self._launch(unit)
 
     def _launch(self, unit: ShardedUnit) -> None:
+        ticket = None
         if unit.divergence is not None:  # same unit on every rank: [Note: rank divergence]
-            unit.divergence.check(REDUCE, unit.index)
+            ticket = unit.divergence.check(REDUCE, unit.index)
         if unit.grad_buffer is None:  # no gradient reached it: reduce zeros (collectives must pair)
             unit.grad_buffer = self._pool.acquire(
                 unit.layout.padded_numel, unit.flat_shard.dtype, unit.flat_full.device
@@ -120,7 +123,7 @@ class UnitGradReducer:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
             handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
-            launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel))
+            launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel, ticket=ticket))
             self._in_flight.append(launched[-1])
             self._in_flight_numel += seg.padded_numel
             self.peak_in_flight_numel = max(self.peak_in_flight_numel, self._in_flight_numel)
@@ -139,7 +142,7 @@ class UnitGradReducer:
     def _retire(self, pending: _Pending) -> None:
         self._in_flight_numel -= pending.numel
         if pending.unit.divergence is not None:  # see [Note: asynchronous identities]
-            pending.unit.divergence.flush()
+            pending.unit.divergence.flush(pending.ticket)
         if pending.handle is not None:
             pending.handle.wait()
         out = pending.output

@@ -121,6 +121,8 @@ class ShardedUnit:
     divergence: DivergenceCheck | None = None
     """Checks each gather's and reduce-scatter's identity across ranks ([Note: rank
     divergence]); set by the strategy once every unit exists."""
+    _gather_ticket: int | None = None
+    """The divergence check's ticket of the gather in flight ([Note: asynchronous identities])."""
 
     def __init__(
         self,
@@ -254,7 +256,7 @@ class ShardedUnit:
             return
         with trace("unshard", self.name):
             if self.divergence is not None:  # before any data moves: see [Note: rank divergence]
-                self.divergence.check(GATHER, self.index)
+                self._gather_ticket = self.divergence.check(GATHER, self.index)
             self._start_gather(tag)
         self.state = UnitState.UNSHARDING
 
@@ -280,7 +282,7 @@ class ShardedUnit:
         if self.state is UnitState.UNSHARDING:
             with trace("wait_for_unshard", self.name):
                 if self.divergence is not None:  # see [Note: asynchronous identities]
-                    self.divergence.flush()
+                    self.divergence.flush(self._gather_ticket)
                 for h in self._handles:
                     h.wait()
                 self._handles = []
