@@ -196,9 +196,9 @@ def _measure(
             )  # fmt: skip
             # A step ends when the slower rank's does; a run's figure is the median of its
             # steady steps, so one step slowed by another job's burst does not decide it.
-            steps = [max(ts) for ts in zip(*(rep["step_times"] for rep in reports), strict=True)]
-            out[c.label]["steps"].append(steps)
-            out[c.label]["step"].append(statistics.median(steps))
+            times = [max(ts) for ts in zip(*(rep["step_times"] for rep in reports), strict=True)]
+            out[c.label]["steps"].append(times)
+            out[c.label]["step"].append(statistics.median(times))
             out[c.label]["peak"].append(max(rep["peak_over_base"] for rep in reports))
             print(f"  round {r + 1} {c.label}: {out[c.label]['step'][-1]:.3f} s, "
                   f"{_mb(int(out[c.label]['peak'][-1]))} MiB", flush=True)  # fmt: skip
