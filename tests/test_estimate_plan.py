@@ -131,3 +131,15 @@ def test_a_count_alone_recomputes_every_parameter() -> None:
     whole forward runs again."""
     shape = ModelShape.from_count(10**9)
     assert shape.recomputed == shape.trainable
+
+
+def test_equal_predicted_times_rank_the_smaller_peak_first() -> None:
+    """Stages 1 and 2 move the same bytes and step the same shard, so their predicted times
+    are equal; the planner then prefers the one that leaves more memory free (stage 2, whose
+    gradients are reduced through buckets instead of kept whole)."""
+    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
+    hw = Hardware(RANKS, host_memory=RANKS * 4 * CAP, accelerator="cpu")
+    ests = [estimate(shape, Candidate(s, precision="fp32"), hw) for s in (1, 2)]
+    ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, RATES, shape.recomputed)
+    assert ranked[0][1].total == ranked[1][1].total
+    assert [e.candidate.stage for e, _ in ranked] == [2, 1]

@@ -119,12 +119,21 @@ def rank(
     rates: Rates,
     recomputed: int | None = None,
 ) -> list[tuple[Estimate, Timing]]:
-    """The estimates that fit, fastest first (ties keep `estimates`' order, which
-    `candidates` gives simplest first); `recomputed` as in `step_time`."""
+    """The estimates that fit, fastest first; among equal predicted times the one with the
+    smaller peak (more memory left for what the estimate misses), then `estimates`' order
+    (`candidates` gives the simplest first). `recomputed` as in `step_time`."""
     timed = [
         (e, step_time(e, params, tokens_per_rank, rates, recomputed)) for e in estimates if e.fits
     ]
-    return sorted(timed, key=lambda et: et[1].total)
+    return sorted(timed, key=lambda et: (et[1].total, _peak(et[0])))
+
+
+def _peak(est: Estimate) -> int:
+    """Per-rank bytes the configuration needs where it is tightest: the device, or on CPU
+    ranks the host (their device is the host)."""
+    if est.hardware.accelerator == "cpu":
+        return est.device + est.total("host")
+    return est.device
 
 
 def calibrate_flops(seconds: float = 0.3) -> float:
