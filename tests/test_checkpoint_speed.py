@@ -167,14 +167,14 @@ def test_a_producer_may_reuse_its_memory_for_the_next_tensor(
 ) -> None:
     # A synchronous save hands the writer views of the engine's own state; making the next
     # tensor may reuse that memory (a swapped-in optimizer state). The writer must be done
-    # hashing a tensor before it asks for the next. Here hashing waits (up to a second) for
-    # a second `produce` call to have overwritten the one shared buffer: a writer that asks
-    # early records the digest of the wrong bytes; one that waits just hashes a second later.
+    # hashing a tensor before it asks for the next (a hash lagging on a helper thread would
+    # not be). Here hashing waits (up to half a second) for a second `produce` call to have
+    # overwritten the one shared buffer: a writer that asks early records the digest of the
+    # wrong bytes; one that waits just hashes a little later.
     import threading
 
     from partita.checkpoint import digest
 
-    monkeypatch.setattr(stfile, "_INLINE_HASH", 0, raising=False)  # all on the hash thread
     overwritten = threading.Event()
     calls: list[str] = []
 
@@ -183,7 +183,7 @@ def test_a_producer_may_reuse_its_memory_for_the_next_tensor(
             self.inner = xxhash.xxh3_128()
 
         def update(self, data: Any) -> None:
-            overwritten.wait(timeout=1.0)
+            overwritten.wait(timeout=0.5)
             self.inner.update(data)
 
         def hexdigest(self) -> str:

@@ -3,10 +3,9 @@
 [Note: verified bytes]
 Checking a file's digest and then reading its tensors through a memory map reads every byte
 twice, and what is loaded is whatever the file holds at the second read, not what was checked.
-`read_verified` reads the file into one buffer in chunks while a helper thread hashes the
-chunks already read (reading overlaps verification), compares size and digest with the
-manifest, and `MemoryShard` then serves the tensors as views of that same buffer: one read,
-and the bytes loaded are the bytes checked. `MemoryShard` offers the part of safetensors'
+`read_verified` reads the file into one buffer in chunks, hashing each chunk as it arrives,
+compares size and digest with the manifest, and `MemoryShard` then serves the tensors as
+views of that same buffer: one read, and the bytes loaded are the bytes checked. `MemoryShard` offers the part of safetensors'
 ``safe_open`` handle the reader uses (`keys`, `get_slice`, `get_tensor`), parsing the header
 itself with bounds checks, since after the digest check the header is still only as
 trustworthy as the manifest that names it.
@@ -18,7 +17,6 @@ import json
 import math
 import os
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -59,19 +57,16 @@ def read_verified(path: str, nbytes: int, algorithm: str, expected: str) -> torc
     view = buf.numpy().data.cast("B") if nbytes else memoryview(bytearray())
     hasher = new_hasher(algorithm)
     got = 0
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as pool:
-        pending: Future[None] | None = None
+    # Hashed on this thread, chunk by chunk while it is still in the CPU's caches: a helper
+    # thread cost a handoff per chunk, slow on a busy machine (see `stfile`'s writer).
+    with open(path, "rb", buffering=0) as f:
         while got < nbytes:
             n = f.readinto(view[got : got + _CHUNK])
             if not n:
                 break
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(hasher.update, view[got : got + n])
+            hasher.update(view[got : got + n])
             got += n
         extra = f.read(1)
-        if pending is not None:
-            pending.result()
     if got != nbytes or extra:
         size = os.path.getsize(path)
         raise CheckpointError(f"{path}: size check failed: {size} bytes, manifest says "

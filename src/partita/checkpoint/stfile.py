@@ -18,7 +18,6 @@ import os
 import struct
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,11 +100,13 @@ def write_safetensors_stream(
     """Writes the tensors `specs` describes, asking `produce(name)` for each in turn (so only
     one needs to exist at a time), to `path` atomically; returns size and digest (`digest.ALGORITHM`).
 
-    Hashing runs on a helper thread (xxhash releases the GIL), overlapping the writes, and
-    the disk writes while the file is produced (see [Note: streaming writeback]). Each
-    tensor is written and hashed to its last byte before the next is asked for, so
-    `produce` may return a view of memory that making the next tensor reuses (a swapped-in
-    optimizer state, see `ParamStates.local_state_view`).
+    Each piece is hashed on the writing thread just before it is written, while the disk
+    writes the earlier windows (see [Note: streaming writeback]): a helper thread for the
+    hash cost a handoff per piece, which on a busy machine (more runnable threads than
+    cores) waited for a time slice each time and made saves several times slower than the
+    write alone. So each tensor is written and hashed to its last byte before the next is
+    asked for, and `produce` may return a view of memory that making the next tensor reuses
+    (a swapped-in optimizer state, see `ParamStates.local_state_view`).
     """
     hasher = digests.new_hasher(digests.ALGORITHM)
     nbytes = 0
@@ -123,40 +124,22 @@ def write_safetensors_stream(
             if t.numel():
                 yield _as_bytes(t)
 
-    with atomic_writer(path) as f, ThreadPoolExecutor(1) as pool:
+    with atomic_writer(path) as f:
         flusher = _Writeback(f)
-        pending: list[tuple[Future[None], Any]] = []
-        for buf, owner in buffers():
-            # `buffers` produces the next tensor when asked for its next item: by then every
-            # piece of this one is hashed (see the docstring).
+        for buf, _owner in buffers():  # the owner keeps `buf`'s memory alive meanwhile
             for at in range(0, max(len(buf), 1), _WRITE_CHUNK):
                 piece = buf[at : at + _WRITE_CHUNK]
-                if pending or len(piece) >= _INLINE_HASH:
-                    pending.append((pool.submit(hasher.update, piece), owner))
-                else:  # small and nothing queued: a thread handoff costs more than the hash
-                    hasher.update(piece)
+                hasher.update(piece)
                 f.write(piece)
                 nbytes += len(piece)
                 flusher.written(len(piece))
-                # Keep at most a few pieces alive: wait for hashes older than the last two.
-                # The entry (and its buffer's owner) leaves `pending` only once its hash
-                # is done: the producer keeps no reference, so the owner is the only one.
-                while len(pending) > 2:
-                    pending[0][0].result()
-                    pending.pop(0)
-            for p, _ in pending:
-                p.result()
-            pending.clear()
     return WrittenFile(
         path=path, nbytes=nbytes, algorithm=digests.ALGORITHM, digest=hasher.hexdigest()
     )
 
 
 _WRITE_CHUNK = 16 << 20
-"""Bytes per write call: the unit the hash thread and the writer pipeline on."""
-_INLINE_HASH = 1 << 20
-"""Pieces below this many bytes are hashed on the writing thread (the hash order is kept:
-only when no earlier piece is still queued)."""
+"""Bytes per write and hash call."""
 _WRITEBACK_WINDOW = 256 << 20
 """Bytes after which the kernel is asked to start writing the range out (see `_Writeback`)."""
 
