@@ -348,6 +348,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.check_pair:
         extra["checked"] = checked[args.warmup :]
         extra["checks"] = engine.strategy.divergence.checks  # identity exchanges, all steps
+        extra["checked_steps"] = sum(checked)  # warmup included, as in "checks"
     extra["params"] = params
     if engine is not None:
         extra["memory_report"] = all_ranks(engine.memory_report())
@@ -394,6 +395,8 @@ def run_check_pair(args: argparse.Namespace) -> int:
         return 1
     pair = pair_times(result["step_times_s"], result["checked"])
     pair["checks_per_step"] = result["checks"] / (args.warmup + args.steps)
+    # Only checked steps exchange identities (half of them here): the cost per step that pays.
+    pair["checks_per_checked_step"] = result["checks"] / max(1, result["checked_steps"])
     print(json.dumps(pair, indent=1))
     out = args.results_dir / f"zero3_check_{args.model}.json"
     out.write_text(json.dumps({"args": jsonable(vars(args)), "check_pair": pair}, indent=1))

@@ -23,19 +23,21 @@ error the process group may hold a collective that nobody will complete: start a
 [Note: asynchronous identities]
 Waiting for each exchange before its collective would make every prefetch and every
 reduce-scatter launch a meeting point of the ranks, and on a loaded machine a rank would then
-often wait for its peer's scheduler (measured: step time +6.6% on 2 shared CPU cores under load). So the
-wait happens only off the beaten path. Every backward pass ends with verified identities, so
-the sequence of (what, unit) of the last pass, the schedule, is the same on every rank. A
-collective at the position the schedule predicts starts its identity exchange and its data
-collective at once; `check` returns the collective's ticket (its place in this rank's order of
-exchanges), and before this rank waits for that collective it verifies (`flush(ticket)`) the
-identity of that collective and of every collective started before it, not of those started
-after it. Verifying those too (a prefetch issued since, a reduce-scatter launched since) would
-make the ranks meet at the latest collective either has started instead of at the one this
-rank needs: one more meeting per unit in every backward (measured: step time +5-6% on an idle
-machine, 23M GPT-2 on 2 ranks). A collective off the schedule verifies every started identity,
-then waits for its own before its data is issued; the end-of-backward identity is never on
-the schedule, so it verifies all of them before the step.
+often wait for its peer's scheduler (measured: step time +6.6% on 2 shared CPU cores under
+load). So the wait happens only off the beaten path. Every backward pass ends with verified
+identities, so the sequence of (what, unit) of the last pass, the schedule, is the same on
+every rank. A collective at the position the schedule predicts starts its identity exchange and
+its data collective at once; `check` returns the collective's ticket (its place in this rank's
+order of exchanges), and before this rank waits for that collective it verifies
+(`flush(ticket)`) the identity of that collective and of every collective started before it,
+not of those started after it. Verifying those too (a prefetch issued since, a reduce-scatter
+launched since) would make the ranks meet at the latest collective either has started instead
+of at the one this rank needs: one more meeting per unit in every backward, where a
+reduce-scatter is launched between a gather's start and its wait (with that rule the check cost
+1.05-1.06 times the step time on an idle machine: bench_zero --check_pair, 23M GPT-2, 2 ranks).
+A collective off the schedule verifies every started identity, then waits for its own before
+its data is issued; the end-of-backward identity is never on the schedule, so it verifies all
+of them before the step.
 
 This is safe. Identities are all the same size, and the data collectives between them are
 those of the units they name, so when identity k and all before it matched on every rank,
