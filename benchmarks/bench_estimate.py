@@ -10,13 +10,17 @@ own estimator (``estimate_zero{2,3}_model_states_mem_needs``, per GPU + per CPU 
 beside it where DeepSpeed has one (stages 2 and 3).
 
     .venv/bin/python benchmarks/bench_estimate.py [--models 10m,50m] [--json FILE]
-    .venv/bin/python benchmarks/bench_estimate.py --plan_cap 410MiB [--models 10m]
+    .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB,445MiB [--models 10m]
+        [--repeats 3] [--plan_steps 5] [--json FILE]
+    .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB --repredict FILE.json
 
 ``--plan_cap`` checks the planner instead: with that much memory per rank (and the rates
 measured here: FLOP/s, CPU Adam parameters/s, gloo all-reduce bytes/s) it ranks the
-configurations that fit, then trains each fitting one (activation checkpointing included)
-and the ones the cap excludes, and prints predicted and measured step time and peak: the
-choice should be the fastest measured among those within the cap.
+configurations that fit, trains every candidate ``--repeats`` times, interleaved, and prints
+per cap predicted against measured (median and range of the runs' step times, largest peak):
+the choice should fit and be the fastest measured among those within the cap, or within the
+runs' noise of it. The runs do not depend on the cap, so several caps share them; with
+``--repredict`` a saved run is judged again with the estimator as it is now.
 
 On CPU the device is the host: predicted peak = device + host items with the estimator's
 defaults (5% allocator slack on CPU ranks; no pinned staging on CPU). Runs minutes on 2 cores.
