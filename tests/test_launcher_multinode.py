@@ -86,6 +86,9 @@ def test_parse_filter(spec: str, expected: dict[str, list[int]]) -> None:
         ({"num_nodes": 2}, {"a": [0, 1, 2, 3], "b": [0, 1]}),
         ({"num_nodes": 2, "slots_per_node": 2}, {"a": [0, 1], "b": [0, 1]}),
         ({"include": "a:1,2,3", "slots_per_node": 2}, {"a": [1, 2]}),
+        # elastic --nnodes MIN:MAX: up to MAX hosts, fewer down to MIN
+        ({"num_nodes": 2, "min_nodes": 1}, {"a": [0, 1, 2, 3], "b": [0, 1]}),
+        ({"num_nodes": 5, "min_nodes": 3}, {"a": [0, 1, 2, 3], "b": [0, 1], "c": [0]}),
     ],
 )
 def test_resolve_resources(kwargs: dict[str, object], expected: dict[str, list[int]]) -> None:
@@ -103,6 +106,7 @@ def test_resolve_resources(kwargs: dict[str, object], expected: dict[str, list[i
         ({"include": "a", "exclude": "b"}, "--include and --exclude cannot be used together"),
         ({"exclude": "a@b@c"}, "leaves no slot on any host"),
         ({"num_nodes": 4}, r"--num_nodes 4 asks for more nodes than the 3 selected"),
+        ({"num_nodes": 5, "min_nodes": 4}, r"--nnodes 4:5 asks for more nodes than the 3"),
         ({"slots_per_node": 2}, r"--num_gpus 2 asks for more slots than host 'c' has"),
         (
             {"include": "a:0", "slots_per_node": 2, "slots_flag": "--num_procs"},
@@ -401,6 +405,27 @@ def test_fanout_plan_cpu_slots_and_named_master() -> None:
     assert "--no_local_rank" in exec_line
 
 
+def test_elastic_fanout_plan_starts_the_per_node_elastic_agent(tmp_path: Path) -> None:
+    # Each node runs what a scheduler would start by hand (--nnodes MIN:MAX --node_rank K):
+    # parsed there, it is the dynamic rendezvous that node 0 hosts, up to MAX nodes.
+    from partita.launcher.launch import WorkerPlan, build_launch_config
+
+    conf = (("last_call_timeout", "1"), ("keep_alive_interval", "1"))
+    options = LaunchOptions(script=_script(tmp_path), num_nodes=3, min_nodes=1, max_restarts=2,
+                            master_port=4321, rdzv_conf=conf)  # fmt: skip
+    hosts = {"10.0.0.1": [0], "10.0.0.2": [0]}
+    plan = fanout_plan(hosts, options, {}, "/w", gpus=False, python="/py")
+    for node in plan:
+        exec_line = shlex.split(node.script.splitlines()[-1])
+        assert exec_line[:5] == ["exec", "/py", "-u", "-m", "partita.launcher"]
+        agent = cli.parse_launch_args(exec_line[5:-2])  # up to "<", "/dev/null"
+        assert (agent.min_nodes, agent.num_nodes, agent.node_rank) == (1, 3, node.node_rank)
+        assert (agent.master_addr, agent.master_port) == ("10.0.0.1", 4321)
+        assert (agent.node_addr, agent.max_restarts, agent.rdzv_conf) == (node.host, 2, conf)
+        config = build_launch_config(agent, WorkerPlan("cpu", 1), 4321, str(tmp_path))
+        assert (config.rdzv_backend, config.min_nodes, config.max_nodes) == ("partita-c10d", 1, 3)
+
+
 def test_fanout_secrets_stay_off_command_lines() -> None:
     plan = fanout_plan({"a": [0], "b": [0]}, _options(), TRICKY, "/w")
     for node in plan:
@@ -491,6 +516,35 @@ def test_cli_hostfile_failed_node_is_named(
     assert "node 1 (127.0.0.2) exited with status 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("failed", "status"), [(1, 0), (0, 1)])
+def test_cli_elastic_hostfile_outlives_a_node_but_not_the_rendezvous_host(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failed: int,
+    status: int,
+) -> None:
+    log = _fake_ssh_env(tmp_path, monkeypatch)
+    host = ["127.0.0.1", "127.0.0.2"][failed]
+    monkeypatch.setenv("FAIL_HOST", host)
+    elastic = ["--nnodes", "1:2", "--max_restarts", "1", "--rdzv_conf", "last_call_timeout=1"]
+    args = ["--hostfile", "hostfile", *elastic, "--num_procs", "1", _script(tmp_path)]
+    assert cli.main(args) == status
+    err = capsys.readouterr().err
+    assert f"partita: node {failed} ({host}) exited with status 3; " in err
+    assert ("stopping the other nodes" in err) == (failed == 0), err
+    for rank, name in enumerate(["127.0.0.1", "127.0.0.2"]):
+        exec_line = shlex.split((log / f"{name}.stdin").read_text().splitlines()[-1])
+        assert "--num_nodes" not in exec_line
+        for flag, value in [
+            ("--nnodes", "1:2"),
+            ("--node_rank", str(rank)),
+            ("--rdzv_conf", "last_call_timeout=1"),
+            ("--max_restarts", "1"),
+        ]:
+            assert exec_line[exec_line.index(flag) + 1] == value
+
+
 def test_cli_hostfile_without_ssh_on_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -522,7 +576,6 @@ def test_nnodes_static_and_elastic(tmp_path: Path) -> None:
         (["--nnodes", "2:1"], "--nnodes: needs 1 <= MIN <= MAX, got '2:1'"),
         (["--nnodes", "one"], "--nnodes: expected K or MIN:MAX, got 'one'"),
         (["--nnodes", "2", "--num_nodes", "2"], "--nnodes and --num_nodes cannot be used"),
-        (["--nnodes", "1:2", "--hostfile", "h"], "--nnodes MIN:MAX cannot be used with --hostfile"),
         (["--nnodes", "1:2"], "--num_nodes 2 needs --node_rank and --master_addr"),
         (["--hostfile", "h", "--node_addr", "10.0.0.2"], "--node_addr cannot be used with"),
         (["--rdzv_conf", "last_call=5"], "KEY one of last_call_timeout"),

@@ -8,7 +8,9 @@
 that per-node command on each over ssh (`partita.launcher.multinode`). ``--nnodes MIN:MAX``
 (torchrun's spelling) makes the job elastic: torch's dynamic c10d rendezvous admits MIN to MAX
 nodes and, with ``--max_restarts``, restarts the workers at the new size when a node dies or
-joins; every agent still gets a distinct ``--node_rank`` (0 hosts the rendezvous store).
+joins; every agent still gets a distinct ``--node_rank`` (0 hosts the rendezvous store). With a
+``--hostfile`` the fan-out starts up to MAX hosts, keeps the others running when a node other
+than 0 ends, and returns node 0's status.
 
 If the first argument names a subcommand in ``SUBCOMMANDS`` it runs that instead. Nothing here
 imports torch at module level, so ``partita --help`` answers quickly.
@@ -189,7 +191,8 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
         metavar="K|MIN:MAX",
         help="torchrun's spelling: K as --num_nodes K; MIN:MAX runs elastic (torch's c10d "
         "rendezvous) on MIN to MAX nodes, restarting at the new size after a node fails or "
-        "joins (with --max_restarts); --node_rank 0 hosts the rendezvous",
+        "joins (with --max_restarts); --node_rank 0 hosts the rendezvous (with --hostfile: "
+        "the first of up to MAX hosts, whose exit is the job's)",
     )
     nodes.add_argument(
         "--node_rank",
@@ -342,11 +345,6 @@ def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
             parser.error("--nnodes and --num_nodes cannot be used together (one node count)")
         low, ns.num_nodes = ns.nnodes
         if low != ns.num_nodes:
-            if ns.hostfile is not None:
-                parser.error(
-                    "--nnodes MIN:MAX cannot be used with --hostfile: start partita on "
-                    "each node (--node_rank 0 on the one at --master_addr)"
-                )
             ns.min_nodes = low
     if ns.hostfile is not None:
         given = [
@@ -426,7 +424,7 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
     per_node = ns.num_procs if ns.num_procs is not None else ns.num_gpus
     flag = "--num_procs" if ns.num_procs is not None else "--num_gpus"
     resources = hostfile.resolve_resources(
-        pool, ns.include, ns.exclude, ns.num_nodes, per_node, flag
+        pool, ns.include, ns.exclude, ns.num_nodes, per_node, flag, ns.min_nodes
     )
     ssh = multinode.find_ssh(os.environ)
     cwd = os.getcwd()
@@ -440,7 +438,7 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
         ssh=ssh,
         gpus=ns.num_procs is None,
     )
-    return multinode.run_fanout(plan)
+    return multinode.run_fanout(plan, elastic=ns.min_nodes is not None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

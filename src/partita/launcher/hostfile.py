@@ -125,9 +125,12 @@ def resolve_resources(
     num_nodes: int | None = None,
     slots_per_node: int | None = None,
     slots_flag: str = "--num_gpus",
+    min_nodes: int | None = None,
 ) -> Resources:
     """The hosts and slots a launch uses: ``pool`` filtered by ``include`` or ``exclude``,
     then its first ``num_nodes`` hosts, then the first ``slots_per_node`` slots of each.
+    With ``min_nodes`` (elastic ``--nnodes MIN:MAX``) ``num_nodes`` is the most hosts to
+    take: fewer will do, down to ``min_nodes``.
 
     Raises `HostfileError` when include and exclude are both given, a filter names an unknown
     host or slot, nothing is left, or more nodes or slots are asked than are left (naming the
@@ -139,9 +142,11 @@ def resolve_resources(
     if not resources:
         raise HostfileError(f"--exclude {exclude!r} leaves no slot on any host")
     if num_nodes is not None:
-        if num_nodes > len(resources):
+        needed, flag = (num_nodes, "--num_nodes") if min_nodes is None else (min_nodes, "--nnodes")
+        if needed > len(resources):
+            asked = num_nodes if min_nodes is None else f"{min_nodes}:{num_nodes}"
             raise HostfileError(
-                f"--num_nodes {num_nodes} asks for more nodes than the {len(resources)} "
+                f"{flag} {asked} asks for more nodes than the {len(resources)} "
                 f"selected from the hostfile ({', '.join(resources)})"
             )
         resources = dict(list(resources.items())[:num_nodes])

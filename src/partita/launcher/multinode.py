@@ -6,6 +6,8 @@
 ``python -u -m partita.launcher --num_nodes N --node_rank K --master_addr M --master_port P
 ...``: the same per-node agent as a hand-started multi-node job, so workers get partita's
 environment, ``--local_rank`` and the bound rendezvous store of `partita.launcher.launch`.
+An elastic job (``--nnodes MIN:MAX``) passes that instead of ``--num_nodes``; node 0 hosts
+its dynamic rendezvous and the fan-out lets the job outlive any other node (`run_fanout`).
 
 The environment forwarded to the nodes is the variables of this process whose names start with
 an allow-listed prefix (DeepSpeed's ``NCCL``, ``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, plus
@@ -102,6 +104,18 @@ def exported_env(environ: Mapping[str, str], env_files: Sequence[Path] = ()) -> 
     return result
 
 
+def _membership_args(options: LaunchOptions, num_hosts: int) -> list[str]:
+    """How many nodes each agent expects: all of them, or elastic ``--nnodes MIN:MAX`` (with
+    the rendezvous settings, which every agent of the job must share)."""
+    if options.min_nodes is None:
+        args = ["--num_nodes", str(num_hosts)]
+    else:
+        args = ["--nnodes", f"{options.min_nodes}:{options.num_nodes}"]
+    if options.rdzv_conf:
+        args += ["--rdzv_conf", ",".join(f"{key}={value}" for key, value in options.rdzv_conf)]
+    return args
+
+
 def _agent_args(options: LaunchOptions, slots: list[int], gpus: bool) -> list[str]:
     """The per-node ``partita`` flags that do not depend on the node."""
     args = ["--num_gpus" if gpus else "--num_procs", str(len(slots))]
@@ -140,7 +154,9 @@ def fanout_plan(
 
     The master is ``master_addr`` when the user named one, else the first host; the port
     ``options.master_port`` or 29500. GPU slots become ``CUDA_VISIBLE_DEVICES`` on their
-    node (``gpus``); CPU slots (``--num_procs``) only count processes.
+    node (``gpus``); CPU slots (``--num_procs``) only count processes. An elastic job
+    (``options.min_nodes``) gives every agent ``--nnodes MIN:MAX``: node 0 hosts the dynamic
+    rendezvous, as in a job started node by node.
     """
     hosts = list(resources)
     master = hosts[0] if master_addr is None else master_addr
@@ -152,7 +168,7 @@ def fanout_plan(
         if gpus:
             node_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         command = [python, "-u", "-m", "partita.launcher"]
-        command += ["--num_nodes", str(len(hosts)), "--node_rank", str(rank)]
+        command += [*_membership_args(options, len(hosts)), "--node_rank", str(rank)]
         command += ["--master_addr", master, "--master_port", str(port)]
         if _is_ip(host):  # its workers' sockets go on the interface the hostfile named
             command += ["--node_addr", host]
@@ -179,33 +195,59 @@ def find_ssh(environ: Mapping[str, str]) -> str:
     return found
 
 
-def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1) -> int:
-    """Runs every node's command and waits; returns 0 when all exit 0, else 1 after naming the
-    first node that failed and stopping the others' ssh sessions."""
-    procs = []
-    for node in plan:
-        proc = subprocess.Popen(node.argv, stdin=subprocess.PIPE, text=True)
-        assert proc.stdin is not None
-        proc.stdin.write(node.script)
-        proc.stdin.close()
-        procs.append((node, proc))
-    pending = list(procs)
+def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1, elastic: bool = False) -> int:
+    """Runs every node's command and waits; returns 0 when the job succeeded, else 1.
+
+    A static job succeeds when every node exits 0: the first node to fail is named and the
+    others' ssh sessions are stopped. In an elastic job (``elastic``) the survivors carry on
+    without a failed node (torch's rendezvous restarts them at the new size, as far as
+    ``--max_restarts`` allows), so only node 0, which hosts the rendezvous, decides: its
+    failure is named and stops the others, its success is the job's once the rest have ended.
+    See [Note: the elastic fan-out's exit].
+    """
+    pending = [(node, _start(node)) for node in plan]
     while pending:
         for node, proc in list(pending):
             code = proc.poll()
             if code is None:
                 continue
             pending.remove((node, proc))
-            if code != 0:
-                print(
-                    f"partita: node {node.node_rank} ({node.host}) exited with status {code}; "
-                    "stopping the other nodes",
-                    file=sys.stderr,
-                )
-                for _, other in pending:
-                    other.terminate()
-                for _, other in pending:
-                    other.wait()
-                return 1
+            if code == 0:
+                continue
+            where = f"partita: node {node.node_rank} ({node.host}) exited with status {code}"
+            if elastic and node.node_rank != 0:
+                host_done = all(other.node_rank != 0 for other, _ in pending)
+                print(f"{where}; {_AFTER_HOST if host_done else _GOES_ON}", file=sys.stderr)
+                continue
+            print(f"{where}; stopping the other nodes", file=sys.stderr)
+            for _, other in pending:
+                other.terminate()
+            for _, other in pending:
+                other.wait()
+            return 1
         time.sleep(poll)
     return 0
+
+
+# [Note: the elastic fan-out's exit]
+# Node 0's agent hosts the rendezvous store, so the job lives exactly as long as it does: when
+# another node ends, node 0's agent either restarts the workers on the nodes left (exiting 0
+# when they finish) or gives up and exits non-zero: no restarts left (it names the node that
+# is gone, `partita.launcher.peers`), or fewer than MIN nodes until the join timeout. Another
+# node's exit status says only how that node left, and its line names it for the user. A node
+# that ends after node 0 succeeded was not in the final round (the agents of a round leave
+# through torch's exit barrier together), so it cannot undo the result.
+_GOES_ON = (
+    "the other nodes go on without it (elastic: they restart at the new size if --max_restarts "
+    "allows; node 0, the rendezvous host, decides the job's status)"
+)
+_AFTER_HOST = "node 0, the rendezvous host, had already finished the job"
+
+
+def _start(node: NodeCommand) -> subprocess.Popen[str]:
+    """Starts ``node``'s ssh with its script on stdin (then closed: the script ends in exec)."""
+    proc = subprocess.Popen(node.argv, stdin=subprocess.PIPE, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(node.script)
+    proc.stdin.close()
+    return proc
