@@ -9,7 +9,13 @@ the peak is reset there). DeepSpeed's
 own estimator (``estimate_zero{2,3}_model_states_mem_needs``, per GPU + per CPU / ranks) is
 beside it where DeepSpeed has one (stages 2 and 3).
 
-    .venv/bin/python benchmarks/bench_estimate.py [--models 10m,50m] [--json FILE]
+    .venv/bin/python benchmarks/bench_estimate.py [--models 10m,50m] [--json FILE.json]
+        [--tree_commit SHA]
+
+``--json`` writes the rows with when, on what load and from which tree they were measured,
+and the table with that header beside it (FILE.md). ``--tree_commit`` names the commit when
+the script runs from a ``git archive`` of it (so other work in a shared checkout is not what
+is measured).
     .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB,445MiB [--models 10m]
         [--repeats 3] [--plan_steps 5] [--json FILE]
     .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB --repredict FILE.json
@@ -38,7 +44,7 @@ from typing import Any
 
 import torch
 
-SHAPES: dict[str, dict[str, int]] = {
+SHAPES: dict[str, dict[str, Any]] = {
     # ~9.0M parameters (tied embeddings): 6 blocks of 256, a 16K vocabulary.
     "10m": {"n_layer": 6, "n_embd": 256, "n_head": 4, "n_positions": 256, "vocab_size": 16384},
     # ~48M: 10 blocks of 512, a 32K vocabulary.
@@ -50,7 +56,7 @@ CELLS: list[tuple[int, str, str]] = [
     (0, "none", "none"),
     (1, "none", "none"), (1, "cpu", "none"),
     (2, "none", "none"), (2, "cpu", "none"),
-    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "nvme"),
+    (3, "none", "none"), (3, "cpu", "cpu"), (3, "nvme", "none"), (3, "nvme", "nvme"),
 ]  # fmt: skip
 
 
@@ -125,13 +131,14 @@ def _predict(name: str, stage: int, opt: str, param: str) -> dict[str, int]:
     from partita.estimate.model import from_hf_config
 
     shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
-    cand = Candidate(stage, opt, param, "fp32")  # type: ignore[arg-type]
+    cand = Candidate(stage, opt, param, "fp32")
     est = estimate(shape, cand, Hardware(2, accelerator="cpu"), Settings())
     states = sum(i.device + i.host for i in est.items if i.name in MODEL_STATES)
     return {
         "params": shape.total,
         "states": states,
-        "buffers": sum(i.device for i in est.items if i.name == "reduce buckets"),
+        # The pool's own peak (what comm_buffers reports), not its bytes at the step's peak.
+        "buffers": est.peaks.get("reduce buckets", 0),
         "peak": est.total("device") + est.total("host"),
     }
 
@@ -335,7 +342,7 @@ def main() -> None:
     """Runs every cell and prints the markdown table."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="10m,50m")
-    ap.add_argument("--json", help="also write the rows here")
+    ap.add_argument("--json", help="also write the rows here, and the table beside it (.md)")
     ap.add_argument(
         "--repredict", metavar="FILE.json",
         help="re-render a saved run's measurements with the current estimator (no training); "
@@ -347,19 +354,49 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3, help="--plan_cap: runs per candidate")
     ap.add_argument("--plan_steps", type=int, default=5, help="--plan_cap: steps per run")
+    ap.add_argument(
+        "--tree_commit", help="run from a `git archive` of this commit: name it in the results"
+    )
     args = ap.parse_args()
     if args.plan_cap:
         _plan_checks(args.models.split(","), args)
-        return
-    if args.repredict:
+    elif args.repredict:
         with open(args.repredict) as f:
-            rows = json.load(f)
+            saved = json.load(f)
+        rows = saved["rows"] if isinstance(saved, dict) else saved  # older files: rows only
         for r in rows:
             pred = _predict(r["model"], r["stage"], r["opt"], r["param"])
             r["pred_states"], r["pred_peak"] = pred["states"], pred["peak"]
             r["pred_buffers"] = pred["buffers"]
         print(_table(rows))
-        return
+    else:
+        _validate(args.models.split(","), args.json, args.tree_commit)
+
+
+def _run_meta(tree_commit: str | None) -> dict[str, Any]:
+    """When, where and from which tree: UTC time, load average, CPUs, the commit and the
+    files under src/ and benchmarks/ that differ from it (measured code is committed code
+    only when that list is empty). `tree_commit`: a `git archive` of that commit (no .git)."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        out = subprocess.run(["git", *argv], capture_output=True, text=True, cwd=HERE)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    dirty = git("status", "--porcelain", "--", "../src", "../benchmarks/bench_estimate.py")
+    commit = git("rev-parse", "HEAD")
+    if tree_commit and not commit:
+        commit, dirty = f"{tree_commit} (a git archive of it)", ""
+    return {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "loadavg": os.getloadavg(), "cpus": os.cpu_count(), "commit": commit or "unknown",
+        "uncommitted": dirty.splitlines(),
+    }  # fmt: skip
+
+
+def _validate(names: list[str], json_path: str | None, tree_commit: str | None) -> None:
+    """Trains every cell of every model in fresh pairs of processes; prints (and with
+    `json_path` writes, with the run's `_run_meta` at start and end) the table."""
     from transformers import GPT2LMHeadModel
 
     import bench_estimate  # the workers import it by this name (this file is __main__ here)
@@ -367,8 +404,10 @@ def main() -> None:
     from partita.testing import run_distributed
 
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    meta = {"command": " ".join(["benchmarks/bench_estimate.py", *sys.argv[1:]]),
+            "start": _run_meta(tree_commit)}  # fmt: skip
     rows = []
-    for name in args.models.split(","):
+    for name in names:
         with torch.device("meta"):
             total, largest = model_to_params(GPT2LMHeadModel(_config(name)))
         for stage, opt, param in CELLS:
@@ -378,24 +417,55 @@ def main() -> None:
                     bench_estimate.worker, 2, name, stage, opt, param, nvme_dir,
                     timeout=900, env=env,
                 )  # fmt: skip
-            pred = _predict(name, stage, opt, param)
-            keys = ("params", "grads", "master_params", "optimizer_state")
-            states = max(sum(r[k] for k in keys) for r in reports)
-            peak = max(r["peak_over_base"] for r in reports)
-            rows.append({
-                "model": name, "stage": stage, "opt": opt, "param": param,
-                "pred_states": pred["states"], "meas_states": states,
-                "pred_buffers": pred["buffers"],
-                "meas_buffers": max(r["comm_buffers"] for r in reports),
-                "pred_peak": pred["peak"], "meas_peak": peak,
-                "deepspeed": _deepspeed(total, largest, stage, opt, param),
-                "seconds": round(time.time() - start, 1),
-            })  # fmt: skip
+            rows.append(_measured_row(name, stage, opt, param, reports, total, largest))
+            rows[-1]["seconds"] = round(time.time() - start, 1)
             print(_row(rows[-1]), flush=True)
+    meta["end"] = _run_meta(tree_commit)
     print("\n" + _table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        with open(os.path.splitext(json_path)[0] + ".md", "w") as f:
+            f.write(_markdown(meta, rows))
+
+
+def _measured_row(
+    name: str, stage: int, opt: str, param: str, reports: list[Any], total: int, largest: int
+) -> dict[str, Any]:
+    """One table row: the predictions beside the larger rank's measurements."""
+    pred = _predict(name, stage, opt, param)
+    keys = ("params", "grads", "master_params", "optimizer_state")
+    return {
+        "model": name, "stage": stage, "opt": opt, "param": param,
+        "pred_states": pred["states"],
+        "meas_states": max(sum(r[k] for k in keys) for r in reports),
+        "pred_buffers": pred["buffers"],
+        "meas_buffers": max(r["comm_buffers"] for r in reports),
+        "pred_peak": pred["peak"], "meas_peak": max(r["peak_over_base"] for r in reports),
+        "deepspeed": _deepspeed(total, largest, stage, opt, param),
+    }  # fmt: skip
+
+
+def _markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The results file: what ran, when, on what load, from which tree, and the table."""
+    start, end = meta["start"], meta["end"]
+    tree = f"commit {start['commit']}" + (
+        ", with uncommitted changes to " + ", ".join(start["uncommitted"])
+        if start["uncommitted"] else ", no uncommitted changes under src/ or to this script"
+    )  # fmt: skip
+    load = ", ".join(f"{x:.2f}" for x in start["loadavg"])
+    load_end = ", ".join(f"{x:.2f}" for x in end["loadavg"])
+    return (
+        f"# Memory estimator vs measured, 2 CPU ranks, fp32, micro-batch {MICRO_BATCH} x {SEQ}, "
+        f"{STEPS} steps\n\n"
+        f"Command: `.venv/bin/python {meta['command']}`, {start['time']} to {end['time']}, "
+        f"{start['cpus']} CPUs, load average (1, 5, 15 min) {load} at the start and {load_end} "
+        f"at the end; {tree}. err = (predicted - measured) / measured; measured peak: the "
+        "larger rank's peak RSS over its post-import baseline; reduce buffers: the estimator's "
+        "own peak of the gradient pool against `memory_report()['comm_buffers']`.\n\n"
+        + _table(rows)
+        + "\n"
+    )
 
 
 def _mb(n: int | None) -> str:

@@ -363,8 +363,9 @@ def reports() -> list[list[dict[str, int]]]:
 def test_predicted_model_states_match_the_memory_report(
     index: int, reports: list[list[dict[str, int]]]
 ) -> None:
-    """Each model-state item, and the reduce buffers' peak, within 10% of what the engine
-    reports holding, per rank."""
+    """Each model-state item, and the reduce buffers' peak (its own largest over the step,
+    `Estimate.peaks`: at stage 3 not the value at the step's peak), within 10% of what the
+    engine reports holding, per rank."""
     case = CASES[index]
     shape = describe_module(_gpt2())
     cand = Candidate(case["stage"], precision=case["precision"])
@@ -374,7 +375,7 @@ def test_predicted_model_states_match_the_memory_report(
             if item.name not in REPORT_KEYS:
                 continue
             measured = report[REPORT_KEYS[item.name]]
-            assert item.device == pytest.approx(measured, rel=0.10, abs=1024), (
+            assert est.peaks[item.name] == pytest.approx(measured, rel=0.10, abs=1024), (
                 rank,
                 item,
                 measured,

@@ -131,6 +131,9 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
                     f"    {i.name:20s} {format_bytes(i.device):>10s} {format_bytes(i.host):>10s}"
                     f" {format_bytes(i.nvme):>10s}  (per rank)"
                 )
+            for note in e.notes:  # its own (stage 3: the moment of the peak)
+                if note not in estimates[0].notes:
+                    print(f"    {note}")
     for note in estimates[0].notes:
         print(f"note: {note}")
 

@@ -13,15 +13,19 @@ fp32):
   parameters below the persistence threshold whole; masters (a copy unless the shard itself is
   fp32 and stays with the optimizer), their gradients and optimizer state as stages 1-2; while
   running, a window of gathered units (the current one, one prefetched, those kept for reuse,
-  at most ``stage3_max_live_parameters``) and per-unit gradient buffers.
+  at most ``stage3_max_live_parameters``), per-unit gradient buffers and, under NVMe offload,
+  swap buffers. These peak at different moments of a step (the activations at the loss's
+  backward, NVMe write-through late in backward, swapped sub-groups in the step): the
+  estimate is the largest moment's, not the sum of each buffer's largest (``stage3.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from partita.estimate.model import ModelShape
+from partita.estimate.stage3 import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
 
 __all__ = [
@@ -100,6 +104,9 @@ class Settings:
     sub_group_size: int = 1_000_000_000
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
+    param_max_in_cpu: int = 0
+    """offload_param.max_in_cpu: NVMe parameter offload keeps this many shard elements per
+    rank in host memory instead, units taking from it in build order while their shard fits."""
     nvme_pipeline: bool = False
     """offload_optimizer.pipeline_read/write: up to three sub-groups resident instead of one."""
     optimizer_bytes_per_param: int = 8
@@ -162,6 +169,9 @@ class Estimate:
     hardware: Hardware
     items: list[Item]
     notes: list[str] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)
+    """Each item's own largest bytes over a step (stage 3's buffers peak at different moments,
+    so an item may exceed its value in `items`, which are those of the peak's moment)."""
 
     def total(self, where: Literal["device", "host", "nvme"]) -> int:
         """Sum over items of one rank's bytes in `where`."""
@@ -273,18 +283,16 @@ def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[
 
 
 def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
+    """Stage 3's model states; what training adds comes from `_stage3_items`."""
     units, persistent = m.unit_sizes(s.stage3_param_persistence_threshold)
     sharded = sum(units) + m.frozen
     shard = -(-m.trainable // n)
     aliased = p == 4 and c.offload_optimizer != "nvme" and c.offload_param != "nvme"
     aliased = aliased and c.offload_optimizer == c.offload_param
-    largest = max(units, default=0)
-    # Gradient buffers (zero/stage3/grads.py): reductions in flight up to reduce_bucket_size
-    # (always one unit), the unit accumulating now, and a second buffer for a unit whose
-    # backward runs twice (tied embeddings: lm_head first, the embedding last); the
-    # persistent unit's buffer lives through the whole backward.
-    reduce = max(largest, s.reduce_bucket_size) + 2 * largest + persistent
     params = _place(c.offload_param, -(-sharded // n) * p)
+    if c.offload_param == "nvme":
+        in_cpu = sum(-(-u // n) for u in units) - sum(_swapped(units, n, s.param_max_in_cpu))
+        params = {"host": in_cpu * p, "nvme": params["nvme"] - in_cpu * p}
     params["device"] = params.get("device", 0) + persistent * p + -(-persistent // n) * p
     opt = c.offload_optimizer
     return [
@@ -292,39 +300,100 @@ def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[It
         Item("gradients", **_place(opt, shard * 4)),
         Item("fp32 masters", **_place(opt, 0 if aliased else shard * 4)),
         Item("optimizer state", **_place(opt, shard * s.optimizer_bytes_per_param)),
-        Item("gathered units", device=_window(units, s) * p),
-        Item("reduce buckets", device=reduce * p),
     ]
 
 
-def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> list[Item]:
-    """Host-side staging: pinned copy-back slices (offload on GPUs) and NVMe swap buffers."""
-    n = hw.world
-    out = []
-    if c.offload_optimizer != "none" and hw.accelerator == "cuda":
-        out.append(
-            Item("pinned staging", host=2 * min(_COPY_SLICE_NUMEL, -(-m.trainable // n)) * p)
-        )
-    units, _ = m.unit_sizes(s.stage3_param_persistence_threshold)
-    shards = sorted((-(-u // n) for u in units), reverse=True)
-    sub_group = min(s.sub_group_size, shards[0] if shards else 0)
-    # zero/stage3/nvme.py: in backward, gradients written through (up to GRAD_WRITES_IN_FLIGHT
-    # + 1 sub-groups) and shards read ahead (offload_param.buffer_count of them, bounded by
-    # buffer_count x buffer_size elements beyond the next); in the step, one sub-group's
-    # master, gradient and moments (three with pipelining). The two phases do not overlap.
-    backward = step = 0
-    if c.offload_optimizer == "nvme":
-        backward += min(3, len(shards)) * sub_group * 4
-        resident = 3 if s.nvme_pipeline else 1
-        step = resident * sub_group * (4 + 4 + s.optimizer_bytes_per_param)
-    if c.offload_param == "nvme":
-        ahead = shards[: s.param_buffer_count]
-        bound = s.param_buffer_count * s.param_buffer_size + (ahead[0] if ahead else 0)
-        backward += min(sum(ahead), bound) * p
-    nvme = max(backward, step)
-    if nvme:
-        out.append(Item("nvme buffers", host=nvme))
+def _swapped(units: list[int], n: int, max_in_cpu: int) -> list[int]:
+    """Per-rank shard elements of the units NVMe parameter offload swaps: in build order,
+    each unit whose shard fits what is left of ``max_in_cpu`` stays in host memory
+    (``zero/stage3/strategy.py``, `_UnitFactory`)."""
+    left, out = max_in_cpu, []
+    for u in units:
+        shard = -(-u // n)
+        if shard <= left:
+            left -= shard
+        else:
+            out.append(shard)
     return out
+
+
+def _stage3_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Moment]:
+    """The moments of a stage-3 step ([Note: stage-3 moments] in ``stage3.py``)."""
+    units, persistent = m.unit_sizes(s.stage3_param_persistence_threshold)
+    acts = m.activations
+    lay = Stage3Layout(
+        units, persistent, n, p, _window(units, s), s.reduce_bucket_size,
+        swapped=_swapped(units, n, s.param_max_in_cpu),
+    )  # fmt: skip
+    if acts is not None:
+        frees = acts.block_inputs if c.checkpointing else acts.block_saved
+        lay = replace(
+            lay,
+            held=acts.peak(c.checkpointing) - 2 * acts.largest,
+            largest_activation=acts.largest,
+            block_frees=tuple(reversed(frees)),
+            transient=m.largest_param * p,
+        )
+    return moments(
+        lay,
+        c.offload_optimizer == "nvme",
+        c.offload_param == "nvme",
+        s.sub_group_size,
+        3 if s.nvme_pipeline else 1,
+        (s.param_buffer_count, s.param_buffer_size),
+        s.optimizer_bytes_per_param,
+    )
+
+
+_MOMENT_FIELDS = {
+    "gathered units": "gathered",
+    "reduce buckets": "reduce",
+    "nvme buffers": "nvme",
+    "activations": "activations",
+    "gradient transient": "transient",
+}
+
+
+def _stage3_items(
+    c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int
+) -> tuple[list[Item], list[Item], dict[str, int], str]:
+    """(items before the staging ones, items after them, each item's own largest value over
+    the moments, a note naming the moment that decides the peak). On CPU ranks the moment
+    with the most device + host bytes decides; on GPUs the one with the most device bytes,
+    and host memory holds the NVMe buffers' largest."""
+    moms = _stage3_moments(c, m, hw.world, s, p)
+    cpu = hw.accelerator == "cpu"
+    peak = max(moms, key=lambda mo: mo.device + (mo.nvme if cpu else 0))
+    before = [
+        Item("gathered units", device=peak.gathered),
+        Item("reduce buckets", device=peak.reduce),
+    ]
+    after = []
+    if "nvme" in (c.offload_optimizer, c.offload_param):
+        after.append(Item("nvme buffers", host=peak.nvme if cpu else max(mo.nvme for mo in moms)))
+    if m.activations is not None:
+        after.append(Item("activations", device=peak.activations))
+        after.append(Item("gradient transient", device=peak.transient))
+    own = {i.name: max(getattr(mo, _MOMENT_FIELDS[i.name]) for mo in moms) for i in before + after}
+    note = f"stage 3 peaks at the {peak.name}; items are that moment's"
+    later = [
+        f"{name} {format_bytes(v)}" for name, v in own.items() if v > _value(before + after, name)
+    ]
+    if later:
+        note += " (at other moments: " + ", ".join(later) + ")"
+    return before, after, own, note
+
+
+def _value(items: list[Item], name: str) -> int:
+    return sum(i.device + i.host + i.nvme for i in items if i.name == name)
+
+
+def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> list[Item]:
+    """Host-side staging: pinned copy-back slices (optimizer offload on GPUs)."""
+    n = hw.world
+    if c.offload_optimizer != "none" and hw.accelerator == "cuda":
+        return [Item("pinned staging", host=2 * min(_COPY_SLICE_NUMEL, -(-m.trainable // n)) * p)]
+    return []
 
 
 def estimate(
@@ -337,15 +406,23 @@ def estimate(
     s = settings or Settings()
     p = DTYPE_BYTES[candidate.precision]
     n = hardware.world
-    build = _stage3 if candidate.stage == 3 else _stage012
-    items = build(candidate, model, n, s, p) + _buffers(candidate, model, hardware, s, p)
     notes = []
-    if model.activations is not None:
-        items.append(Item("activations", device=model.activations.peak(candidate.checkpointing)))
-        # Backward computes each weight's gradient into a fresh tensor before it is added to
-        # the bucket or unit buffer: one of the largest parameter's lives beside the rest.
-        items.append(Item("gradient transient", device=model.largest_param * p))
+    staging = _buffers(candidate, model, hardware, s, p)
+    if candidate.stage == 3:
+        before, after, peaks, note = _stage3_items(candidate, model, hardware, s, p)
+        items = _stage3(candidate, model, n, s, p) + before + staging + after
+        notes.append(note)
     else:
+        items = _stage012(candidate, model, n, s, p) + staging
+        if model.activations is not None:
+            items.append(
+                Item("activations", device=model.activations.peak(candidate.checkpointing))
+            )
+            # Backward computes each weight's gradient into a fresh tensor before it is added
+            # to the bucket: one of the largest parameter's lives beside the rest.
+            items.append(Item("gradient transient", device=model.largest_param * p))
+        peaks = {}
+    if model.activations is None:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)
     if hardware.accelerator == "cpu":  # one allocator serves a CPU rank's "device" and host
@@ -358,7 +435,8 @@ def estimate(
         items.append(Item("runtime", device=CPU_RUNTIME))
     else:
         notes.append("the CUDA context and library workspaces are not included")
-    return Estimate(candidate, hardware, items, notes)
+    own = {i.name: i.device + i.host + i.nvme for i in items} | peaks
+    return Estimate(candidate, hardware, items, notes, own)
 
 
 def candidates(precision: str = "bf16", checkpointing: bool | None = None) -> list[Candidate]:
