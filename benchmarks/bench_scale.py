@@ -22,7 +22,13 @@ when the run fails or is interrupted (SIGTERM/SIGINT).
 and ``deepspeed.initialize``, ``DS_ACCELERATOR=cpu``); its NVMe path needs its ``async_io``
 C++ op (libaio), and the error it gives when that is missing is recorded.
 
-    .venv/bin/python benchmarks/bench_scale.py --params 3b --steps 3 --nvme_path /var/tmp/scale
+The README's record is the first command. fp32, because on a CPU without native bf16 (AVX2 only)
+torch runs bf16 matmuls on one thread at a small fraction of the fp32 rate (a 3B forward reached
+block 11 of 37 in 11 minutes); lr 3e-6, because at 1e-5 and above Adam's first steps on the
+one repeated batch overshoot at 3B (the loss rose again at the third step).
+
+    .venv/bin/python benchmarks/bench_scale.py --params 3b --steps 3 --lr 3e-6 --dtype fp32 \
+        --nvme_path /var/tmp/scale
     .venv/bin/python benchmarks/bench_scale.py --layers 12 --hidden 768 --steps 3 --nvme_path DIR
 
 Writes ``benchmarks/results/scale_<name>[_deepspeed].json`` (``--out`` overrides).
