@@ -145,6 +145,25 @@ def test_checkpointing_keeps_less_activation_memory(llama13b: ModelShape) -> Non
 
 
 # --- itemisation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_heads_gradient_comes_after_the_losss_transients(stage: int) -> None:
+    """The largest parameter's gradient (the head's) is computed once the loss's backward has
+    freed one of the two transients of the largest activation (its gradient stays): the peak
+    holds either both transients or one and that gradient, not all three."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=64, vocab_size=4096)
+    shape = from_hf_config(cfg, 2, 64, torch.float32)
+    acts = shape.activations
+    assert acts is not None
+    loss = acts.peak(False)
+    head = loss - acts.largest + shape.largest_param * 4
+    e = estimate(shape, Candidate(stage, precision="fp32"), Hardware(2, accelerator="cpu"))
+    items = {i.name: i.device for i in e.items}
+    assert items["activations"] + items["gradient transient"] == max(loss, head)
+    assert e.peaks["gradient transient"] == shape.largest_param * 4
+
+
 SMALL = ModelShape.from_count(10**9, 10**8)
 
 

@@ -388,6 +388,25 @@ def _value(items: list[Item], name: str) -> int:
     return sum(i.device + i.host + i.nvme for i in items if i.name == name)
 
 
+def _backward_items(
+    m: ModelShape, checkpointing: bool, p: int
+) -> tuple[list[Item], dict[str, int]]:
+    """Stages 0-2: activations and the largest parameter's gradient at the moment that holds
+    more of them, with each one's own largest. Backward computes each weight's gradient into
+    a fresh tensor before it is added to the bucket; the largest parameter's (a model's head)
+    comes once the loss's backward is over, which frees one of the two transients of the
+    largest activation that `ActivationProfile.peak` counts (the output's gradient stays): so
+    the peak is the loss's backward or the head's, as stage 3's first two moments."""
+    acts = m.activations
+    assert acts is not None
+    loss = acts.peak(checkpointing)
+    grad = m.largest_param * p
+    head = loss - acts.largest  # the output's gradient still alive
+    kept = (loss, 0) if loss >= head + grad else (head, grad)
+    items = [Item("activations", device=kept[0]), Item("gradient transient", device=kept[1])]
+    return items, {"activations": loss, "gradient transient": grad}
+
+
 def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> list[Item]:
     """Host-side staging: pinned copy-back slices (optimizer offload on GPUs)."""
     n = hw.world
@@ -414,14 +433,10 @@ def estimate(
         notes.append(note)
     else:
         items = _stage012(candidate, model, n, s, p) + staging
-        if model.activations is not None:
-            items.append(
-                Item("activations", device=model.activations.peak(candidate.checkpointing))
-            )
-            # Backward computes each weight's gradient into a fresh tensor before it is added
-            # to the bucket: one of the largest parameter's lives beside the rest.
-            items.append(Item("gradient transient", device=model.largest_param * p))
         peaks = {}
+        if model.activations is not None:
+            acts, peaks = _backward_items(model, candidate.checkpointing, p)
+            items += acts
     if model.activations is None:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)
