@@ -249,9 +249,7 @@ def _rewrite_shard(folder: str, fname: str, change: Callable[[str, torch.Tensor]
     save_file(tensors, path, metadata={"format": "pt"})
 
     def edit(m: dict[str, Any]) -> None:
-        m["files"][fname].update(
-            bytes=os.path.getsize(path), digest={ALGORITHM: file_digest(path)}
-        )
+        m["files"][fname].update(bytes=os.path.getsize(path), digest={ALGORITHM: file_digest(path)})
 
     _edit_manifest(folder, edit)
 
