@@ -162,6 +162,38 @@ def _inplace_case(folder: str, group: Any) -> torch.Tensor:
     return engine(torch.tensor(PROMPT)).logits
 
 
+def small_all_reduce_case(group: Any) -> dict[str, Any]:
+    """partita's all-reduce over a two-rank gloo group: how many times it called gloo's own
+    all-reduce for a small tensor (decode-sized: 768 floats, synchronous and async) and for
+    a large one (1 MiB), and whether each sum equals rank 0's values plus rank 1's bitwise."""
+    import torch.distributed as dist
+
+    from partita import comm
+
+    me = comm.get_rank(group)
+    calls = {"small": 0, "large": 0}
+    native = dist.all_reduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls["small" if tensor.numel() <= 768 else "large"] += 1
+        return native(tensor, *args, **kwargs)
+
+    gen = [torch.Generator().manual_seed(r) for r in (0, 1)]
+    exact = True
+    dist.all_reduce = counted  # type: ignore[assignment]
+    try:
+        for n, async_op in ((768, False), (768, True), (2**18, False)):
+            parts = [torch.randn(n, generator=g) for g in gen]
+            mine = parts[me].clone()
+            handle = comm.all_reduce(mine, group=group, async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            exact = exact and torch.equal(mine, parts[0] + parts[1])
+    finally:
+        dist.all_reduce = native  # type: ignore[assignment]
+    return {**calls, "exact": exact}
+
+
 def save_memory_model(folder: str) -> None:
     """A Llama of ~200 MB in fp32 (3 layers, hidden 1024), saved in 50 MB files with an
     index, for the loading-memory check."""
@@ -226,6 +258,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
         for name in VOCAB_CASES
     }
     out["inplace"] = _inplace_case(folders["gpt2_v127"], group)
+    out["small_all_reduce"] = small_all_reduce_case(group)
     out["from_training"] = _training_checkpoint_case(folders["gpt2"], folders["partita_ckpt"], tp)
     dims = ParallelDims.tensor_parallel(2)
     out["dims"] = (dims.tp_ranks, dims.tp_rank, dims.dp_ranks, dims.dp_rank)

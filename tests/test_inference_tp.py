@@ -18,6 +18,7 @@ from torch import nn
 import inference_workers as w
 from partita.config import ConfigError
 from partita.inference import PlanError, build_plan, load_inference_config
+from partita.inference.plan import RankSlice
 from partita.testing import run_distributed
 
 LAYERS = 2
@@ -97,7 +98,41 @@ def test_two_all_reduces_per_block_per_forward(runs: dict, family: str) -> None:
         got = runs["ranks"][rank]["tp2"][family]
         assert got["all_reduces"] == got["planned"] == 2 * LAYERS, (family, rank)
     for family4 in w.TP4_FAMILIES:
-        assert runs["ranks"][0]["tp4"][family4]["all_reduces"] == 2 * LAYERS
+        # At 4 gloo ranks the all-gather of an untied head's logits runs as an all-reduce
+        # and is counted as one ([Note: gloo collectives]).
+        untied = not w.family_config(family4).tie_word_embeddings
+        assert runs["ranks"][0]["tp4"][family4]["all_reduces"] == 2 * LAYERS + untied
+
+
+@pytest.mark.parametrize("family", w.FAMILIES)
+def test_untied_output_head_split_by_vocabulary(runs: dict, family: str) -> None:
+    """An output head with weights of its own is split by vocabulary rows by default (one
+    all-gather of the logits per forward, a part of the head per rank); a head tied to the
+    embedding stays whole with it."""
+    tied = w.family_config(family).tie_word_embeddings
+    for rank in range(4):
+        got = runs["ranks"][rank]["tp2"][family]
+        assert got["all_gathers"] == (0 if tied else 1), (family, rank)
+
+
+def test_small_all_reduce_is_one_swap_on_two_gloo_ranks(runs: dict) -> None:
+    """A decode step's all-reduces (one token's activations) run as one exchange between the
+    two ranks, not through gloo's all-reduce (its worker thread costs latency), with the sum
+    bitwise that of the two ranks' values; a large one still goes to gloo."""
+    for rank in range(4):
+        got = runs["ranks"][rank]["small_all_reduce"]
+        assert got == {"small": 0, "large": 1, "exact": True}, rank
+
+
+def test_plan_splits_an_untied_head_unless_the_policy_replicates_it() -> None:
+    plan = build_plan(_meta_model("llama"), 2, 1)
+    assert plan.slices["lm_head.weight"] == RankSlice(0, ((64, 128),))
+    assert plan.vocab == {"lm_head": "head"} and plan.vocab_size == 128
+    assert "model.embed_tokens.weight" not in plan.slices
+    plan = build_plan(_meta_model("llama"), 2, 1, policy={"lm_head": "replicate"})
+    assert "lm_head.weight" not in plan.slices and not plan.vocab
+    plan = build_plan(_meta_model("gpt2"), 2, 1)  # tied to the embedding: whole with it
+    assert "lm_head.weight" not in plan.slices and not plan.vocab
 
 
 @pytest.mark.parametrize("case", w.VOCAB_CASES)

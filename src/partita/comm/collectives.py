@@ -20,7 +20,7 @@ import torch.distributed as dist
 from partita import env
 from partita.comm.counters import COUNTERS
 from partita.comm.heartbeat import LAST_COLLECTIVE
-from partita.comm.pairwise import pair_all_gather, pair_reduce_scatter
+from partita.comm.pairwise import pair_all_gather, pair_all_reduce, pair_reduce_scatter
 from partita.comm.process_group import ProcessGroup, is_initialized
 
 ReduceOp = dist.ReduceOp
@@ -46,7 +46,8 @@ def _gloo_mode(group: ProcessGroup | None) -> str:
     gloo's all-reduce is far better tuned than its reduce-scatter and all-gather: on 2 CPU
     ranks, 32 MB took 22 ms to all-reduce but 44 ms to reduce-scatter and 44 ms to all-gather
     (torch 2.13). So on gloo partita runs them, with two ranks, as one exchange of halves
-    (`partita.comm.pairwise`, faster still; counted as what they are), and with more ranks as
+    (`partita.comm.pairwise`, faster still; counted as what they are), a small sum-all-reduce
+    as one swap of the whole tensor (lower latency, same bytes), and with more ranks as
     all-reduces: reduce-scatter by all-reducing and keeping its chunk, all-gather by
     all-reducing a buffer that is zero outside this rank's chunk (counted as all-reduces, the
     bytes they move). ``PARTITA_COLLECTIVES=native`` uses gloo's own collectives (tests of the
@@ -111,12 +112,21 @@ def all_reduce(
     _record("all_reduce", tag, tensor)
     if _single_process(group):
         return None
-    return _tracked(
-        "all_reduce",
-        tag,
-        async_op,
-        lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
-    )
+    return _tracked("all_reduce", tag, async_op, lambda a: _all_reduce(tensor, op, group, a))
+
+
+PAIR_ALL_REDUCE_BYTES = 256 * 1024
+"""Largest all-reduce run as a two-rank swap on gloo (see [Note: two-rank exchange])."""
+
+
+def _all_reduce(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: ProcessGroup | None, async_op: bool
+) -> Work | None:
+    small = tensor.numel() * tensor.element_size() <= PAIR_ALL_REDUCE_BYTES
+    summable = op == ReduceOp.SUM and tensor.dtype != torch.bool and tensor.is_contiguous()
+    if small and summable and _gloo_mode(group) == "pair":
+        return pair_all_reduce(tensor, group, async_op)  # type: ignore[return-value]
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter(

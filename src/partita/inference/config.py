@@ -101,9 +101,10 @@ class TensorParallelConfig:
     """An existing process group to split over (its ranks, in order); None: build groups of
     consecutive ranks."""
     vocab_parallel: bool = False
-    """partita's addition: split the input embedding and the output head by vocabulary rows
-    (one more all-reduce and an all-gather of the logits per forward) instead of replicating
-    them."""
+    """partita's addition: split the input embedding by vocabulary rows (one more all-reduce
+    per forward) instead of replicating it, and a head tied to it with it. An output head with
+    weights of its own is split by vocabulary rows either way (an all-gather of the logits per
+    forward), unless ``injection_policy`` names it ``replicate``."""
 
 
 @dataclass(frozen=True)

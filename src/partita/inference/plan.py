@@ -6,7 +6,8 @@ that read it (q/k/v, gate/up, fc1) split column-wise: each rank computes its sha
 hidden units, with no communication. The linears that write back (o_proj, down_proj, fc2,
 GPT-2's c_proj...) split row-wise: each rank multiplies its share of the input features and
 one all-reduce sums the partial outputs. So a standard block costs two all-reduces per
-forward (attention, MLP), and everything else (norms, embeddings, lm_head) is replicated.
+forward (attention, MLP), and everything else (norms, embeddings) is replicated, except an
+output head with weights of its own, split by vocabulary (see [Note: vocabulary-parallel]).
 
 Where each module's style comes from, first match wins: an explicit policy
 (``injection_policy``), the model config's ``base_model_tp_plan`` (Hugging Face's own plan,
@@ -292,14 +293,13 @@ def build_plan(
 ) -> ShardPlan:
     """The plan for rank `tp_rank` of `tp_size`; raises `PlanError` naming the module that
     cannot be split. Works on a model on the meta device (only shapes are read).
-    `vocab_parallel` splits the input embedding and the output head by vocabulary rows (see
-    [Note: vocabulary-parallel])."""
+    An untied output head is split by vocabulary rows; `vocab_parallel` splits the input
+    embedding (and a tied head) too (see [Note: vocabulary-parallel])."""
     plan = ShardPlan(tp_size, tp_rank)
     if tp_size == 1:
         return plan
-    if vocab_parallel:
-        _vocab_plan(model, plan)
     styles = _Styles(model, policy)
+    _vocab_plan(model, plan, styles, vocab_parallel)
     builder = _Builder(model, tp_size, tp_rank, plan)
     for name, module in model.named_modules():
         if name in plan.vocab:
@@ -362,32 +362,51 @@ def _attention_attrs(model: nn.Module, plan: ShardPlan) -> None:
             plan.head_ranges[parent] = (start, stop, heads)
 
 
-def _vocab_plan(model: nn.Module, plan: ShardPlan) -> None:
+def _vocab_plan(model: nn.Module, plan: ShardPlan, styles: _Styles, embedding: bool) -> None:
     """[Note: vocabulary-parallel]
     The input embedding and the output head are the model's largest replicated tensors
     (GPT-2 124M: 31% of its weights). Split by vocabulary rows, rank r holds token ids
     [r*c, min((r+1)*c, V)) with c = ceil(V/N): the embedding looks up the ids it holds, zeroes
     the others' rows and sums over the group (one all-reduce); the head computes the logits of
     its ids, padded to c columns, and an all-gather assembles the vocabulary (padding cut).
-    A tied head shares the embedding's slice."""
+    A tied head shares the embedding's slice.
+
+    The head alone is split so by default, when it has weights of its own (not tied to the
+    embedding) and no policy names it ``replicate``: each decode step otherwise multiplies the
+    whole head on every rank (Llama 134M: a fifth of its weights), and both peers split it
+    too (Transformers' ``_tp_plan`` "colwise_gather_output", DeepSpeed AutoTP's lm_head).
+    `embedding` (``vocab_parallel``) splits the embedding as well, a tied head with it."""
     get_in = getattr(model, "get_input_embeddings", None)
     get_out = getattr(model, "get_output_embeddings", None)
-    embedding = get_in() if callable(get_in) else None
+    emb = get_in() if callable(get_in) else None
     head = get_out() if callable(get_out) else None
     names = {id(m): n for n, m in model.named_modules()}
-    if not isinstance(embedding, nn.Embedding) or not isinstance(head, nn.Linear):
-        raise PlanError(
-            f"vocab_parallel: {type(model).__name__} has no nn.Embedding input embedding and "
-            "nn.Linear output head (get_input_embeddings/get_output_embeddings)"
-        )
-    size = embedding.num_embeddings
-    if head.out_features != size:
-        raise PlanError(f"vocab_parallel: {names[id(head)]} has {head.out_features} outputs "
-                        f"but the embedding {size} rows")  # fmt: skip
+    if not isinstance(head, nn.Linear) or id(head) not in names:
+        if embedding:
+            raise PlanError(
+                f"vocab_parallel: {type(model).__name__} has no nn.Embedding input embedding "
+                "and nn.Linear output head (get_input_embeddings/get_output_embeddings)"
+            )
+        return
+    tied = isinstance(emb, nn.Embedding) and head.weight is emb.weight
+    if not embedding and (tied or styles.explicit(names[id(head)]) == "replicate"):
+        return
+    modules: list[tuple[nn.Module, str]] = [(head, "head")]
+    size = head.out_features
+    if embedding:
+        if not isinstance(emb, nn.Embedding):
+            raise PlanError(
+                f"vocab_parallel: {type(model).__name__} has no nn.Embedding input embedding "
+                "and nn.Linear output head (get_input_embeddings/get_output_embeddings)"
+            )
+        if head.out_features != emb.num_embeddings:
+            raise PlanError(f"vocab_parallel: {names[id(head)]} has {head.out_features} "
+                            f"outputs but the embedding {emb.num_embeddings} rows")  # fmt: skip
+        modules.insert(0, (emb, "embedding"))
     chunk = -(-size // plan.tp_size)
     start, stop = min(plan.tp_rank * chunk, size), min((plan.tp_rank + 1) * chunk, size)
     plan.vocab_range, plan.vocab_chunk, plan.vocab_size = (start, stop), chunk, size
-    for module, kind in ((embedding, "embedding"), (head, "head")):
+    for module, kind in modules:
         name = names[id(module)]
         plan.vocab[name] = kind
         plan.styles[name] = f"vocab_{kind}"
