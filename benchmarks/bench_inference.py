@@ -7,8 +7,9 @@ with ``save_pretrained``, nothing downloaded) generates 64 new tokens greedily a
 with gloo, with ``2 // TP`` threads per rank so that each job uses the same cores:
 
 * partita: ``partita.inference.from_pretrained`` (each rank reads only its slices), with the
-  embedding and head replicated, and as ``partita-vocab`` split by vocabulary rows
-  (``tensor_parallel.vocab_parallel``);
+  embedding replicated and the (untied) head split by vocabulary rows, its logits
+  all-gathered, as Transformers' plan and DeepSpeed's AutoTP split it; as ``partita-vocab``
+  the embedding split too (``tensor_parallel.vocab_parallel``);
 * DeepSpeed 0.19.8: the full model loaded by ``from_pretrained`` on every rank, then
   ``deepspeed.init_inference(model, tensor_parallel={"tp_size": N}, dtype=torch.float32,
   replace_with_kernel_inject=False)`` with ``DS_ACCELERATOR=cpu`` (AutoTP);
