@@ -2,12 +2,14 @@
 127.0.0.1 and 127.0.0.2, started by hand (``--no_ssh --node_rank K``) or by the hostfile
 fan-out through a stand-in for ssh, train ZeRO stages 0-3 as one node of the same world size
 does; a node killed with SIGKILL ends the job naming it, or, under ``--nnodes 1:2
---max_restarts 1``, the other node resumes from ``latest`` at world size 1.
+--max_restarts 1`` through the fan-out, the other node resumes from ``latest`` at world size 1
+(the per-node elastic command the fan-out runs is checked in test_launcher_multinode.py).
 
 Every job runs tests/multinode_train.py, one process per node (world size 2)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,24 +38,23 @@ GUARD_S = 300  # hang guard for a whole job on 2 busy cores, never a timing asse
 THREADS = {"OMP_NUM_THREADS": "1"}
 
 
-def _node(rank: int, port: int, *flags: str) -> list[str]:
+def _node(rank: int, port: int) -> list[str]:
     """Launcher flags of node ``rank`` of a 2-node job on the loopback "nodes"."""
     return [
         "--no_ssh",
         *("--node_rank", str(rank), "--master_addr", NODES[0], "--master_port", str(port)),
-        *("--node_addr", NODES[rank], "--num_procs", "1"),
-        *(flags or ("--num_nodes", "2")),
+        *("--node_addr", NODES[rank], "--num_procs", "1", "--num_nodes", "2"),
     ]
 
 
 def _start_nodes(
-    out: Path, script_args: list[str], *flags: str
+    out: Path, script_args: list[str]
 ) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
     """Node 1's agent first (it waits for node 0's store), then node 0's."""
     port = find_free_port()
     args = [str(SCRIPT), str(out), *script_args]
-    node1 = start_launcher([*_node(1, port, *flags), *args], env=THREADS)
-    node0 = start_launcher([*_node(0, port, *flags), *args], env=THREADS)
+    node1 = start_launcher([*_node(1, port), *args], env=THREADS)
+    node0 = start_launcher([*_node(0, port), *args], env=THREADS)
     return node0, node1
 
 
@@ -117,21 +118,43 @@ tee "$SSH_LOG/$3.stdin" | bash -c "$4"
 """
 
 
-def test_hostfile_fanout_over_ssh_trains_like_one_node(
-    tmp_path: Path, one_node_losses: dict[str, list[float]]
-) -> None:
-    bin_dir, log, out = tmp_path / "bin", tmp_path / "log", tmp_path / "out"
-    for folder in (bin_dir, log, out):
+def _start_fanout(
+    tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], Path]:
+    """``partita --hostfile`` over the two loopback nodes, 1 process each, through the ssh
+    stand-in; returns the launcher and the folder where the stand-in logs each host."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    for folder in (bin_dir, log):
         folder.mkdir()
     (bin_dir / "ssh").write_text(_SSH_STAND_IN)
     (bin_dir / "ssh").chmod(0o755)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{host} slots=1\n" for host in NODES))
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SSH_LOG": str(log), **THREADS}
-    env["PARTITA_SECRETISH"] = "a b; $HOME"  # forwarded on stdin, quoted, never in argv
+    path = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    env = {"PATH": path, "SSH_LOG": str(log), **THREADS, **(env or {})}
     port = str(find_free_port())
-    args = ["--hostfile", str(hostfile), "--num_procs", "1", "--master_port", port]
-    proc = start_launcher([*args, str(SCRIPT), str(out), "stages"], env=env)
+    flags = ["--hostfile", str(hostfile), "--num_procs", "1", "--master_port", port]
+    return start_launcher([*flags, *args], env=env), log
+
+
+def _agent_pid(launcher: subprocess.Popen[str], node_rank: int) -> int:
+    """The pid of node ``node_rank``'s partita agent under the fan-out ``launcher``."""
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            cmd = child.cmdline()
+            agent = cmd[1:4] == ["-u", "-m", "partita.launcher"]
+            if agent and cmd[cmd.index("--node_rank") + 1] == str(node_rank):
+                return child.pid
+    raise AssertionError(f"no agent of node {node_rank} under the fan-out")
+
+
+def test_hostfile_fanout_over_ssh_trains_like_one_node(
+    tmp_path: Path, one_node_losses: dict[str, list[float]]
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    secretish = {"PARTITA_SECRETISH": "a b; $HOME"}  # forwarded on stdin, quoted, never in argv
+    proc, log = _start_fanout(tmp_path, [str(SCRIPT), str(out), "stages"], env=secretish)
     stdout, stderr = finish(proc, guard_s=GUARD_S)
     assert proc.returncode == 0, stdout + stderr
     assert json.loads((out / "losses.json").read_text()) == one_node_losses
@@ -176,20 +199,25 @@ def test_elastic_job_resumes_on_the_surviving_node_like_a_save_and_load(tmp_path
     (ref / "args.json").write_text(json.dumps(["elastic", str(ref / "ckpt"), "4"]))
     _run(["--num_procs", "1"], ref)  # steps 3-4 at world size 1 from latest
 
+    # The hostfile fan-out starts each node's elastic agent (--nnodes 1:2 --node_rank K, as a
+    # scheduler would by hand); node 0 hosts the rendezvous and outlives node 1.
     out = tmp_path / "job"
     out.mkdir()
     elastic = ["--nnodes", "1:2", "--max_restarts", "1"]
     elastic += ["--rdzv_conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"]
-    node0, node1 = _start_nodes(out, ["elastic", str(out / "ckpt"), "4", "--gate", "2"], *elastic)
+    script = [str(SCRIPT), str(out), "elastic", str(out / "ckpt"), "4", "--gate", "2"]
+    job, _ = _start_fanout(tmp_path, [*elastic, *script])
     pids: list[int] = []
     try:
-        wait_for_files([out / "gate0", out / "gate1"], node0, guard_s=GUARD_S)
-        pids = _job_pids(node0, node1)
-        os.kill(node1.pid, signal.SIGKILL)
-        stdout, stderr = finish(node0, guard_s=GUARD_S)
+        wait_for_files([out / "gate0", out / "gate1"], job, guard_s=GUARD_S)
+        pids = _job_pids(job)
+        os.kill(_agent_pid(job, node_rank=1), signal.SIGKILL)
+        stdout, stderr = finish(job, guard_s=GUARD_S)
     finally:
         kill_all(pids)
-    assert node0.returncode == 0, stdout + stderr
+    assert job.returncode == 0, stdout + stderr
+    killed = 128 + signal.SIGKILL  # bash's status for the agent the stand-in ran
+    assert f"partita: node 1 ({NODES[1]}) exited with status {killed}; the other" in stderr
     assert (out / "rank0_restart1.json").exists(), "no restart at the new world size"
     assert json.loads((out / "rank0_restart1.json").read_text())["world"] == 1
     assert (out / "losses_from2_world1.json").exists(), stderr
