@@ -12,9 +12,12 @@
 #      installed; that Python itself is used if no venv can be made) and partita is installed
 #      into it with `pip install -e . --no-deps --no-build-isolation` (no index needed). Should
 #      pip fail, src/ on PYTHONPATH stands in. partita's own dependencies (pydantic, hjson,
-#      psutil, safetensors, tqdm, numpy) must be importable; if one is not, pip is asked for
-#      the missing ones (it works where an index or a PIP_FIND_LINKS wheelhouse is reachable)
-#      and the script stops naming them otherwise.
+#      psutil, safetensors, tqdm, numpy) must be importable: wheels in $GPU_CHECK_WHEELS
+#      (default .whl/, made here by scripts/gpu_wheels.sh for a machine without an index)
+#      are installed to a folder on PYTHONPATH first; if one is still missing, pip is asked
+#      for it (where an index is reachable) and the script stops naming it otherwise. When
+#      that python is itself a venv's, it is used directly (a venv of a venv would not see
+#      its packages).
 #   2. No CUDA anywhere: scripts/setup_env.sh's .venv (CPU torch), and the dry run: every case
 #      on CPU at tiny sizes, without a time box (what CI runs through tests/test_gpu_check.py).
 #
@@ -38,15 +41,28 @@ done
 
 extra=()
 if [ -n "$cuda_python" ]; then
-  venv="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/partita-gpu-venv}"
-  # --without-pip: no ensurepip needed; the system's pip, seen through the system site
-  # packages, installs into the venv.
-  if [ ! -x "$venv/bin/python" ] &&
-    ! "$cuda_python" -m venv --system-site-packages --without-pip "$venv"; then
-    echo "gpu_check.sh: cannot make a venv; using $cuda_python itself" >&2
-  fi
   py="$cuda_python"
-  [ -x "$venv/bin/python" ] && py="$venv/bin/python"
+  # A venv made from a venv's python sees the base interpreter's packages, not that venv's
+  # (the H200 image's torch lives in /opt/torch/.venv): then that python itself is used.
+  if "$cuda_python" -c 'import sys; sys.exit(0 if sys.prefix == sys.base_prefix else 1)'; then
+    venv="${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/partita-gpu-venv}"
+    # --without-pip: no ensurepip needed; the system's pip, seen through the system site
+    # packages, installs into the venv.
+    if [ ! -x "$venv/bin/python" ] &&
+      ! "$cuda_python" -m venv --system-site-packages --without-pip "$venv"; then
+      echo "gpu_check.sh: cannot make a venv; using $cuda_python itself" >&2
+    fi
+    [ -x "$venv/bin/python" ] && py="$venv/bin/python"
+  fi
+  # Wheels carried in (scripts/gpu_wheels.sh fills $GPU_CHECK_WHEELS, default .whl/, with
+  # partita's pure-python dependencies and DeepSpeed) go to a folder on PYTHONPATH: no
+  # index is needed, and nothing of the image is replaced.
+  wheels="${GPU_CHECK_WHEELS:-$root/.whl}"
+  if compgen -G "$wheels/*.whl" >/dev/null; then
+    site="${TMPDIR:-/tmp}/partita-gpu-site"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" \
+      "$wheels"/*.whl && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   if ! "$py" -c 'import partita' >/dev/null 2>&1; then
     "$py" -m pip install -q --no-deps --no-build-isolation -e "$root" ||
       echo "gpu_check.sh: pip install -e . failed; using src/ on PYTHONPATH" >&2

@@ -105,7 +105,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.float().view(-1, self.vocab), targets.reshape(-1))
+        if logits.dtype != torch.float64:  # 16-bit logits: the loss in fp32 (float64 stays)
+            logits = logits.float()
+        return F.cross_entropy(logits.view(-1, self.vocab), targets.reshape(-1))
 
 
 def build(shape: Shape, seed: int, device: torch.device) -> GPT:

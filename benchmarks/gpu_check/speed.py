@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -233,12 +234,23 @@ def start_ds_build(ctx: Context) -> None:
     if ctx.mode.dry or importlib.util.find_spec("deepspeed") is None:
         return
     results = os.path.join(ctx.out_dir, "deepspeed_build.jsonl")
+    # In this process too: the DeepSpeed rows load the op through the same parser.
+    if "TORCH_CUDA_ARCH_LIST" in os.environ:  # see ds_arch_list
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     with open(results, "w") as out, open(results[:-6] + ".log", "w") as log:
         ctx.jobs["ds_build"] = subprocess.Popen(
             [sys.executable, "-c", _BUILD.format(ops=DS_OPS)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True,
         )  # fmt: skip
     ctx.jobs["ds_build_results"] = results
+
+
+def ds_arch_list(archs: str) -> str:
+    """`TORCH_CUDA_ARCH_LIST` without architecture suffixes ("9.0a" -> "9.0"): DeepSpeed
+    0.19.8's op builder parses each entry's minor version as an integer and fails on torch's
+    arch-specific names ("invalid literal for int() with base 10: '0a'", seen on the H200
+    image, whose list names 9.0a); the plain architecture builds the same FusedAdam."""
+    return re.sub(r"(\d+\.\d+)[a-z]+", r"\1", archs)
 
 
 def _wait_ds_build(ctx: Context, timeout: float) -> dict[str, str]:

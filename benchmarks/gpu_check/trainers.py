@@ -21,7 +21,12 @@ from gpu_check.core import BETAS, EPS, LR, WEIGHT_DECAY
 from gpu_check.model import Shape, build
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+}
 
 
 @dataclass
@@ -124,7 +129,7 @@ class TorchTrainer:
         self.model = model.to(dtype=dtype)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p.detach().float().clone() for p in self.params]
-        if dtype == torch.float32:  # no separate master: step the module's own weights
+        if dtype in (torch.float32, torch.float64):  # no separate master: step the module
             self.masters = self.params
         self.opt = torch.optim.AdamW(
             self.masters, lr=lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True
@@ -153,7 +158,7 @@ class TorchTrainer:
                     torch._foreach_copy_(self.params, self.masters)
         for p in {*self.params, *self.masters}:
             p.grad = None
-        return float(loss.detach().float()), applied
+        return float(loss.detach()), applied  # exact for every dtype, float64 included
 
 
 def train_reference(

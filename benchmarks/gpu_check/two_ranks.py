@@ -1,6 +1,10 @@
 """Section 1's two-process case: two ranks on the one device (NCCL where it allows that,
-else gloo) train fp32 stages 2 and 3 and must match a single-process torch run on the whole
-batch at the design's fp32 parity tolerance (per-step losses rtol 1e-6, weights 1e-6)."""
+else gloo) train stages 2 and 3 and must match a single-process torch run on the whole batch
+as the CPU parity suite does: in fp32, per-step losses within rtol 1e-6; in float64, losses
+within rtol 1e-6 and every final weight within the first-order reduction-order bound
+(`weight_atol`; the suite's [Note: parity bound] in tests/models.py says why fp32 weights
+cannot be held elementwise: the first GPU run saw fp32 weights 3.9e-05 apart with losses
+1.8e-07 apart)."""
 
 from __future__ import annotations
 
@@ -8,16 +12,26 @@ from typing import Any
 
 import torch
 
-from gpu_check.core import Case, Context, verdict
+from gpu_check.core import EPS, LR, Case, Context, verdict
 from gpu_check.model import Shape, batches
 from gpu_check.spawn import choose_backend, spawn
-from gpu_check.trainers import engine_config, train_reference
+from gpu_check.trainers import DTYPES, engine_config, train_reference
 
 S1 = "1 correctness"
 WORLD = 2
+PRECISIONS = ("fp32", "fp64")
 
 
-def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[int, Any]:
+def weight_atol(steps: int, shape: Shape) -> float:
+    """Final-weight bound of a float64 run: the two runs sum each gradient element's terms
+    (at most one per token of the global batch) in different orders, at most 2 n u apart
+    (n terms, u = 2^-53, terms summing to at most 1 in magnitude for a mean cross-entropy),
+    and AdamW turns a gradient difference into at most lr / eps of a weight per step."""
+    terms = WORLD * shape.micro * shape.seq
+    return steps * LR * (2 * terms * 2.0**-53) / EPS
+
+
+def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[tuple[int, str], Any]:
     """On each rank: its half of every global batch, one fp32 engine per stage; the global
     mean loss per step and (rank 0) the final weights on the CPU."""
     import partita
@@ -28,10 +42,10 @@ def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[int, Any
     device = get_accelerator().current_device()
     rank = comm.get_rank()
     data = batches(shape, steps, shape.micro * WORLD, device)
-    out: dict[int, Any] = {}
-    for stage in stages:
-        model = build(shape, 0, device)
-        config = engine_config(stage, "fp32", shape.micro)
+    out: dict[tuple[int, str], Any] = {}
+    for stage, precision in [(s, p) for s in stages for p in PRECISIONS]:
+        model = build(shape, 0, device).to(DTYPES[precision])
+        config = engine_config(stage, precision, shape.micro)
         engine, _, _, _ = partita.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
@@ -41,13 +55,13 @@ def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[int, Any
             loss = engine(tokens[mine], targets[mine])
             engine.backward(loss)
             engine.step()
-            total = loss.detach().float().clone()
+            total = loss.detach().clone()
             comm.all_reduce(total, tag="check")
             losses.append(float(total) / WORLD)
         params = list(engine.module.parameters())
         with partita.zero.GatheredParameters(params):
             weights = [p.detach().cpu().clone() for p in params]
-        out[stage] = {"losses": losses, "weights": weights}
+        out[(stage, precision)] = {"losses": losses, "weights": weights}
         engine.destroy()
     return out
 
@@ -68,39 +82,43 @@ def run_two_ranks(ctx: Context) -> None:
 
     ctx.run(S1, "2 ranks on one device: backend", pick, min_s=20)
     if chosen:
-        ctx.run(S1, f"2 ranks ({chosen['backend']}) fp32 stages 2, 3 vs torch",
+        ctx.run(S1, f"2 ranks ({chosen['backend']}) stages 2, 3 vs torch",
                 lambda: _compare(ctx, chosen["backend"], chosen["env"]), min_s=20)  # fmt: skip
 
 
 def _compare(ctx: Context, backend: str, env: dict[str, str]) -> list[Case]:
-    shape = ctx.mode.small
+    shape, steps = ctx.mode.small, ctx.mode.steps
     stages = (2, 3)
-    results = spawn(rank_run, (shape, ctx.mode.steps, stages), WORLD, backend, env, timeout=240)
-    data = batches(shape, ctx.mode.steps, shape.micro * WORLD, ctx.mode.device)
-    ref = train_reference(shape, "fp32", data, ctx.mode.device)
-    ref_losses = torch.tensor(ref.losses, dtype=torch.float64)
+    results = spawn(rank_run, (shape, steps, stages), WORLD, backend, env, timeout=240)
+    data = batches(shape, steps, shape.micro * WORLD, ctx.mode.device)
+    refs = {p: train_reference(shape, p, data, ctx.mode.device) for p in PRECISIONS}
+    atol = weight_atol(steps, shape)
     cases = []
     for stage in stages:
-        got = results[0][stage]
-        losses = torch.tensor(got["losses"], dtype=torch.float64)
-        loss_rel = float(((losses - ref_losses).abs() / ref_losses.abs()).max())
-        weight_ok = all(
-            torch.allclose(a, b, rtol=1e-6, atol=1e-6)
-            for a, b in zip(got["weights"], ref.weights, strict=True)
-        )
-        weight_diff = max(
-            float((a - b).abs().max()) for a, b in zip(got["weights"], ref.weights, strict=True)
-        )
-        ok = loss_rel <= 1e-6 and weight_ok
-        figures = {
-            "max_loss_rel_diff": loss_rel,
-            "max_weight_diff": weight_diff,
-            "backend": backend,
-        }
-        detail = f"{backend}: max loss rel diff {loss_rel:.2g} (tol 1e-6), max weight diff {weight_diff:.2g}"
-        cases.append(
-            Case(
-                S1, f"2 ranks ({backend}) fp32 stage {stage} vs torch", verdict(ok), detail, figures
+        figures: dict[str, object] = {"backend": backend, "fp64_weight_atol": atol}
+        for precision, ref in refs.items():
+            got = results[0][(stage, precision)]
+            losses = torch.tensor(got["losses"], dtype=torch.float64)
+            ref_losses = torch.tensor(ref.losses, dtype=torch.float64)
+            figures[f"{precision}_max_loss_rel_diff"] = float(
+                ((losses - ref_losses).abs() / ref_losses.abs()).max()
             )
+            figures[f"{precision}_max_weight_diff"] = max(
+                float((a.double() - b.double()).abs().max())
+                for a, b in zip(got["weights"], ref.weights, strict=True)
+            )
+        ok = (
+            figures["fp32_max_loss_rel_diff"] <= 1e-6  # type: ignore[operator]
+            and figures["fp64_max_loss_rel_diff"] <= 1e-6  # type: ignore[operator]
+            and figures["fp64_max_weight_diff"] <= atol  # type: ignore[operator]
+        )
+        detail = (
+            f"{backend}: max loss rel diff fp32 {figures['fp32_max_loss_rel_diff']:.2g}, "
+            f"fp64 {figures['fp64_max_loss_rel_diff']:.2g} (tol 1e-6); max weight diff fp64 "
+            f"{figures['fp64_max_weight_diff']:.2g} (tol {atol:.2g}), fp32 "
+            f"{figures['fp32_max_weight_diff']:.2g} (not held: see the module doc)"
+        )
+        cases.append(
+            Case(S1, f"2 ranks ({backend}) stage {stage} vs torch", verdict(ok), detail, figures)
         )
     return cases

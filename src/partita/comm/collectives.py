@@ -101,6 +101,49 @@ def _tracked(op: str, tag: str, async_op: bool, run: Callable[[bool], Any]) -> W
     return None if handle is None else _Waited(handle)  # type: ignore[return-value]
 
 
+def _staging_device(
+    group: ProcessGroup | None, tensors: tuple[torch.Tensor, ...]
+) -> torch.device | None:
+    """The device to run a collective on when `group`'s backend cannot reach `tensors`.
+
+    [Note: staged collectives]
+    NCCL reaches CUDA tensors only, while partita keeps some states on the CPU (offloaded fp32
+    masters and optimizer shards read by `safe_get_full_fp32_param` or a checkpoint, a host
+    shard's norm): such a collective ("No backend type associated with device type cpu" from
+    torch) runs on copies on this rank's device, and the result is copied back. The bytes
+    and the order of collectives are the same, so every rank stays in step whatever its
+    tensors' devices."""
+    if not any(t.device.type == "cpu" for t in tensors) or dist.get_backend(group) != "nccl":
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _staged(
+    group: ProcessGroup | None, *tensors: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], Callable[[], None] | None]:
+    """`tensors`, or copies of them on the staging device with a function that copies the
+    first (the collective's output) back; see [Note: staged collectives]."""
+    device = _staging_device(group, tensors)
+    if device is None:
+        return tensors, None
+    copies = tuple(t.to(device, copy=True) for t in tensors)
+
+    def copy_back() -> None:
+        tensors[0].copy_(copies[0])
+
+    return copies, copy_back
+
+
+def _copied_back(work: Work | None, copy_back: Callable[[], None] | None) -> Work | None:
+    """`work` whose completion also copies a staged result back (see `_staged`)."""
+    if copy_back is None:
+        return work
+    if work is None:  # the collective ran synchronously
+        copy_back()
+        return None
+    return _Then(work, copy_back)  # type: ignore[return-value]
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
@@ -112,7 +155,9 @@ def all_reduce(
     _record("all_reduce", tag, tensor)
     if _single_process(group):
         return None
-    return _tracked("all_reduce", tag, async_op, lambda a: _all_reduce(tensor, op, group, a))
+    (t,), back = _staged(group, tensor)
+    work = _tracked("all_reduce", tag, async_op, lambda a: _all_reduce(t, op, group, a))
+    return _copied_back(work, back)
 
 
 PAIR_ALL_REDUCE_BYTES = 256 * 1024
@@ -143,12 +188,11 @@ def reduce_scatter(
         _record("reduce_scatter", tag, input)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
-    return _tracked(
-        "reduce_scatter",
-        tag,
-        async_op,
-        lambda a: _reduce_scatter(output, input, op, group, a, tag),
+    (out, inp), back = _staged(group, output, input)
+    work = _tracked(
+        "reduce_scatter", tag, async_op, lambda a: _reduce_scatter(out, inp, op, group, a, tag)
     )
+    return _copied_back(work, back)
 
 
 def _reduce_scatter(
@@ -194,9 +238,9 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
-    return _tracked(
-        "all_gather", tag, async_op, lambda a: _all_gather(output, input, group, a, tag)
-    )
+    (out, inp), back = _staged(group, output, input)
+    work = _tracked("all_gather", tag, async_op, lambda a: _all_gather(out, inp, group, a, tag))
+    return _copied_back(work, back)
 
 
 def _all_gather(
@@ -235,12 +279,11 @@ def broadcast(
     _record("broadcast", tag, tensor)
     if _single_process(group):
         return None
-    return _tracked(
-        "broadcast",
-        tag,
-        async_op,
-        lambda a: dist.broadcast(tensor, src=src, group=group, async_op=a),
+    (t,), back = _staged(group, tensor)
+    work = _tracked(
+        "broadcast", tag, async_op, lambda a: dist.broadcast(t, src=src, group=group, async_op=a)
     )
+    return _copied_back(work, back)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
