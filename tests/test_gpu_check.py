@@ -90,3 +90,22 @@ def test_hidden_fraction_counts_copy_time_inside_cpu_steps() -> None:
     assert hidden_fraction([(1.6, 2.0), (3.0, 3.4)], steps) == 0.5  # one hidden, one exposed
     assert hidden_fraction([(1.0, 1.5)], steps) == 0.0  # between steps: nothing hidden
     assert hidden_fraction([], steps) == 0.0
+
+
+def test_first_step_bound_takes_rounding_and_refuses_a_wrong_update() -> None:
+    """On a GPU an offloaded run (partita's CPU Adam) is held against no offload (torch's
+    fused CUDA AdamW) by its first update: a few fp32 roundings pass, an update from wrong
+    gradients (off by an lr-sized step) does not."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import torch
+    from gpu_check.core import LR
+    from gpu_check.trainers import Run, first_step_close
+
+    ref = torch.tensor([0.5, -0.02, 0.0, 1e-3])
+    rounded = ref + 4 * torch.finfo(torch.float32).eps * (ref.abs() + LR)
+    stale = ref.clone()
+    stale[1] += LR
+    runs = [Run([], [], [], first_masters=[t]) for t in (ref, rounded, stale)]
+    assert first_step_close(runs[1], runs[0])[0]
+    ok, worst = first_step_close(runs[2], runs[0])
+    assert not ok and worst > 100

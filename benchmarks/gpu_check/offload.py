@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from gpu_check.core import Case, Context, verdict
-from gpu_check.trainers import Run, bitwise, compare, engine_config, train_partita
+from gpu_check.trainers import (
+    Run,
+    bitwise,
+    compare,
+    engine_config,
+    first_step_close,
+    train_partita,
+)
 
 S2 = "2 offload"
 CPU = {"device": "cpu", "pin_memory": True}
@@ -39,17 +46,35 @@ def run_section2(ctx: Context) -> None:
     ctx.run(S2, "copy-back overlap", lambda: overlap_case(ctx), min_s=10)
 
 
+def judge(ctx: Context, got: Run, plain: Run) -> tuple[bool, str, dict[str, Any]]:
+    """An offloaded run against the same stage without offload. On CPU both step with the
+    same kernels and must agree bitwise. On a GPU the reference steps with torch's fused CUDA
+    AdamW and the offloaded run with partita's CPU Adam, which round differently: the masters
+    after the first step must agree within `first_step_close`'s bound (stale or wrong
+    gradients, a copy racing the step, miss it by ~1000x), later steps are reported."""
+    figures = compare(got, plain)
+    same = bitwise(figures)
+    if not ctx.mode.is_cuda:
+        return same, f"bitwise equal to no offload: {same}", figures
+    close, worst = first_step_close(got, plain)
+    figures["first_step_worst_ratio"] = worst
+    text = (
+        f"first-step masters within 2^-20 x (|w| + lr) of no offload: {close} (worst "
+        f"{worst:.2g} of the bound); later steps: max loss diff {figures['max_loss_diff']:.2g}, "
+        f"bitwise: {same} (CPU Adam vs fused CUDA AdamW)"
+    )
+    return close, text, figures
+
+
 def _versus(ctx: Context, name: str, stage: int, zero: dict, data: list, plain: Run) -> Case:
     config = engine_config(stage, "bf16", ctx.mode.small.micro, **zero)
     got = train_partita(ctx.mode.small, config, data, ctx.mode.device, probe=host_buffers)
-    figures = compare(got, plain)
+    ok, text, figures = judge(ctx, got, plain)
     figures["pinned"] = got.probe
     want_pinned = ctx.mode.is_cuda  # page-locking is skipped on CPU-only machines
     pinned_ok = all(n > 0 and (p == n) == want_pinned for n, p in got.probe.values())
-    ok = bitwise(figures) and pinned_ok
     pins = ", ".join(f"{k} {p}/{n} pinned" for k, (n, p) in got.probe.items())
-    detail = f"bitwise equal to no offload: {bitwise(figures)}; {pins}"
-    return Case(S2, name, verdict(ok), detail, figures)
+    return Case(S2, name, verdict(ok and pinned_ok), f"{text}; {pins}", figures)
 
 
 def host_buffers(engine: Any) -> dict[str, tuple[int, int]]:
@@ -81,11 +106,11 @@ def _nvme(ctx: Context, data: list, plain: Run) -> Case:
         )
         got = train_partita(ctx.mode.small, config, data, ctx.mode.device)
         left = os.listdir(path)
-    figures = compare(got, plain)
+    ok, text, figures = judge(ctx, got, plain)
     figures["swap_dir"] = path
     figures["files_left"] = left
-    ok = bitwise(figures) and not left
-    detail = f"swap files in {path}; bitwise equal to no offload: {bitwise(figures)}; files left: {len(left)}"
+    ok = ok and not left
+    detail = f"swap files in {path}; {text}; files left: {len(left)}"
     return Case(S2, "stage 3 NVMe (optimizer and parameters)", verdict(ok), detail, figures)
 
 

@@ -118,6 +118,18 @@ def pin_if(pin: bool, tensor: torch.Tensor) -> torch.Tensor:
     return get_accelerator().pin_memory(tensor) if pin and tensor.device.type == "cpu" else tensor
 
 
+def add_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst += src`` where ``src`` may live on another device (a reduced gradient added into
+    an offloaded master's gradient). A copy into host memory blocks until the data is there:
+    ``src.to("cpu", non_blocking=True)`` returns before the device has written it, and the
+    CPU add would read it early (the first GPU check saw offloaded runs drift from the same
+    run without offload). Copies towards a device stay asynchronous: the device's stream
+    orders them before their use."""
+    if src.device != dst.device:
+        src = src.to(dst.device, non_blocking=dst.device.type != "cpu")
+    dst.add_(src)
+
+
 def host_rss() -> int:
     """Resident set size of this process, bytes."""
     return int(psutil.Process().memory_info().rss)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
+from partita.accelerator import add_into
 from partita.partition import FlatLayout, Segment
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
@@ -202,7 +203,7 @@ class ShardedGradients:
             out.mul_(self.scaling.after)
         seg = bucket.segment
         dst = self.shard_grads[bucket.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
-        dst.add_(out.to(dst.device, non_blocking=True))  # a host copy under optimizer offload
+        add_into(dst, out)  # a host copy under optimizer offload
         if bucket.buffer is not None and not bucket.adopted:
             self._pool.release(bucket.buffer)
         bucket.buffer = bucket.sent = bucket.output = bucket.handle = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
+from partita.accelerator import add_into
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.stage3.identity import REDUCE
@@ -153,7 +154,7 @@ class UnitGradReducer:
         else:
             grad = pending.unit.masters[pending.seg].grad
             assert grad is not None
-            grad.add_(out.to(grad.device, non_blocking=True))  # a host copy under offload
+            add_into(grad, out)  # a host copy under offload
         if pending.release is not None:
             self._pool.release(pending.release)
 

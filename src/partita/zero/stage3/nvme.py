@@ -46,6 +46,7 @@ import torch
 from torch.profiler import record_function
 
 from partita import comm
+from partita.accelerator import add_into
 from partita.offload import SwapSpace, has_storage, release_storage, restore_storage
 from partita.zero.shard_step import global_norm
 from partita.zero.stage3.unit import trace
@@ -207,7 +208,7 @@ class SwappedOptimizerState:
     def add_grad(self, i: int, value: torch.Tensor) -> None:
         """Adds `value` into sub-group i's gradient, written through to its file."""
         grad = self.ensure_grad(i)
-        grad.add_(value.to(grad.device, non_blocking=True))
+        add_into(grad, value)
         self.store_grad(i)
 
     def store_grad(self, i: int) -> None:
