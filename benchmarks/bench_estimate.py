@@ -160,29 +160,46 @@ def _deepspeed(total: int, largest: int, stage: int, opt: str, param: str) -> in
     return None
 
 
-def link_worker(numel: int = 1 << 22, repeats: int = 5) -> float:
-    """Bus bytes/s of a gloo all-reduce of `numel` fp32 elements (best of `repeats`)."""
+def link_worker(numel: int = 1 << 22, repeats: int = 5) -> tuple[float, float]:
+    """Bus bytes/s of a gloo all-reduce of `numel` fp32 elements (best of `repeats`), and the
+    share of its wall time this process spent on CPU (median): what an all-reduce running
+    beside compute takes from it (`Rates.comm_cpu_share`)."""
+    import statistics
+
     import torch.distributed as dist
 
     x = torch.ones(numel)
     dist.all_reduce(x)  # warm-up: connections and buffers
-    best = float("inf")
+    best, shares = float("inf"), []
     for _ in range(repeats):
-        start = time.perf_counter()
+        dist.barrier()
+        cpu, start = time.process_time(), time.perf_counter()
         dist.all_reduce(x)
-        best = min(best, time.perf_counter() - start)
+        wall = time.perf_counter() - start
+        best = min(best, wall)
+        shares.append(min(1.0, (time.process_time() - cpu) / wall))
     n = dist.get_world_size()
-    return 2 * (n - 1) / n * numel * 4 / best
+    return 2 * (n - 1) / n * numel * 4 / best, statistics.median(shares)
 
 
-def _rates(env: dict[str, str]) -> Any:
-    """The planner's calibration, as `partita plan --cpu` does it, plus gloo's all-reduce."""
+def _rates(name: str, env: dict[str, str]) -> Any:
+    """The planner's calibration, as `partita plan --cpu --model ...` does it (the model's own
+    forward and backward and the CPU Adam on the threads one of 2 ranks gets), plus gloo's
+    all-reduce between 2 ranks."""
     import bench_estimate
-    from partita.estimate.plan import Rates, calibrate_adam_rate, calibrate_flops
+    from partita.estimate.calibrate import calibrate_adam_rate, calibrate_model_flops, rank_threads
+    from partita.estimate.plan import Rates
     from partita.testing import run_distributed
 
-    link = min(run_distributed(bench_estimate.link_worker, 2, timeout=300, env=env))
-    return Rates(calibrate_flops(1.0), link_bandwidth=link, adam_rate=calibrate_adam_rate())
+    links = run_distributed(bench_estimate.link_worker, 2, timeout=300, env=env)
+    threads = rank_threads(2)
+    flops = calibrate_model_flops(_config(name), MICRO_BATCH, SEQ, torch.float32, threads, 2.0)
+    return Rates(
+        flops,
+        link_bandwidth=min(bw for bw, _ in links),
+        adam_rate=calibrate_adam_rate(threads=threads),
+        comm_cpu_share=max(share for _, share in links),
+    )
 
 
 def _measure(
@@ -273,9 +290,10 @@ def plan_check(
     times interleaved, and prints predicted against measured for each cap."""
     from partita.estimate.plan import HEADROOM
 
-    rates = _rates(env)
+    rates = _rates(name, env)
     print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {rates.link_bandwidth / 1e9:.2f} GB/s, "
-          f"Adam {rates.adam_rate / 1e6:.0f} M params/s; headroom {HEADROOM}", flush=True)  # fmt: skip
+          f"(CPU share {rates.comm_cpu_share:.2f}), Adam {rates.adam_rate / 1e6:.0f} M params/s; "
+          f"headroom {HEADROOM}", flush=True)  # fmt: skip
     meas = _measure(name, _plan_candidates(), repeats, steps, env)
     return judge(name, caps, rates, meas)
 

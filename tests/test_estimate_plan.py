@@ -27,7 +27,8 @@ from partita.estimate import (
     estimate,
     from_hf_config,
 )
-from partita.estimate.plan import HEADROOM, Rates, ds_config, rank
+from partita.estimate.calibrate import calibration_depth, rank_threads
+from partita.estimate.plan import HEADROOM, Rates, ds_config, rank, step_time
 from partita.testing import run_distributed
 
 MIB = 2**20
@@ -144,3 +145,96 @@ def test_equal_predicted_times_rank_the_smaller_peak_first() -> None:
     ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, RATES, shape.recomputed)
     assert ranked[0][1].total == ranked[1][1].total
     assert [e.candidate.stage for e, _ in ranked] == [2, 1]
+
+
+# --- the step-time model follows the engine's schedule; calibration on the rank's threads ----
+
+
+def _timings(accelerator: str, rates: Rates) -> dict[int, Any]:
+    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
+    device = None if accelerator == "cpu" else 2**40
+    hw = Hardware(RANKS, device_memory=device, host_memory=2**40, accelerator=accelerator)
+    tokens = MICRO_BATCH * SEQ
+    return {
+        s: step_time(
+            estimate(shape, Candidate(s, precision="fp32"), hw), shape.trainable, tokens, rates
+        )
+        for s in range(4)
+    }
+
+
+def _one_pass(rates: Rates) -> float:
+    """Seconds of one collective pass over the test model's fp32 parameters at 2 ranks."""
+    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
+    return shape.trainable * 4 * (RANKS - 1) / RANKS / rates.link_bandwidth
+
+
+def test_on_a_gpu_gradient_reductions_hide_behind_backward_and_gathers_do_not() -> None:
+    """Stage 0 all-reduces and stages 1-3 reduce-scatter gradients in buckets during backward,
+    which hides them behind its compute; stages 1-2 all-gather the updated shards after the
+    optimizer step, before the next forward can run, and stage 3's units wait for their
+    gathers in forward and backward: those passes add to the step."""
+    rates = Rates(flops=1e12, link_bandwidth=10e9)  # compute >> communication
+    one = _one_pass(rates)
+    t = _timings("cuda", rates)
+    assert t[0].comm == 0.0
+    assert t[1].comm == t[2].comm == pytest.approx(one)
+    assert t[3].comm == pytest.approx(2 * one)
+    assert t[0].total < t[2].total < t[3].total
+
+
+def test_on_cpu_ranks_collectives_beside_compute_take_their_cpu_share() -> None:
+    """CPU ranks fill the cores with compute, so a gradient reduction that runs beside it
+    (stage 0's all-reduce, the others' reduce-scatter) takes its own CPU work from it; stages
+    1-2 wait for the post-step all-gather whole, stage 3 for its gathers. The optimizer step
+    runs over the whole model at stage 0 and over the shard at stages 1-3."""
+    rates = Rates(flops=50e9, link_bandwidth=1e9, adam_rate=2e8, comm_cpu_share=0.25)
+    one = _one_pass(rates)
+    t = _timings("cpu", rates)
+    assert t[0].comm == pytest.approx(0.25 * 2 * one)
+    assert t[1].comm == t[2].comm == pytest.approx(0.25 * one + one)
+    assert t[3].comm == pytest.approx(0.25 * one + 2 * one)
+    assert t[0].offload == pytest.approx(2 * t[2].offload)
+    every = _timings("cpu", Rates(flops=50e9, link_bandwidth=1e9, adam_rate=2e8))
+    assert every[0].comm == every[2].comm == pytest.approx(2 * one)  # share 1: nothing hides
+
+
+def test_rank_threads_share_the_cores() -> None:
+    assert [rank_threads(r, cpus=16) for r in (1, 2, 3, 32)] == [16, 8, 5, 1]
+
+
+def test_deep_models_are_calibrated_on_fewer_blocks() -> None:
+    """Each block costs 6 x its parameters x tokens; the copy keeps as many as the budget
+    holds beside the embeddings and head, never fewer than one."""
+    tokens = 2048
+    assert calibration_depth(32, 10**6, 10**6, tokens, budget=6 * tokens * 11e6) == 10
+    assert calibration_depth(32, 10**6, 10**6, tokens, budget=6 * tokens * 1e9) == 32
+    assert calibration_depth(32, 2 * 10**8, 2 * 10**8, tokens, budget=1e9) == 1
+
+
+def test_the_compute_calibration_runs_the_model_on_the_ranks_threads(monkeypatch: Any) -> None:
+    """The rate is the model's own forward and backward (a copy with fewer blocks when it is
+    deep), on the threads given, in 6-FLOPs-per-parameter-per-token units; torch's thread
+    setting is restored afterwards."""
+    from partita.estimate import calibrate
+
+    tiny = {"n_layer": 4, "n_embd": 32, "n_head": 2, "n_positions": 32, "vocab_size": 128}
+    seen: dict[str, int] = {}
+    built = calibrate._built
+
+    def spy(config: Any, dtype: torch.dtype, device: str) -> torch.nn.Module:
+        seen["layers"], seen["threads"] = config.n_layer, torch.get_num_threads()
+        return built(config, dtype, device)
+
+    monkeypatch.setattr(calibrate, "_built", spy)
+    before = torch.get_num_threads()
+    want = 1 if before > 1 else 2
+    shape = from_hf_config(_config(tiny), 2, 16, torch.float32)
+    block = shape.blocks // 4
+    budget = 6 * 32 * (shape.trainable - shape.blocks + 2 * block)
+    rate = calibrate.calibrate_model_flops(
+        _config(tiny), 2, 16, torch.float32, threads=want, seconds=0.0, budget=budget
+    )
+    assert seen == {"layers": 2, "threads": want}
+    assert torch.get_num_threads() == before
+    assert 0 < rate < float("inf")

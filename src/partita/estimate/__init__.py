@@ -5,7 +5,9 @@ partita's own storage layout, and a planner that picks the fastest one that fits
   activations traced once on meta/fake tensors (``activations.py``).
 - `estimate` (``memory.py``): one configuration's itemised bytes on device, host and NVMe;
   stage 3's at the moment of a step that holds the most (``stage3.py``).
-- ``plan.py``: step time from the comm model, compute and offload rates; ``ds_config.json``.
+- ``plan.py``: step time from the engine's schedule, the comm model, compute and offload rates;
+  ``ds_config.json``. ``calibrate.py``: the model's own compute rate and the CPU Adam rate on
+  the threads one rank gets.
 - ``deepspeed_api.py``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_*`` names.
 - ``cli.py``: ``partita estimate`` and ``partita plan``; ``plot.py``: ``--plot FILE.png``.
 """

@@ -167,11 +167,33 @@ def estimate_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def _compute_rate(args: argparse.Namespace) -> float:
+    """The calibrated compute rate: the model's own forward and backward when its config is
+    given, else a square matmul; on the threads one CPU rank gets with ``--cpu``."""
+    import torch
+
+    from partita.estimate import calibrate
+    from partita.estimate.model import load_hf_config
+
+    threads = calibrate.rank_threads(args.devices_per_node) if args.cpu else None
+    if args.model is None:
+        return calibrate.calibrate_flops(threads=threads)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+    config = load_hf_config(args.model)
+    return calibrate.calibrate_model_flops(
+        config, args.micro_batch, args.seq_len, dtype, threads=threads
+    )
+
+
 def plan_main(argv: Sequence[str]) -> int:
     """``partita plan``: ranks the configurations that fit by predicted step time and writes
     the fastest as a DeepSpeed config."""
     ap = _parser("partita plan", plan_main.__doc__ or "")
-    ap.add_argument("--flops", help="sustained FLOP/s per device (default: a short calibration)")
+    ap.add_argument(
+        "--flops",
+        help="training FLOP/s per rank (default: a short calibration on the model's own "
+        "forward and backward, or a matmul with --params)",
+    )
     ap.add_argument("--link_bandwidth", default="100GB", help="collective bytes/s per rank")
     ap.add_argument("--host_bandwidth", default="20GB", help="device-host bytes/s per rank")
     ap.add_argument(
@@ -182,14 +204,16 @@ def plan_main(argv: Sequence[str]) -> int:
     ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
     ap.add_argument("--output", default="ds_config.json", help="where to write the config")
     args = ap.parse_args(list(argv))
-    from partita.estimate import plan
+    from partita.estimate import calibrate, plan
 
+    # CPU ranks share the node's cores: calibrate with the threads one of them gets.
+    threads = calibrate.rank_threads(args.devices_per_node) if args.cpu else None
     try:
-        flops = float(parse_count(args.flops, "--flops")) if args.flops else plan.calibrate_flops()
+        flops = float(parse_count(args.flops, "--flops")) if args.flops else _compute_rate(args)
         if args.adam_rate is not None:
             adam = float(parse_count(args.adam_rate, "--adam_rate"))
         else:
-            adam = plan.calibrate_adam_rate() if args.cpu else 1e9
+            adam = calibrate.calibrate_adam_rate(threads=threads) if args.cpu else 1e9
         rates = plan.Rates(
             flops,
             parse_bytes(args.link_bandwidth, "--link_bandwidth"),

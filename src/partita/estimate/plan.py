@@ -1,30 +1,40 @@
 """The planner: the configurations that fit, ranked by a predicted step time, and the chosen
 one written as a ``ds_config.json``.
 
-Step time is the sum of (no overlap is assumed, so it is an upper bound):
+Step time follows the engine's schedule (`partita.zero`):
 
 - compute: 6 FLOPs per parameter per token, plus 2 per parameter inside the checkpointed blocks
   with activation checkpointing (their forward runs again in backward; the embedding, a tied
-  LM head and the loss run once), at the given or calibrated FLOP rate;
-- communication, from partita's comm model: each step moves 2Ψ elements per rank in the reduce
-  dtype for stages 0-2 (reduce-scatter or all-reduce of gradients, all-gather of parameters)
-  and 3Ψ for stage 3 (parameters gathered in forward and again in backward), times (N-1)/N;
-- optimizer offload: the CPU Adam step over this rank's shard, plus the gradient shard down and
-  the parameter shard up over the host link; on CPU ranks (``accelerator="cpu"``) every
-  configuration steps with CPU Adam (stage 0 over all Ψ, sharded stages over Ψ/N) and nothing
-  crosses a host link;
+  LM head and the loss run once), at the given or calibrated rate (`partita.estimate.calibrate`:
+  the model's own forward and backward on the rank's threads); a third of it is the forward;
+- communication, from partita's comm model, times (N-1)/N per rank in the reduce dtype:
+  stage 0 all-reduces the gradients in buckets during backward (2Ψ); stages 1-2 reduce-scatter
+  them during backward (Ψ) and all-gather the updated parameters after the optimizer step (Ψ),
+  which nothing overlaps: the next forward needs them; stage 3 gathers parameters in forward
+  and again in backward, each unit waiting for its own, and reduce-scatters in backward (3Ψ).
+  The gradient reductions run beside the backward: on a GPU they hide behind its compute, so
+  only what exceeds it adds to the step; on CPU ranks the ranks' threads already fill the
+  cores, so a reduction still takes its own CPU work (copies, sums, socket calls:
+  `Rates.comm_cpu_share` of its time) from the compute and hides only its waits;
+- optimizer: the CPU Adam step over this rank's shard with offload, plus the gradient shard
+  down and the parameter shard up over the host link; on CPU ranks (``accelerator="cpu"``)
+  every configuration steps with CPU Adam (stage 0 over all Ψ, sharded stages over Ψ/N) and
+  nothing crosses a host link;
 - NVMe: optimizer state read and written each step, parameter shards read in forward and
   backward, through the node's disk bandwidth shared by its ranks.
+
+Not modelled: the device optimizer step without offload, the copies of gradients into buckets
+and of updated shards into the parameters, the wait of a rank for a slower one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from partita.estimate.calibrate import calibrate_adam_rate, calibrate_flops
 from partita.estimate.memory import DTYPE_BYTES, Candidate, Estimate
 
 __all__ = [
@@ -42,14 +52,16 @@ __all__ = [
 HEADROOM = 0.08
 """Fraction of each memory the planner keeps free for what the estimate misses. The estimate is
 meant to be at or a little above the measured peak, so this covers its errors below, not a
-margin on top. Measured on 2 CPU ranks, fp32, 2026-12-04: over the validation table (GPT-2 10m
-and 50m, stages 0-3, 3 steps, ``benchmarks/results/estimate_10m_50m.md``) and the planner check
-(10m, 16 configurations x 3 runs of 5 steps, ``plan_cap_10m.md``) the largest measured peak
-was 6.2% above its prediction (10m, stage 2 with optimizer offload and checkpointing), most
-stage 0-2 cells ran 2-6% above, ZeRO-3 and the 50m model ran below. 0.08 accepts up to
-1/(1 - 0.08) = 1.087 x the prediction: the worst seen plus ~2.5% for what one machine on one
-day did not show. It was 0.15 when an older table read every prediction 1-14% *above*
-measured, which made the planner refuse configurations that ran well within the cap."""
+margin on top. Measured on 2 CPU ranks, fp32, 2026-12-04, against the estimator since 521a9dd:
+the validation table (GPT-2 10m and 50m, stages 0-3, 3 steps, load 3-4,
+``benchmarks/results/estimate_10m_50m.md``) has every prediction from 0.03% below to 5.4%
+above the measured peak; in the planner check (10m, 16 configurations, ``plan_cap_10m.md``)
+the runs at load 6-9 peaked up to 6.2% above their predictions (stage 2 with optimizer
+offload and checkpointing: 349.2 MiB against 328.9) and the quiet run 0-10% below them (a
+run's peak grows with the machine's load). 0.08 accepts up to 1/(1 - 0.08) = 1.087 x the
+prediction: the worst seen plus ~2.5%. It was 0.15 when an older estimator read every
+prediction 1-14% *above* measured, which made the planner refuse configurations that ran
+well within the cap."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,8 @@ class Rates:
     """Throughputs the step time is predicted from (per rank unless said otherwise)."""
 
     flops: float
-    """Sustained FLOP/s of one device."""
+    """FLOP/s of one rank's training compute, counted as 6 per parameter per token
+    (`partita.estimate.calibrate.calibrate_model_flops` measures it on the model)."""
     link_bandwidth: float = 100e9
     """Bytes/s one rank sends in collectives (bus bandwidth)."""
     host_bandwidth: float = 20e9
@@ -66,6 +79,11 @@ class Rates:
     """Parameters/s the CPU Adam steps for one rank."""
     disk_bandwidth: float = 3e9
     """Bytes/s of a node's NVMe, shared by its ranks."""
+    comm_cpu_share: float = 1.0
+    """On CPU ranks, the part of a collective's time its own CPU work takes (copies, sums,
+    socket calls; the rest is waiting for the peer): what a collective that runs beside compute
+    still takes from it. 1.0 (the default): nothing overlaps. The benchmark measures it as
+    the process CPU time over the wall time of a gloo all-reduce between 2 ranks."""
 
 
 @dataclass(frozen=True)
@@ -73,8 +91,11 @@ class Timing:
     """Predicted seconds of one step, by part."""
 
     compute: float
+    """Forward and backward (with the recomputed forward under checkpointing)."""
     comm: float
+    """What the collectives add to the step beyond the compute they overlap."""
     offload: float
+    """The CPU Adam step and host-link copies (on CPU ranks: the optimizer step)."""
     nvme: float
 
     @property
@@ -92,9 +113,12 @@ def step_time(
     c, hw = est.candidate, est.hardware
     n, p = hw.world, DTYPE_BYTES[c.precision]
     again = params if recomputed is None else recomputed
-    flops = (6 * params + (2 * again if c.checkpointing else 0)) * tokens_per_rank
-    factor = 3 if c.stage == 3 else 2
-    comm = factor * params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
+    forward = 2 * params * tokens_per_rank / rates.flops
+    backward = (4 * params + (2 * again if c.checkpointing else 0)) * tokens_per_rank / rates.flops
+    # One pass over Ψ elements between ranks: what a reduce-scatter or an all-gather sends.
+    one = params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
+    cpu = hw.accelerator == "cpu"
+    comm = _comm(c.stage, one, backward, rates.comm_cpu_share if cpu else None)
     shard = params / n
     offload = 0.0
     if hw.accelerator == "cpu":
@@ -109,7 +133,23 @@ def step_time(
     if c.offload_param == "nvme":
         disk += 2 * shard * p
     nvme = disk * hw.devices_per_node / rates.disk_bandwidth
-    return Timing(flops / rates.flops, comm, offload, nvme)
+    return Timing(forward + backward, comm, offload, nvme)
+
+
+def _comm(stage: int, one: float, backward: float, cpu_share: float | None) -> float:
+    """Seconds the step's collectives add (`one`: one pass over the parameters), by the
+    engine's schedule. Waited for whole: stage 3's gathers (a unit computes only once its
+    parameters have arrived; prefetch starts the next one early, but measured on 2 CPU ranks
+    stage 3 ran 15% slower than stage 0, more than its collectives would be if hidden) and
+    stages 1-2's all-gather after the optimizer step (the next forward needs it). Beside the
+    backward: the gradient reductions (stage 0's all-reduce, the others' reduce-scatter), which
+    on a GPU (`cpu_share` None) hide behind the backward's compute and on CPU ranks take their
+    CPU share of it."""
+    waited = {0: 0.0, 1: one, 2: one, 3: 2 * one}[stage]
+    reduced = 2 * one if stage == 0 else one
+    if cpu_share is not None:
+        return waited + cpu_share * reduced
+    return waited + max(0.0, reduced - backward)
 
 
 def rank(
@@ -134,42 +174,6 @@ def _peak(est: Estimate) -> int:
     if est.hardware.accelerator == "cpu":
         return est.device + est.total("host")
     return est.device
-
-
-def calibrate_flops(seconds: float = 0.3) -> float:
-    """FLOP/s of this machine's default device on a square matmul, measured for ~`seconds`."""
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    n = 2048 if device == "cuda" else 512
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    a @ a  # warm-up: kernel selection and allocation
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ a
-        count += 1
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * n**3 * count / (time.perf_counter() - start)
-
-
-def calibrate_adam_rate(numel: int = 1 << 22, seconds: float = 0.3) -> float:
-    """Parameters/s partita's CPU AdamW steps on this host (fp32, `numel` elements, repeated
-    for ~`seconds`): the rate of offloaded and CPU-rank optimizer steps."""
-    import torch
-
-    from partita.optim import CPUAdamW
-
-    param = torch.nn.Parameter(torch.zeros(numel))
-    param.grad = torch.full((numel,), 1e-3)
-    opt = CPUAdamW([param], lr=1e-3)
-    opt.step()  # warm-up: state allocation
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        opt.step()
-        count += 1
-    return numel * count / (time.perf_counter() - start)
 
 
 def ds_config(c: Candidate, micro_batch: int, nvme_path: str | None = None) -> dict[str, Any]:
