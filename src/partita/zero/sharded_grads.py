@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
-from partita.accelerator import add_into
+from partita.offload.host_adds import HostAdds
 from partita.partition import FlatLayout, Segment
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
@@ -75,6 +75,7 @@ class ShardedGradients:
         self._build_buckets()
         self._next = 0
         self._in_flight: list[GradBucket] = []
+        self._host_adds = HostAdds()  # into offloaded shard gradients, applied as copies land
         self._pool = BufferPool(keep=self.max_in_flight + 1)
         hooks = [
             p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g
@@ -203,7 +204,7 @@ class ShardedGradients:
             out.mul_(self.scaling.after)
         seg = bucket.segment
         dst = self.shard_grads[bucket.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
-        add_into(dst, out)  # a host copy under optimizer offload
+        self._host_adds.add(dst, out)  # a host copy under optimizer offload
         if bucket.buffer is not None and not bucket.adopted:
             self._pool.release(bucket.buffer)
         bucket.buffer = bucket.sent = bucket.output = bucket.handle = None
@@ -218,6 +219,7 @@ class ShardedGradients:
         self._launch_ready()
         while self._in_flight:
             self._retire(self._in_flight.pop(0))
+        self._host_adds.drain()
         self.armed = False
 
     def zero_(self) -> None:

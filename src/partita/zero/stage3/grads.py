@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
-from partita.accelerator import add_into
+from partita.offload.host_adds import HostAdds
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.stage3.identity import REDUCE
@@ -51,6 +51,8 @@ class UnitGradReducer:
     """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
+    _host_adds: HostAdds = field(default_factory=HostAdds, init=False)
+    """Adds into host-memory master gradients (optimizer offload), applied as copies land."""
     _in_flight_numel: int = field(default=0, init=False)
     peak_in_flight_numel: int = field(default=0, init=False)
     """Most gradient elements in flight in reduce-scatters at once."""
@@ -133,6 +135,23 @@ class UnitGradReducer:
         else:
             self._pool.release(buffer)
 
+    def pass_reduce(self, unit: ShardedUnit) -> list[comm.Work]:
+        """Issues the collectives of `unit`'s reduce-scatter with zeros, changing no state: a
+        rank that leaves the divergence check's window issues those its peers expect ([Note:
+        identity windows]). Returns the handles to wait for."""
+        works: list[comm.Work] = []
+        for idx in unit.masters:
+            seg = unit.layout.segments[idx]
+            if seg.padded_numel == 0:
+                continue
+            device = unit.flat_full.device
+            data = torch.zeros(seg.padded_numel, dtype=self.reduce_dtype, device=device)
+            out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=device)
+            handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
+            if handle is not None:
+                works.append(handle)
+        return works
+
     def _full(self, numel: int) -> bool:
         """Whether a reduction of `numel` more elements must wait for the oldest one."""
         if len(self._in_flight) >= self.max_in_flight:
@@ -154,14 +173,14 @@ class UnitGradReducer:
         else:
             grad = pending.unit.masters[pending.seg].grad
             assert grad is not None
-            add_into(grad, out)  # a host copy under offload
+            self._host_adds.add(grad, out)  # a host copy under offload
         if pending.release is not None:
             self._pool.release(pending.release)
 
     def finish(self) -> None:
         """Waits for every reduction and adds the results into the master gradients."""
-        if not self._in_flight:
-            return
-        with trace("finish_reduce_scatter"):
-            while self._in_flight:
-                self._retire(self._in_flight.pop(0))
+        if self._in_flight:
+            with trace("finish_reduce_scatter"):
+                while self._in_flight:
+                    self._retire(self._in_flight.pop(0))
+        self._host_adds.drain()
