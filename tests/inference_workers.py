@@ -240,6 +240,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     """Every case of tests/test_inference_tp.py on this rank (see the module docstring)."""
     from partita import comm
     from partita.comm import ParallelDims
+    from partita.host_cache import host_cache_stats
 
     rank = comm.get_rank()
     groups = [comm.new_group([0, 1]), comm.new_group([2, 3])]
@@ -249,6 +250,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     tp = {"tp_size": 2, "tp_group": group}
     for family in FAMILIES:
         out["tp2"][family] = _run_case(folders[family], dtype, tp)
+    out["host_cache"] = host_cache_stats() is not None  # before any training engine runs
     if rank >= 2:
         out["fp16"] = {f: _run_case(folders[f], torch.float16, tp) for f in FP16_FAMILIES}
     for family in TP4_FAMILIES:

@@ -124,6 +124,14 @@ def test_small_all_reduce_is_one_swap_on_two_gloo_ranks(runs: dict) -> None:
         assert got == {"small": 0, "large": 1, "exact": True}, rank
 
 
+def test_init_inference_installs_the_host_cache(runs: dict) -> None:
+    """Each forward allocates the same activations (prefill: also the logits): through
+    partita's caching host allocator they are served again from kept blocks instead of
+    fresh mappings that page-fault (the harness leaves PARTITA_HOST_CACHE unset)."""
+    for rank in range(4):
+        assert runs["ranks"][rank]["host_cache"], rank
+
+
 def test_plan_splits_an_untied_head_unless_the_policy_replicates_it() -> None:
     plan = build_plan(_meta_model("llama"), 2, 1)
     assert plan.slices["lm_head.weight"] == RankSlice(0, ((64, 128),))
