@@ -17,7 +17,10 @@ with gloo, with ``2 // TP`` threads per rank so that each job uses the same core
 
 Each worker times the prefill (one forward over the prompt, building the KV cache) and the
 decode (64 single-token steps with the cache), after one untimed warm-up of both, ``--repeats``
-times: prefill tokens/s is the prompt over the median prefill, decode tokens/s one over the
+times, each forward called as ``generate()`` calls it: with ``logits_to_keep=1`` (the models'
+forward takes it; generate passes it), so the prefill computes, and a split head exchanges, the
+logits of the last position only, in every system alike (``--full_logits``: the whole
+prompt's, as runs before 2026-12-04 14:40 UTC measured); prefill tokens/s is the prompt over the median prefill, decode tokens/s one over the
 median step (medians, since the machine may be shared); rank 0 reports the figures, every rank its peak RSS (``VmHWM``: loading included). A job that fails
 is reported with its last error line, not hidden. Example::
 
@@ -102,14 +105,24 @@ def _load(system: str, folder: str, tp: int) -> Any:
     return engine.module
 
 
-def _decode(model: Any, ids: Any, steps: int) -> tuple[float, list[float], Any, tuple]:
+def _keep_last(model: Any, full_logits: bool) -> dict[str, int]:
+    """``logits_to_keep=1``, as ``generate()`` passes it, when the model's forward takes it."""
+    import inspect
+
+    takes = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return {} if full_logits or not takes else {"logits_to_keep": 1}
+
+
+def _decode(
+    model: Any, ids: Any, steps: int, keep: dict[str, int]
+) -> tuple[float, list[float], Any, tuple]:
     """(prefill seconds, each decode step's seconds, generated ids, (prefill CPU seconds,
     CPU seconds per decode step) of this process): greedy with the KV cache."""
     import torch
 
     with torch.no_grad():
         start, cpu = time.perf_counter(), time.process_time()
-        out = model(ids, use_cache=True)
+        out = model(ids, use_cache=True, **keep)
         prefill = time.perf_counter() - start
         prefill_cpu = time.process_time() - cpu
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -117,7 +130,7 @@ def _decode(model: Any, ids: Any, steps: int) -> tuple[float, list[float], Any, 
         cpu = time.process_time()
         for _ in range(steps - 1):
             start = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = model(token, past_key_values=cache, use_cache=True, **keep)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
             times.append(time.perf_counter() - start)
             tokens.append(token)
@@ -137,10 +150,11 @@ def worker(ns: argparse.Namespace) -> None:
     load_s = time.perf_counter() - start
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32000, (1, ns.prompt), generator=gen)
-    _decode(model, ids[:, :16], 4)  # warm-up
+    keep = _keep_last(model, ns.full_logits)
+    _decode(model, ids[:, :16], 4, keep)  # warm-up
     # A shared machine: medians over repeats (prefill) and over steps (decode) keep another
     # process's burst from deciding the figure.
-    runs = [_decode(model, ids, ns.new_tokens) for _ in range(ns.repeats)]
+    runs = [_decode(model, ids, ns.new_tokens, keep) for _ in range(ns.repeats)]
     prefill = statistics.median(r[0] for r in runs)
     decode = statistics.median(t for r in runs for t in r[1])
     tokens = runs[0][2]
@@ -159,6 +173,7 @@ def worker(ns: argparse.Namespace) -> None:
         result = {
             "system": ns.system, "tp": ns.tp, "load_s": load_s,
             "prefill_tok_s": ns.prompt / prefill, "decode_tok_s": 1 / decode,
+            "logits_to_keep": keep.get("logits_to_keep", 0),
             "peak_rss_mb": rss, "tokens": tokens[0, :8].tolist(),
             "cpu_prefill_s": [r[1] for r in per_rank], "cpu_ms_per_step": [1e3 * r[2] for r in per_rank],
             "load_avg": os.getloadavg()[0],
@@ -173,7 +188,7 @@ def _job(system: str, tp: int, folder: str, ns: argparse.Namespace) -> dict[str,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
            __file__, "--worker", "--system", system, "--tp", str(tp), "--model", folder,
            "--prompt", str(ns.prompt), "--new_tokens", str(ns.new_tokens), "--result", result,
-           "--repeats", str(ns.repeats)]  # fmt: skip
+           "--repeats", str(ns.repeats), *(["--full_logits"] if ns.full_logits else [])]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0 or not os.path.exists(result):
         # The rank's own exception line, not torchrun's summary of it.
@@ -185,17 +200,18 @@ def _job(system: str, tp: int, folder: str, ns: argparse.Namespace) -> dict[str,
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    out = ["| model | system | TP | CPU ms per decode step, per rank | prefill tok/s | decode tok/s | peak RSS per rank (MB) | load s | load avg |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| model | system | TP | CPU ms per prefill, per rank | CPU ms per decode step, per rank | prefill tok/s | decode tok/s | peak RSS per rank (MB) | load s | load avg |",
+           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if "error" in r:
             out.append(
-                f"| {r['arch']} | {r['system']} | {r['tp']} | | failed: {r['error']} | | | | |"
+                f"| {r['arch']} | {r['system']} | {r['tp']} | | | failed: {r['error']} | | | | |"
             )
             continue
         rss = " / ".join(f"{x:.0f}" for x in r["peak_rss_mb"])
         cpu = " / ".join(f"{x:.0f}" for x in r["cpu_ms_per_step"])
-        out.append(f"| {r['arch']} | {r['system']} | {r['tp']} | {cpu} | {r['prefill_tok_s']:.1f} | "
+        pre = " / ".join(f"{1e3 * x:.0f}" for x in r["cpu_prefill_s"])
+        out.append(f"| {r['arch']} | {r['system']} | {r['tp']} | {pre} | {cpu} | {r['prefill_tok_s']:.1f} | "
                    f"{r['decode_tok_s']:.1f} | {rss} | {r['load_s']:.1f} | {r['load_avg']:.1f} |")  # fmt: skip
     return "\n".join(out)
 
@@ -212,6 +228,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs per job (medians)")
+    p.add_argument("--full_logits", action="store_true",
+                   help="forwards return every position's logits (default: the last, as "
+                        "generate() asks)")  # fmt: skip
     p.add_argument("--result")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/inference.md"))
     ns = p.parse_args()
