@@ -89,8 +89,14 @@ def _z3(**zero: Any) -> dict[str, Any]:
 
 
 def _train_vision(
-    config: dict[str, Any], declare_api: bool = False, late: bool = False, both_until: int = 0
+    config: dict[str, Any],
+    declare_api: bool = False,
+    late: bool = False,
+    both_until: int = 0,
+    counts: list[tuple[int, int]] | None = None,
 ) -> list[float]:
+    """Trains `VisionLM` for STEPS steps; returns the losses and, into `counts`, each step's
+    (identity exchanges, collectives including the end of backward)."""
     import partita
     from partita import comm
     from partita.compat.deepspeed.utils import set_z3_leaf_modules
@@ -100,11 +106,15 @@ def _train_vision(
         set_z3_leaf_modules(model, [VisionTower])
     engine, *_ = partita.initialize(model=model, config=config)
     losses = []
+    check = engine.strategy.divergence
     for step in range(STEPS):
+        before = check.checks
         loss = engine(*vision_batch(step, comm.get_rank(), both_until))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if counts is not None:
+            counts.append((check.checks - before, len(check.schedule) + 1))
     engine.destroy()
     return losses
 
@@ -195,7 +205,8 @@ def _diverge(late: bool = False, both_until: int = 0, **zero: Any) -> dict[str, 
 def divergence_cases() -> dict[str, Any]:
     """Every two-rank case of this file, on each rank, in one spawn (the divergent one last)."""
     out: dict[str, Any] = {}
-    out["declared_config"] = _train_vision(_z3(leaf_module={"names": ["vision"]}))
+    out["declared_counts"] = counts = []
+    out["declared_config"] = _train_vision(_z3(leaf_module={"names": ["vision"]}), counts=counts)
     out["declared_api"] = _train_vision(_z3(), declare_api=True)
     out["mixtral3"] = _train_mixtral(3)
     out["mixtral0"] = _train_mixtral(0)
@@ -306,6 +317,23 @@ def test_declared_conditional_module_trains_like_one_process(
     for rank, res in enumerate(results):
         assert_losses(res["declared_config"], want[rank], rtol=RTOL)
         assert_losses(res["declared_api"], want[rank], rtol=RTOL)
+
+
+def test_a_pass_on_the_schedule_exchanges_one_identity_per_window(
+    results: list[dict[str, Any]],
+) -> None:
+    # [Note: identity windows]: the first pass has no schedule, so each of its collectives
+    # exchanges its identity; once two passes ran the same collectives, a pass on that
+    # schedule exchanges one per window of WINDOW collectives, and one at its end.
+    from partita.zero.stage3.identity import WINDOW
+
+    for res in results:
+        (first, collectives), _, *later = res["declared_counts"]
+        assert first == collectives, res["declared_counts"]
+        for exchanges, collectives in later:
+            windows = -(-(collectives - 1) // WINDOW)
+            assert exchanges == windows + 1, res["declared_counts"]
+            assert exchanges < collectives, res["declared_counts"]
 
 
 def test_mixtral_top1_trains_under_stage3_like_stage0(results: list[dict[str, Any]]) -> None:

@@ -25,7 +25,7 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
-from partita.zero.stage3.identity import END, DivergenceCheck
+from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
 from partita.zero.stage3.leaves import declared_leaves, leaf_groups
 from partita.zero.stage3.nvme import SwappedOptimizerState
 from partita.zero.stage3.schedule import UnitScheduler
@@ -264,7 +264,14 @@ class FullySharded:
         check = DivergenceCheck([u.name for u in self.all_units], group, enabled)
         for index, unit in enumerate(self.all_units):
             unit.index, unit.divergence = index, check
+        check.fulfil = self._pass_collective
         return check
+
+    def _pass_collective(self, what: int, index: int) -> list[comm.Work]:
+        """Issues unit `index`'s gather (`what` GATHER) or gradient reduce-scatter without
+        using it: see [Note: identity windows]."""
+        unit = self.all_units[index]
+        return unit.pass_gather() if what == GATHER else self.reducer.pass_reduce(unit)
 
     def _index_masters(self) -> None:
         """Where each master sits in the optimizer, which unit it belongs to, and after which

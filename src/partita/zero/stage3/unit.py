@@ -275,6 +275,26 @@ class ShardedUnit:
                 if handle is not None:
                     self._handles.append(handle)
 
+    def pass_gather(self) -> list[comm.Work]:
+        """Issues the collectives of this unit's gather into scratch buffers, changing no state:
+        a rank that leaves the divergence check's window issues those its peers expect
+        ([Note: identity windows]). Returns the handles to wait for."""
+        self.ensure_shard()
+        works: list[comm.Work] = []
+        for i, seg in enumerate(self.layout.segments):
+            if seg.padded_numel == 0:
+                continue
+            out = torch.empty(  # not a view: the full buffer has no storage while sharded
+                seg.flat_end - seg.flat_start,
+                dtype=self.flat_full.dtype,
+                device=self.flat_full.device,
+            )
+            src = self.shard_chunk(i).to(out.device, non_blocking=True)
+            handle = comm.all_gather(out, src, group=self.process_group, async_op=True, tag="param")
+            if handle is not None:
+                works.append(handle)
+        return works
+
     def wait_for_unshard(self, tag: str = "param") -> None:
         """Completes a started gather and points the parameters at the gathered values."""
         if self.state is UnitState.SHARDED:
