@@ -44,6 +44,25 @@ def _inject_inf(param: torch.nn.Parameter, when: list[bool]) -> None:
     param.register_hook(hook)
 
 
+def _grads_held(engine: Any) -> int:
+    """Bytes of memory behind the ``.grad`` of the module's parameters and of the tensors the
+    optimizer steps, plus what the strategy says it holds for gradients besides."""
+    stepped = [p for g in engine.strategy.optimizer.param_groups for p in g["params"]]
+    seen: set[int] = set()
+    total = 0
+    for p in [*engine.module.parameters(), *stepped]:
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() not in seen:
+            seen.add(p.grad.untyped_storage().data_ptr())
+            total += p.grad.untyped_storage().nbytes()
+    return total + engine.memory_report().get("grads_held", 0)
+
+
+def assert_no_grads_at_forward(result: dict[str, Any]) -> None:
+    """`train`'s steps after the first began their forward holding no gradient memory."""
+    held = result["grads_at_forward"]
+    assert held and not any(held), f"gradient bytes held at each step's forward: {held}"
+
+
 def train(
     config: dict,
     steps: int,
@@ -69,13 +88,22 @@ def train(
         _inject_inf(next(engine.module.parameters()), armed)
     dtype = next(engine.module.parameters()).dtype
     losses, comm_bytes, applied, scales, unchanged = [], [], [], [], []
+    # Gradient memory at the first forward of each step after the first: torch's loop holds
+    # none there (zero_grad(set_to_none=True)), and neither may partita.
+    first_forward = [False]
+    at_forward: list[int] = []
+    watch = engine.module.register_forward_pre_hook(
+        lambda *_: at_forward.append(_grads_held(engine)) if first_forward[0] else None
+    )
     for step, batch in enumerate(global_batches(steps, micro * gas * world)):
         armed[0] = inject_inf is not None and step in inject_inf[1]
         before = _full_params(engine)
         step_loss = torch.zeros((), dtype=full_dtype(next(engine.module.parameters())))
         for m in range(gas):
             tokens, targets = rank_micro_batch(batch, rank, world, micro, m)
+            first_forward[0] = step > 0 and m == 0
             loss = engine(tokens, targets)
+            first_forward[0] = False
             engine.backward(loss)
             engine.step()
             step_loss += loss.detach().to(step_loss.dtype) / gas
@@ -87,7 +115,9 @@ def train(
         after = _full_params(engine)
         unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
     logging.getLogger("partita").removeHandler(capture)
+    watch.remove()
     result = {
+        "grads_at_forward": at_forward,
         "losses": losses,
         "params": _full_params(engine),
         "dtype": str(dtype),

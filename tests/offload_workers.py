@@ -105,7 +105,8 @@ def train_under_cap(config: dict, model_kwargs: dict, steps: int) -> dict[str, A
 
 
 def pinned_by_config(configs: list[dict]) -> list[dict[str, int]]:
-    """Per config: how many host tensors the engine asked to page-lock, and how many masters
+    """Per config: how many host tensors the engine asked to page-lock over its set-up and one
+    step (gradients are made in backward: [Note: released gradients]), and how many masters
     (fp32 tensors the optimizer steps) and stage-3 shard buffers it has (pinning is a no-op on
     CPU machines, so the accelerator's `pin_memory` is replaced by a recorder)."""
     from partita.accelerator import get_accelerator
@@ -125,6 +126,9 @@ def pinned_by_config(configs: list[dict]) -> list[dict[str, int]]:
         engine, _, _, _ = partita.initialize(
             model=model, model_parameters=model.parameters(), config=config
         )
+        tokens, targets = global_batches(1, config["train_micro_batch_size_per_gpu"])[0]
+        engine.backward(engine(tokens, targets))
+        engine.step()
         optimizer = engine.strategy.optimizer
         masters = [p for g in optimizer.param_groups for p in g["params"]]
         units = getattr(engine.strategy, "all_units", [])

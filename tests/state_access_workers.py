@@ -46,6 +46,15 @@ def _probe(engine: Any, rank: int, world: int, micro: int) -> dict[str, Any]:
         out["frozen_error"] = None
     except ValueError as err:
         out["frozen_error"] = str(err)
+    # After the step the gradients are released until the next backward ([Note: released
+    # gradients]): there is none to read, and writing one says so.
+    engine.step()
+    out["grad_after_step"] = [states.full_state(p, "grad") for p in trained]
+    try:
+        utils.safe_set_full_grad(trained[0], torch.zeros(out["param"][0].shape))
+        out["set_grad_error"] = None
+    except ValueError as err:
+        out["set_grad_error"] = str(err)
     return out
 
 

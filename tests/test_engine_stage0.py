@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_workers import base_config, train_grid
+from engine_workers import assert_no_grads_at_forward, base_config, train_grid
 from models import STEPS as PARITY_STEPS
 from models import assert_parity, pairs, reference_run, with_float64
 from partita.testing import run_distributed
@@ -88,6 +88,8 @@ def test_mixed_precision_tracks_fp32_and_overflow_is_skipped_everywhere() -> Non
         },
     ]
     results = run_distributed(train_grid, world, cases, timeout=240)
+    for run in results[0]:  # after applied and skipped steps: [Note: released gradients]
+        assert_no_grads_at_forward(run)
     fp32, bf16, fp16_run, hyst1, _, _ = results[0]
     assert bf16["dtype"] == "torch.bfloat16" and fp16_run["dtype"] == "torch.float16"
     assert fp32["losses"][-1] < 0.8 * fp32["losses"][0]  # the model learns

@@ -59,3 +59,5 @@ def test_local_parts_reassemble_and_writes_round_trip(
             r["frozen_error"] is not None
             and "not trained by any partita engine" in r["frozen_error"]
         )
+        assert r["grad_after_step"] == [None] * len(full)
+        assert r["set_grad_error"] is not None and "run a backward first" in r["set_grad_error"]

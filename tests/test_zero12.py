@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_workers import base_config, train_grid
+from engine_workers import assert_no_grads_at_forward, base_config, train_grid
 from models import STEPS as PARITY_STEPS
 from models import Reference, assert_parity, make_model, pairs, reference_run, with_float64
 from partita.testing import run_distributed
@@ -136,6 +136,8 @@ def test_memory_and_communication_match_theory(world: int) -> None:
     bucket = BUCKET["reduce_bucket_size"]
     for rank_results in results:
         stage0, stage1, stage2 = rank_results
+        for res in rank_results:  # [Note: released gradients]
+            assert_no_grads_at_forward(res)
         psi = stage1["numel"]
         # Padding: at most world * 16 elements per bucket segment, plus alignment per tensor.
         slack = 16 * (world + 1) * (psi // bucket + 2) + 16 * 40

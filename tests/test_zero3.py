@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_workers import base_config, generate_after_training, train_grid
+from engine_workers import (
+    assert_no_grads_at_forward,
+    base_config,
+    generate_after_training,
+    train_grid,
+)
 from models import STEPS as PARITY_STEPS
 from models import Reference, assert_parity, pairs, reference_run, with_float64
 from partita.testing import run_distributed
@@ -117,6 +122,8 @@ def test_memory_communication_and_gather_bounds(world: int) -> None:
     ]
     native = {"PARTITA_COLLECTIVES": "native"}  # gloo's own collectives: the algorithm's volume
     for fp32, bounded, bf16 in run_distributed(train_grid, world, cases, timeout=300, env=native):
+        for res in (fp32, bounded, bf16):  # [Note: released gradients]
+            assert_no_grads_at_forward(res)
         psi = fp32["numel"]
         padded = fp32["padded_numel"]
         assert padded - psi <= 16 * (world + 1) * 12  # padding: per segment and per tensor

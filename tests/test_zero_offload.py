@@ -13,7 +13,7 @@ import errno
 import pytest
 import torch
 
-from engine_workers import base_config, train_grid
+from engine_workers import assert_no_grads_at_forward, base_config, train_grid
 from partita.testing import run_distributed
 
 STEPS = 10
@@ -48,6 +48,8 @@ def test_cpu_offload_is_bitwise_equal_to_no_offload(world: int) -> None:
             )
     results = run_distributed(train_grid, world, cases, timeout=300)[0]
     for i, (plain, offloaded) in enumerate(zip(results[::2], results[1::2], strict=True)):
+        assert_no_grads_at_forward(plain)  # host fp32 gradients released too
+        assert_no_grads_at_forward(offloaded)
         partial = i % len(variants) == len(variants) - 1
         # int((1 - ratio) * n) of the n sub-group masters are kept on the compute device
         # (on this CPU-only machine that is the host too: the count shows the split).

@@ -284,8 +284,8 @@ class Engine(torch.nn.Module):
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zeroes accumulated gradients (the engine's buffers are reused: `set_to_none` is
-        accepted for nn.Module compatibility)."""
+        """Releases accumulated gradients, as ``set_to_none=True`` does (the engine always does:
+        the argument is accepted for nn.Module compatibility; [Note: released gradients])."""
         del set_to_none
         self.strategy.zero_grad()
 
@@ -297,7 +297,10 @@ class Engine(torch.nn.Module):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category (params, grads, master_params, optimizer_state,
-        comm_buffers), the device's peak allocation, and the process's RSS and peak RSS."""
+        comm_buffers), the device's peak allocation, and the process's RSS and peak RSS.
+        ``grads`` is what gradients take while they exist, from the first backward of a step
+        to its optimizer step; ``grads_held`` what they hold now (0 between steps: [Note:
+        released gradients])."""
         report = self.strategy.memory_breakdown()
         if (
             not self.strategy.state.shards_params

@@ -12,6 +12,11 @@ order differs. `finish` launches whatever did not complete (parameters unused th
 carry their zeroed slice) and waits for all handles. If something replaced a ``.grad`` with a
 fresh tensor (e.g. ``optimizer.zero_grad(set_to_none=True)``), the hook copies it back into the
 view and reinstates the view.
+
+A bucket's buffer exists only from the first gradient that reaches it after a step until the
+next `release` ([Note: released gradients]): the hook of that gradient makes the buffer
+(zeroed), copies the gradient in and points every parameter of the bucket at its view, so the
+others accumulate into it directly.
 """
 
 from __future__ import annotations
@@ -27,8 +32,13 @@ from partita import comm
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
-    buffer: torch.Tensor
-    views: list[torch.Tensor]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    buffer: torch.Tensor | None = None
+    """The flat gradients; None while released."""
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Each parameter's gradient view into `buffer` (empty while released)."""
     pending: int = 0
     handle: comm.Work | None = None
     comm_buffer: torch.Tensor | None = None
@@ -93,25 +103,39 @@ class GradientBuckets:
             self._add_bucket(current)
 
     def _add_bucket(self, params: list[torch.nn.Parameter]) -> None:
-        # Each .grad becomes a view into the bucket buffer: see [Note: bucket buffers and
-        # gradient views].
-        dtype, device = params[0].dtype, params[0].device
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-        views, offset = [], 0
         for i, p in enumerate(params):
-            view = buffer[offset : offset + p.numel()].view_as(p)
-            if p.grad is not None:
-                view.copy_(p.grad)
-            p.grad = view
-            views.append(view)
             self._where[p] = (len(self.buckets), i)
+        numel = sum(p.numel() for p in params)
+        bucket = _Bucket(params, numel, params[0].dtype, params[0].device, pending=len(params))
+        self.buckets.append(bucket)
+        if any(p.grad is not None for p in params):  # gradients from before the engine: kept
+            self._materialize(bucket)
+
+    @staticmethod
+    def _materialize(bucket: _Bucket) -> torch.Tensor:
+        """Makes a released bucket's buffer (zeroed) and points each ``.grad`` at its view, a
+        gradient already there copied in ([Note: bucket buffers and gradient views])."""
+        if bucket.buffer is not None:
+            return bucket.buffer
+        buffer = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        offset = 0
+        for p in bucket.params:
+            view = buffer[offset : offset + p.numel()].view_as(p)
+            GradientBuckets._reinstate_view(p, view)
+            bucket.views.append(view)
             offset += p.numel()
-        self.buckets.append(_Bucket(params, buffer, views, pending=len(params)))
+        bucket.buffer = buffer
+        return buffer
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of all bucket buffers (these are the gradients themselves)."""
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets)
+        """Bytes of all bucket buffers while they exist (these are the gradients themselves)."""
+        return sum(b.numel * b.dtype.itemsize for b in self.buckets)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the bucket buffers that exist now."""
+        return sum(b.numel * b.dtype.itemsize for b in self.buckets if b.buffer is not None)
 
     def begin_backward(self, sync: bool) -> None:
         """Arms (sync=True) or disarms the reduction for the coming backward."""
@@ -123,6 +147,7 @@ class GradientBuckets:
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         b_idx, i = self._where[p]  # type: ignore[index]
         bucket = self.buckets[b_idx]
+        self._materialize(bucket)
         view = bucket.views[i]
         if p.grad is not view:  # replaced, e.g. by zero_grad(set_to_none=True): see the Note
             self._reinstate_view(p, view)
@@ -149,7 +174,7 @@ class GradientBuckets:
             self._next_launch += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        data = bucket.buffer
+        data = self._materialize(bucket)  # no gradient reached it: its zeros are reduced
         if data.dtype != self.reduce_dtype:
             data = data.to(self.reduce_dtype)
             bucket.comm_buffer = data
@@ -167,27 +192,29 @@ class GradientBuckets:
             bucket.pending = 0
         self._launch_ready()
         for bucket in self.buckets:
+            buffer = bucket.buffer
+            assert buffer is not None  # every bucket was launched
             if bucket.handle is not None:
                 bucket.handle.wait()
             if bucket.comm_buffer is not None:
-                bucket.buffer.copy_(bucket.comm_buffer)
+                buffer.copy_(bucket.comm_buffer)
                 bucket.comm_buffer = None
             if self.scaling.after != 1.0:
-                bucket.buffer.mul_(self.scaling.after)
+                buffer.mul_(self.scaling.after)
             bucket.handle = None
         self.sync_enabled = False
 
-    def grads(self) -> list[torch.Tensor]:
-        """Every parameter's gradient view, bucket order."""
-        return [v for b in self.buckets for v in b.views]
-
-    def zero_(self) -> None:
-        """Zeroes every gradient (one fill per bucket) and reinstates views replaced by users."""
+    def materialize(self) -> None:
+        """Makes every released buffer (zeroed): the step reads every gradient."""
         for b in self.buckets:
-            b.buffer.zero_()
-            for p, view in zip(b.params, b.views, strict=True):
-                if p.grad is not view:
-                    p.grad = view
+            self._materialize(b)
+
+    def release(self) -> None:
+        """Drops every buffer and sets every ``.grad`` to None ([Note: released gradients])."""
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+            b.buffer, b.views = None, []
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks (engine teardown)."""

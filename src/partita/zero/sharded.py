@@ -4,7 +4,8 @@ Each optimizer parameter group is laid out in one flat, padded buffer (`FlatLayo
 gradient buckets); the module's parameters become views into it, so the all-gather of updated
 shards after the step writes straight into the module. Each rank keeps an fp32 master copy of
 its shard and an fp32 gradient shard, and an ordinary `torch.optim` optimizer steps one flat
-shard tensor per group (per-group hyperparameters carry over unchanged).
+shard tensor per group (per-group hyperparameters carry over unchanged). Gradients exist from
+the first backward after a step until the step is over ([Note: released gradients]).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from partita.offload.placement import Placement
 from partita.partition import FlatLayout, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.released_grads import ensure_grad, held_bytes
 from partita.zero.shard_step import COPY_SLICE_NUMEL, HostStep, host_step, sharded_step
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.state_access import ParamSlot, ParamStates
@@ -63,7 +65,7 @@ class ShardedGroup:
         where, pin = placement.device or device, placement.pin_memory
         master = torch.empty(self.layout.shard_numel, dtype=master_dtype, device=where)
         self.master = torch.nn.Parameter(pin_if(pin, master))
-        self.master.grad = pin_if(pin, torch.zeros_like(self.master))
+        self._pin = pin
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, rank)
@@ -83,12 +85,15 @@ class ShardedGroup:
         chunk = full.numel() // self.layout.world_size
         return full[self.rank * chunk : (self.rank + 1) * chunk]
 
-    @property
     def shard_grad(self) -> torch.Tensor:
-        """This rank's fp32 gradient shard."""
-        grad = self.master.grad
-        assert grad is not None
-        return grad
+        """This rank's fp32 gradient shard, made (zeroed; page-locked where the master is) when
+        it was released."""
+        return ensure_grad(self.master, self._pin)
+
+    @property
+    def shard_grad_bytes(self) -> int:
+        """Bytes of the fp32 gradient shard while it exists."""
+        return self.master.numel() * self.master.element_size()
 
     def all_gather_params(self, handles: list[comm.Work], cast: bool = True) -> None:
         """Casts the updated master shard into the flat parameters (unless the step did:
@@ -134,7 +139,7 @@ class Sharded:
         self.grads = ShardedGradients(
             layouts=[g.layout for g in self.groups],
             params=[g.params for g in self.groups],
-            shard_grads=[g.shard_grad for g in self.groups],
+            shard_grad=lambda i: self.groups[i].shard_grad(),
             persistent=stage == 1,
             scaling=scaling,
             reduce_dtype=policy.reduce_dtype,
@@ -163,6 +168,8 @@ class Sharded:
 
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
+        for g in self.groups:  # zeros where no backward ran since the last step
+            g.shard_grad()
         masters = [g.master for g in self.groups]
         run = self._host_step
         outcome = sharded_step(
@@ -174,15 +181,20 @@ class Sharded:
         return outcome
 
     def zero_grad(self) -> None:
-        """Zeroes full (stage 1) and sharded gradients."""
-        self.grads.zero_()
+        """Releases full (stage 1) and sharded gradients ([Note: released gradients])."""
+        self.grads.release()
+        for g in self.groups:
+            g.master.grad = None
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held per category on this rank."""
-        shard_grad = sum(g.shard_grad.numel() * g.shard_grad.element_size() for g in self.groups)
+        """Bytes held per category on this rank: ``grads`` while gradients exist (during a
+        step), ``grads_held`` now."""
+        shard_grad = sum(g.shard_grad_bytes for g in self.groups)
+        held = held_bytes(g.master.grad for g in self.groups)
         return {
             "params": sum(g.flat_param.numel() * g.flat_param.element_size() for g in self.groups),
             "grads": shard_grad + self.grads.persistent_bytes,
+            "grads_held": held + self.grads.persistent_held_bytes,
             "master_params": sum(g.master.numel() * g.master.element_size() for g in self.groups),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.grads.peak_transient_bytes
@@ -234,7 +246,7 @@ class FlatShardLayout:
         if what == "param":
             return group.master
         if what == "grad":
-            return group.shard_grad
+            return group.master.grad  # None between the step and the next backward
         return self.optimizer.state.get(group.master, {}).get(what)
 
     def after_write(

@@ -9,14 +9,17 @@ fixed order (by when their last gradient is expected), the same on every rank, s
 pair up even if gradients arrive in another order; a complete bucket waits for its predecessors.
 (Not ZeRO-3's *unit*, `partita.zero.stage3.unit.ShardedUnit`: parameters gathered together.)
 
-Stage 1 keeps full gradients in a persistent flat buffer (``.grad`` are views into it, as in
-stage 0) and reduces only during the boundary backward. Stage 2 copies each gradient into its
-bucket's transient buffer as soon as it is ready and frees ``.grad``; at most `max_in_flight`
-buckets are alive at once, so full gradients never exist beyond that working set.
+Stage 1 keeps full gradients in one buffer per bucket (``.grad`` are views into it, as in
+stage 0) until the step, and reduces only during the boundary backward. Stage 2 copies each
+gradient into its bucket's transient buffer as soon as it is ready and frees ``.grad``; at most
+`max_in_flight` buckets are alive at once, so full gradients never exist beyond that working
+set. Stage 1's buffers and both stages' fp32 gradient shards exist from the first backward after
+a step until the step is over ([Note: released gradients]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +41,10 @@ class GradBucket:
     offsets: list[int]
     """Offset of each parameter inside the segment."""
     views: list[torch.Tensor] = field(default_factory=list)
-    """Stage 1: each parameter's gradient view into the persistent flat buffer (set-up once)."""
+    """Stage 1: each parameter's gradient view into `buffer` (empty while it is released)."""
     pending: int = 0
     buffer: torch.Tensor | None = None
+    """Stage 1: the bucket's full gradients until the step; stage 2: the transient buffer."""
     adopted: bool = False
     """True when `buffer` is a parameter's own gradient taken over without a copy (stage 2, a
     bucket of one parameter that fills its segment): it is dropped after the reduction instead of
@@ -57,7 +61,8 @@ class ShardedGradients:
 
     layouts: list[FlatLayout]
     params: list[list[torch.nn.Parameter]]
-    shard_grads: list[torch.Tensor]
+    shard_grad: Callable[[int], torch.Tensor]
+    """Group i's fp32 gradient shard, made (zeroed) when it was released."""
     persistent: bool
     """True for stage 1 (full gradients kept until the boundary), False for stage 2."""
     scaling: ReduceScaling
@@ -66,7 +71,6 @@ class ShardedGradients:
     max_in_flight: int = 2
     group: comm.ProcessGroup | None = None
     buckets: list[GradBucket] = field(init=False, default_factory=list)
-    flat_grads: list[torch.Tensor | None] = field(init=False, default_factory=list)
     armed: bool = field(init=False, default=False)
     peak_transient_bytes: int = field(init=False, default=0)
 
@@ -85,13 +89,6 @@ class ShardedGradients:
     def _build_buckets(self) -> None:
         order = {p: i for i, p in enumerate(reversed([p for g in self.params for p in g]))}
         for gi, (layout, params) in enumerate(zip(self.layouts, self.params, strict=True)):
-            device, dtype = params[0].device, params[0].dtype
-            flat = (
-                torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-                if self.persistent
-                else None
-            )
-            self.flat_grads.append(flat)
             for seg in layout.segments:
                 members = [params[i] for i in seg.indices]
                 offsets = [off - seg.flat_start for off in seg.offsets]
@@ -99,18 +96,25 @@ class ShardedGradients:
                 self.buckets.append(bucket)
                 for j, p in enumerate(members):
                     self._bucket_of[p] = (bucket, j)
-                    if flat is not None:
-                        start = seg.offsets[j]
-                        bucket.views.append(flat[start : start + p.numel()].view_as(p))
-                        p.grad = bucket.views[-1]
         # Expected completion order: when a bucket's last gradient should arrive in backward
         # (the launch order, the same on every rank: [Note: gradient buckets of stages 1-2]).
         self.buckets.sort(key=lambda b: max((order[p] for p in b.params), default=-1))
 
     @property
     def persistent_bytes(self) -> int:
-        """Bytes of stage 1's full gradient buffers (0 for stage 2)."""
-        return sum(f.numel() * f.element_size() for f in self.flat_grads if f is not None)
+        """Bytes of stage 1's full gradient buffers while they exist (0 for stage 2)."""
+        if not self.persistent:
+            return 0
+        return sum(b.segment.padded_numel * b.params[0].element_size() for b in self.buckets)
+
+    @property
+    def persistent_held_bytes(self) -> int:
+        """Bytes of stage 1's full gradient buffers now."""
+        if not self.persistent:
+            return 0
+        return sum(
+            b.buffer.numel() * b.buffer.element_size() for b in self.buckets if b.buffer is not None
+        )
 
     def begin_backward(self, armed: bool) -> None:
         """Arms the reduction for the coming backward."""
@@ -143,12 +147,31 @@ class ShardedGradients:
 
     @staticmethod
     def _keep_view(p: torch.Tensor, bucket: GradBucket, j: int) -> None:
-        """Reinstates the gradient view if something replaced ``.grad`` (e.g. zero_grad)."""
+        """Reinstates the gradient view if something replaced ``.grad`` (e.g. zero_grad), making
+        the bucket's buffer first if it was released."""
+        ShardedGradients._materialize(bucket)
         view = bucket.views[j]
         if p.grad is None or p.grad.data_ptr() != view.data_ptr():
             if p.grad is not None:
                 view.copy_(p.grad)
             p.grad = view
+
+    @staticmethod
+    def _materialize(bucket: GradBucket) -> torch.Tensor:
+        """Stage 1: makes a released bucket's buffer (zeroed) and points each ``.grad`` at its
+        view, a gradient already there copied in, so the others accumulate into it directly."""
+        if bucket.buffer is not None:
+            return bucket.buffer
+        like = bucket.params[0]
+        buffer = torch.zeros(bucket.segment.padded_numel, dtype=like.dtype, device=like.device)
+        bucket.buffer = buffer
+        for p, off in zip(bucket.params, bucket.offsets, strict=True):
+            view = buffer[off : off + p.numel()].view_as(p)
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            bucket.views.append(view)
+        return buffer
 
     @staticmethod
     def _can_adopt(bucket: GradBucket, grad: torch.Tensor) -> bool:
@@ -179,9 +202,7 @@ class ShardedGradients:
         while len(self._in_flight) >= self.max_in_flight:
             self._retire(self._in_flight.pop(0))
         if self.persistent:
-            flat = self.flat_grads[bucket.group]
-            assert flat is not None
-            data = flat[seg.flat_start : seg.flat_end]
+            data = self._materialize(bucket)  # no gradient reached it: its zeros are reduced
         else:
             if bucket.buffer is None:  # no gradient arrived (unused parameters): reduce zeros
                 bucket.buffer = self._new_buffer(bucket, bucket.params[0].dtype)
@@ -203,11 +224,14 @@ class ShardedGradients:
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         seg = bucket.segment
-        dst = self.shard_grads[bucket.group][seg.shard_offset : seg.shard_offset + seg.chunk_numel]
+        shard = self.shard_grad(bucket.group)
+        dst = shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel]
         self._host_adds.add(dst, out)  # a host copy under optimizer offload
-        if bucket.buffer is not None and not bucket.adopted:
-            self._pool.release(bucket.buffer)
-        bucket.buffer = bucket.sent = bucket.output = bucket.handle = None
+        if not self.persistent:  # stage 1 keeps its full gradients until the step
+            if bucket.buffer is not None and not bucket.adopted:
+                self._pool.release(bucket.buffer)
+            bucket.buffer = None
+        bucket.sent = bucket.output = bucket.handle = None
         bucket.adopted = False
 
     def end_backward(self) -> None:
@@ -222,19 +246,14 @@ class ShardedGradients:
         self._host_adds.drain()
         self.armed = False
 
-    def zero_(self) -> None:
-        """Zeroes full (stage 1) and sharded gradients."""
-        for flat in self.flat_grads:
-            if flat is not None:
-                flat.zero_()
-        for g in self.shard_grads:
-            g.zero_()
+    def release(self) -> None:
+        """Drops stage 1's full gradients and sets every ``.grad`` to None ([Note: released
+        gradients]; the strategy releases the shards)."""
         for bucket in self.buckets:
-            for j, p in enumerate(bucket.params):
-                if self.persistent:
-                    self._keep_view(p, bucket, j)
-                else:
-                    p.grad = None
+            for p in bucket.params:
+                p.grad = None
+            if self.persistent:
+                bucket.buffer, bucket.views = None, []
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks."""

@@ -2,7 +2,9 @@
 
 Every rank holds the whole model, gradients and optimizer state. With a 16-bit module, fp32
 master weights (and their gradients) are kept for the optimizer; with an fp32 module the
-optimizer steps the module's parameters directly, so no copy of the weights exists.
+optimizer steps the module's parameters directly, so no copy of the weights exists. Gradients
+exist from the first backward after a step until the next step is over ([Note: released
+gradients]).
 """
 
 from __future__ import annotations
@@ -60,10 +62,11 @@ class DataParallel:
         self.buckets.finish()
 
     def _stepped_params(self) -> list[torch.nn.Parameter]:
-        """The tensors the optimizer steps, with this step's gradients in their `.grad`."""
+        """The tensors the optimizer steps, with this step's gradients in their `.grad` (zeros
+        for a parameter no backward reached)."""
+        self.buckets.materialize()
         if self.master is None:
             return self.params
-        self.master.restore_grad_views()
         self.master.load_grads([p.grad for p in self.params])  # type: ignore[misc]
         return self.master.params
 
@@ -87,16 +90,21 @@ class DataParallel:
         return StepOutcome(applied=True, grad_norm=norm_value)
 
     def zero_grad(self) -> None:
-        """Zeroes the gradient buckets (the masters' gradients are overwritten each step)."""
-        self.buckets.zero_()
+        """Releases the gradient buckets and the masters' gradients ([Note: released
+        gradients])."""
+        self.buckets.release()
+        if self.master is not None:
+            self.master.release_grads()
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held per category on this rank."""
+        """Bytes held per category on this rank: ``grads`` while gradients exist (during a
+        step), ``grads_held`` now."""
         param_bytes = sum(p.numel() * p.element_size() for p in self.params)
         master = self.master
         return {
             "params": param_bytes,
             "grads": self.buckets.buffer_bytes + (master.grad_nbytes if master else 0),
+            "grads_held": self.buckets.held_bytes + (master.held_grad_nbytes if master else 0),
             "master_params": master.nbytes if master else 0,
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": 0,

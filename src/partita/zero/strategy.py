@@ -59,11 +59,13 @@ class Strategy(Protocol):
         ...
 
     def zero_grad(self) -> None:
-        """Zeroes accumulated gradients."""
+        """Releases accumulated gradients: the next backward starts from zero ([Note: released
+        gradients])."""
         ...
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held per category: params, grads, master_params, optimizer_state, comm_buffers."""
+        """Bytes held per category: params, grads (while they exist), grads_held (now),
+        master_params, optimizer_state, comm_buffers."""
         ...
 
     def close(self) -> None:

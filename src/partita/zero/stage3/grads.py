@@ -3,7 +3,8 @@
 As soon as a parameter's gradient is accumulated it is copied into its unit's transient flat
 gradient buffer and ``.grad`` is freed. When the unit's backward is over (`reduce`), each
 trainable segment is reduce-scattered asynchronously; finished reductions (`retire`) add this
-rank's chunk into the fp32 master gradient. At most `max_in_flight` reductions, and at most
+rank's chunk into the fp32 master gradient (made, zeroed, by the first one after a step: [Note:
+released gradients]). At most `max_in_flight` reductions, and at most
 `max_in_flight_numel` gradient elements (``reduce_bucket_size``; one segment always may), are
 alive.
 """
@@ -19,6 +20,7 @@ from partita import comm
 from partita.offload.host_adds import HostAdds
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.released_grads import ensure_grad
 from partita.zero.stage3.identity import REDUCE
 from partita.zero.stage3.unit import ShardedUnit, trace
 
@@ -171,8 +173,7 @@ class UnitGradReducer:
         if self.sink is not None:
             self.sink(pending.unit, pending.seg, out)
         else:
-            grad = pending.unit.masters[pending.seg].grad
-            assert grad is not None
+            grad = ensure_grad(pending.unit.masters[pending.seg])
             self._host_adds.add(grad, out)  # a host copy under offload
         if pending.release is not None:
             self._pool.release(pending.release)

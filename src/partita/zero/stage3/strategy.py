@@ -23,6 +23,7 @@ from partita.partition import plan_buckets
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
+from partita.zero.released_grads import ensure_grad, held_bytes, release_grads
 from partita.zero.shard_step import HostStep, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
@@ -252,6 +253,8 @@ class FullySharded:
             self.reducer.sink = self._add_swapped_grad
         self._host_step = self._make_host_step(int(zero.sub_group_size))
         self._choose_step()
+        if self.swapped is None:  # made by the first reduction: [Note: released gradients]
+            release_grads(self._masters())
         self._state_layout = UnitShardLayout(
             self.all_units, self.optimizer, self.swapped, self._master_index, group,
             self.refresh_params,
@@ -377,6 +380,9 @@ class FullySharded:
 
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step, refresh the shards."""
+        if self.swapped is None:  # zeros where no backward ran since the last step
+            for m in self._masters():
+                ensure_grad(m)
         outcome = self._run_step(clip, loss_scale)
         if outcome.applied:
             self._after_step()
@@ -444,20 +450,22 @@ class FullySharded:
             unit.refresh_from_masters()
 
     def zero_grad(self) -> None:
-        """Zeroes the master gradients."""
+        """Releases the master gradients ([Note: released gradients]; swapped ones are zero
+        without memory already)."""
         if self.swapped is not None:
             self.swapped.zero_grads()
             return
-        for m in self._masters():
-            assert m.grad is not None
-            m.grad.zero_()
+        release_grads(self._masters())
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held per category on this rank (gathered units counted while gathered)."""
+        """Bytes held per category on this rank (gathered units counted while gathered):
+        ``grads`` while gradients exist (during a step), ``grads_held`` now."""
         masters = self._masters()
+        swapped = self.swapped is not None  # gradients in their swap files between uses
         return {
             "params": sum(u.shard_bytes + u.gathered_bytes for u in self.all_units),
-            "grads": sum(m.grad.untyped_storage().nbytes() for m in masters if m.grad is not None),
+            "grads": 0 if swapped else sum(m.numel() * m.element_size() for m in masters),
+            "grads_held": held_bytes(m.grad for m in masters),
             "master_params": sum(u.master_bytes for u in self.all_units),
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes
