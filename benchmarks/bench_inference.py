@@ -241,6 +241,7 @@ def main() -> None:
     folder = ns.model or tempfile.mkdtemp(prefix="bench_inference_")
     if ns.model is None:
         save_model(folder, ns.arch, ns.layers)
+        os.sync()  # the saved file's writeback would otherwise overlap the first job
     rows = []
     for tp in ns.tp:
         for system in ns.systems:
