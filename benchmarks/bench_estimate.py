@@ -137,7 +137,8 @@ def _predict(name: str, stage: int, opt: str, param: str) -> dict[str, int]:
     shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
     cand = Candidate(stage, opt, param, "fp32")
     est = estimate(shape, cand, Hardware(2, accelerator="cpu"), Settings())
-    states = sum(i.device + i.host for i in est.items if i.name in MODEL_STATES)
+    # The states while they exist (gradients whole), as memory_report() reports them.
+    states = sum(i.device + i.host for i in est.states if i.name in MODEL_STATES)
     return {
         "params": shape.total,
         "states": states,

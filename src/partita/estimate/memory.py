@@ -17,6 +17,12 @@ fp32):
   swap buffers. These peak at different moments of a step (the activations at the loss's
   backward, NVMe write-through late in backward, swapped sub-groups in the step): the
   estimate is the largest moment's, not the sum of each buffer's largest (``stage3.py``).
+
+Every stage releases its gradients after the step and makes them again in the next backward,
+so the activations' peak (the loss's backward) holds none: each stage's estimate is its largest
+moment's (``backward.py`` for stages 0-2). `Estimate.items` are that moment's; the model
+states while they exist (all gradients included, as DeepSpeed counts them) are
+`Estimate.states`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from partita.estimate.backward import GradLayout, stage012_moments
 from partita.estimate.model import ModelShape
 from partita.estimate.stage3 import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
@@ -170,16 +177,20 @@ class Estimate:
     items: list[Item]
     notes: list[str] = field(default_factory=list)
     peaks: dict[str, int] = field(default_factory=dict)
-    """Each item's own largest bytes over a step (stage 3's buffers peak at different moments,
-    so an item may exceed its value in `items`, which are those of the peak's moment)."""
+    """Each item's own largest bytes over a step (buffers and gradients peak at different
+    moments, so an item may exceed its value in `items`, which are those of the peak's
+    moment)."""
+    states: list[Item] = field(default_factory=list)
+    """The model states while they exist (gradients whole); empty: as in `items`."""
 
     def total(self, where: Literal["device", "host", "nvme"]) -> int:
         """Sum over items of one rank's bytes in `where`."""
         return sum(getattr(i, where) for i in self.items)
 
     def model_states(self, where: Literal["device", "host", "nvme"] = "device") -> int:
-        """Parameters, gradients, masters and optimizer state (DeepSpeed's "model states")."""
-        return sum(getattr(i, where) for i in self.items if i.name in MODEL_STATES)
+        """Parameters, gradients, masters and optimizer state while they exist (DeepSpeed's
+        "model states"; the peak's moment may hold fewer gradients, see `items`)."""
+        return sum(getattr(i, where) for i in self.states or self.items if i.name in MODEL_STATES)
 
     @property
     def device(self) -> int:
@@ -256,6 +267,7 @@ def _stage2_buffers(m: ModelShape, n: int, bucket_numel: int) -> int:
 
 
 def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
+    """Stages 0-2's model states while they exist; the moments say when (`_stage012_moments`)."""
     psi = m.trainable
     master = p != 4
     if c.stage == 0:
@@ -264,26 +276,55 @@ def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[
             Item("gradients", device=psi * p + (psi * 4 if master else 0)),
             Item("fp32 masters", device=psi * 4 if master else 0),
             Item("optimizer state", device=psi * s.optimizer_bytes_per_param),
-            Item("reduce buckets"),
         ]
-    shard = -(-psi // n)
-    full_grads = psi * p if c.stage == 1 else 0
-    bucket = _stage2_buffers(m, n, s.reduce_bucket_size) if c.stage == 2 else 0
-    on_host = c.offload_optimizer == "cpu"
-    grads = Item("gradients", device=full_grads + (0 if on_host else shard * 4))
-    if on_host:
-        grads = Item("gradients", device=full_grads, host=shard * 4)
+    dev, host = _shard_grads(c, m, n)
     return [
         Item("parameters", device=m.total * p),
-        grads,
-        Item("fp32 masters", **_place(c.offload_optimizer, shard * 4)),
-        Item("optimizer state", **_place(c.offload_optimizer, shard * s.optimizer_bytes_per_param)),
-        Item("reduce buckets", device=bucket * p),
+        Item("gradients", device=(psi * p if c.stage == 1 else 0) + dev, host=host),
+        Item("fp32 masters", **_place(c.offload_optimizer, -(-psi // n) * 4)),
+        Item(
+            "optimizer state",
+            **_place(c.offload_optimizer, -(-psi // n) * s.optimizer_bytes_per_param),
+        ),
     ]
 
 
+def _shard_grads(c: Candidate, m: ModelShape, n: int) -> tuple[int, int]:
+    """(device, host) bytes of the fp32 gradient shards of stages 1-3 while they exist (none
+    held under NVMe optimizer offload: they are swapped out between uses)."""
+    if c.stage == 0 or c.offload_optimizer == "nvme":
+        return 0, 0
+    nbytes = -(-m.trainable // n) * 4
+    return (0, nbytes) if c.offload_optimizer == "cpu" else (nbytes, 0)
+
+
+def _stage012_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Moment]:
+    """The moments of a stage 0-2 step ([Note: stage 0-2 moments] in ``backward.py``)."""
+    pool = _stage2_buffers(m, n, s.reduce_bucket_size) * p if c.stage == 2 else 0
+    lay = GradLayout(
+        m.param_order,
+        m.arrivals,
+        s.reduce_bucket_size,
+        p if c.stage < 2 else 0,
+        _shard_grads(c, m, n),
+        m.trainable * 4 if c.stage == 0 and p != 4 else 0,
+        pool,
+    )
+    acts = m.activations
+    if acts is not None:
+        frees = acts.block_inputs if c.checkpointing else acts.block_saved
+        lay = replace(
+            lay,
+            held=acts.peak(c.checkpointing) - 2 * acts.largest,
+            largest_activation=acts.largest,
+            block_frees=tuple(reversed(frees)),
+            transient=m.largest_param * p,
+        )
+    return stage012_moments(lay)
+
+
 def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
-    """Stage 3's model states; what training adds comes from `_stage3_items`."""
+    """Stage 3's model states while they exist; the moments say when (`_stage3_moments`)."""
     units, persistent = m.unit_sizes(s.stage3_param_persistence_threshold)
     sharded = sum(units) + m.frozen
     shard = -(-m.trainable // n)
@@ -297,7 +338,7 @@ def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[It
     opt = c.offload_optimizer
     return [
         Item("parameters", **params),
-        Item("gradients", **_place(opt, shard * 4)),
+        Item("gradients", **_place(opt, shard * 4)),  # NVMe: swapped out between uses
         Item("fp32 masters", **_place(opt, 0 if aliased else shard * 4)),
         Item("optimizer state", **_place(opt, shard * s.optimizer_bytes_per_param)),
     ]
@@ -323,7 +364,7 @@ def _stage3_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) ->
     acts = m.activations
     lay = Stage3Layout(
         units, persistent, n, p, _window(units, s), s.reduce_bucket_size,
-        swapped=_swapped(units, n, s.param_max_in_cpu),
+        shard_grads=_shard_grads(c, m, n), swapped=_swapped(units, n, s.param_max_in_cpu),
     )  # fmt: skip
     if acts is not None:
         frees = acts.block_inputs if c.checkpointing else acts.block_saved
@@ -354,28 +395,31 @@ _MOMENT_FIELDS = {
 }
 
 
-def _stage3_items(
-    c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int
+def _moment_items(
+    c: Candidate, m: ModelShape, hw: Hardware, moms: list[Moment], states: list[Item]
 ) -> tuple[list[Item], list[Item], dict[str, int], str]:
-    """(items before the staging ones, items after them, each item's own largest value over
-    the moments, a note naming the moment that decides the peak). On CPU ranks the moment
-    with the most device + host bytes decides; on GPUs the one with the most device bytes,
-    and host memory holds the NVMe buffers' largest."""
-    moms = _stage3_moments(c, m, hw.world, s, p)
+    """(model states and buffers as the peak's moment holds them, items after the staging
+    ones, each item's own largest over the moments, a note naming the moment that decides
+    the peak). On CPU ranks the moment with the most device + host bytes decides; on GPUs the
+    one with the most device bytes, and host memory holds the largest of what the moments
+    keep there (NVMe buffers, offloaded gradient shards)."""
     cpu = hw.accelerator == "cpu"
-    peak = max(moms, key=lambda mo: mo.device + (mo.nvme if cpu else 0))
-    before = [
-        Item("gathered units", device=peak.gathered),
-        Item("reduce buckets", device=peak.reduce),
-    ]
+    peak = max(moms, key=lambda mo: mo.device + (mo.nvme + mo.host_grads if cpu else 0))
+    before = [_grads_at(i, peak, moms, cpu) if i.name == "gradients" else i for i in states]
+    if c.stage == 3:
+        before.append(Item("gathered units", device=peak.gathered))
+    before.append(Item("reduce buckets", device=peak.reduce))
     after = []
     if "nvme" in (c.offload_optimizer, c.offload_param):
         after.append(Item("nvme buffers", host=peak.nvme if cpu else max(mo.nvme for mo in moms)))
     if m.activations is not None:
         after.append(Item("activations", device=peak.activations))
         after.append(Item("gradient transient", device=peak.transient))
-    own = {i.name: max(getattr(mo, _MOMENT_FIELDS[i.name]) for mo in moms) for i in before + after}
-    note = f"stage 3 peaks at the {peak.name}; items are that moment's"
+    moving = [i for i in before + after if i.name in _MOMENT_FIELDS]
+    own = {i.name: max(getattr(mo, _MOMENT_FIELDS[i.name]) for mo in moms) for i in moving}
+    grads = next(i for i in states if i.name == "gradients")
+    own["gradients"] = grads.nvme + max(mo.grads + mo.host_grads for mo in moms)
+    note = f"stage {c.stage} peaks at the {peak.name}; items are that moment's"
     later = [
         f"{name} {format_bytes(v)}" for name, v in own.items() if v > _value(before + after, name)
     ]
@@ -384,27 +428,14 @@ def _stage3_items(
     return before, after, own, note
 
 
+def _grads_at(whole: Item, peak: Moment, moms: list[Moment], cpu: bool) -> Item:
+    """The gradients a moment holds (those swapped to NVMe stay where they are)."""
+    host = peak.host_grads if cpu else max(mo.host_grads for mo in moms)
+    return replace(whole, device=peak.grads, host=host)
+
+
 def _value(items: list[Item], name: str) -> int:
     return sum(i.device + i.host + i.nvme for i in items if i.name == name)
-
-
-def _backward_items(
-    m: ModelShape, checkpointing: bool, p: int
-) -> tuple[list[Item], dict[str, int]]:
-    """Stages 0-2: activations and the largest parameter's gradient at the moment that holds
-    more of them, with each one's own largest. Backward computes each weight's gradient into
-    a fresh tensor before it is added to the bucket; the largest parameter's (a model's head)
-    comes once the loss's backward is over, which frees one of the two transients of the
-    largest activation that `ActivationProfile.peak` counts (the output's gradient stays): so
-    the peak is the loss's backward or the head's, as stage 3's first two moments."""
-    acts = m.activations
-    assert acts is not None
-    loss = acts.peak(checkpointing)
-    grad = m.largest_param * p
-    head = loss - acts.largest  # the output's gradient still alive
-    kept = (loss, 0) if loss >= head + grad else (head, grad)
-    items = [Item("activations", device=kept[0]), Item("gradient transient", device=kept[1])]
-    return items, {"activations": loss, "gradient transient": grad}
 
 
 def _buffers(c: Candidate, m: ModelShape, hw: Hardware, s: Settings, p: int) -> list[Item]:
@@ -428,15 +459,14 @@ def estimate(
     notes = []
     staging = _buffers(candidate, model, hardware, s, p)
     if candidate.stage == 3:
-        before, after, peaks, note = _stage3_items(candidate, model, hardware, s, p)
-        items = _stage3(candidate, model, n, s, p) + before + staging + after
-        notes.append(note)
+        states = _stage3(candidate, model, n, s, p)
+        moms = _stage3_moments(candidate, model, n, s, p)
     else:
-        items = _stage012(candidate, model, n, s, p) + staging
-        peaks = {}
-        if model.activations is not None:
-            acts, peaks = _backward_items(model, candidate.checkpointing, p)
-            items += acts
+        states = _stage012(candidate, model, n, s, p)
+        moms = _stage012_moments(candidate, model, n, s, p)
+    before, after, peaks, note = _moment_items(candidate, model, hardware, moms, states)
+    items = before + staging + after
+    notes.append(note)
     if model.activations is None:
         notes.append("activations not included: give a model or config for its shapes")
     live = sum(i.device for i in items)
@@ -451,7 +481,7 @@ def estimate(
     else:
         notes.append("the CUDA context and library workspaces are not included")
     own = {i.name: i.device + i.host + i.nvme for i in items} | peaks
-    return Estimate(candidate, hardware, items, notes, own)
+    return Estimate(candidate, hardware, items, notes, own, states)
 
 
 def candidates(precision: str = "bf16", checkpointing: bool | None = None) -> list[Candidate]:

@@ -45,6 +45,11 @@ class ModelShape:
     blocks: int = 0
     """Trainable elements inside the blocks activation checkpointing wraps (the transformer
     blocks: their forward runs again in backward); 0 when unknown."""
+    arrivals: tuple[int, ...] = ()
+    """How many of `order`'s parameters, counted from its end, have their gradients after the
+    backward of what follows the last block (the head) and then of each block, last block
+    first (backward meets parameters about in reverse registration order); empty when
+    unknown."""
 
     @classmethod
     def from_count(
@@ -115,8 +120,32 @@ def describe_module(
     order = tuple(p.numel() for p in module.parameters() if p.requires_grad)
     inside = {id(p): p.numel() for b in blocks for p in b.parameters() if p.requires_grad}
     return ModelShape(
-        type(module).__name__, tuple(units), frozen, order=order, blocks=sum(inside.values())
+        type(module).__name__,
+        tuple(units),
+        frozen,
+        order=order,
+        blocks=sum(inside.values()),
+        arrivals=_arrivals(module, blocks),
     )
+
+
+def _arrivals(module: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> tuple[int, ...]:
+    """`ModelShape.arrivals`: parameters after the last block's (the head's), then after each
+    block's first parameter, last block first; a block without trainable parameters adds
+    nothing new."""
+    index = {id(p): i for i, p in enumerate(p for p in module.parameters() if p.requires_grad)}
+    firsts = [
+        min((index[id(p)] for p in b.parameters() if id(p) in index), default=None) for b in blocks
+    ]
+    known = [f for f in firsts if f is not None]
+    if not known:
+        return ()
+    count = len(index)
+    last = max(index[id(p)] for b in blocks for p in b.parameters() if id(p) in index)
+    out = [count - 1 - last]
+    for first in reversed(firsts):
+        out.append(max(out[-1], count - first) if first is not None else out[-1])
+    return tuple(out)
 
 
 def load_hf_config(source: Any) -> Any:

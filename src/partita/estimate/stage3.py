@@ -31,6 +31,10 @@ the activations the forward saved, without the loss's two transients of the larg
   gradient writes backward left running, whichever is more, plus the parameter shard the step
   writes back (one unit's, under parameter offload).
 
+The fp32 gradient shards (in host memory under optimizer offload to the CPU) are released
+after every step and made by the first unit's reduction ([Note: released gradients] in
+``partita/zero/released_grads.py``): the two first moments hold none, the later ones all.
+
 Between these, buffers stay within the bounds above while activations are freed, so no other
 moment holds more. Measured on 2 CPU ranks, fp32 (GPT-2 10m at stage 3, 50m at stage 3 with
 NVMe offload; bytes tensors asked of partita's host allocator at every unit hook): each step's
@@ -63,11 +67,15 @@ class Moment:
     reduce: int = 0
     transient: int = 0
     nvme: int = 0
+    grads: int = 0
+    """Gradients made since the last step (they are released after it) in device memory."""
+    host_grads: int = 0
+    """The same in host memory (shards under optimizer offload to the CPU)."""
 
     @property
     def device(self) -> int:
         """Device bytes of this moment's items."""
-        return self.activations + self.gathered + self.reduce + self.transient
+        return self.activations + self.gathered + self.reduce + self.transient + self.grads
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,9 @@ class Stage3Layout:
     """Activation bytes each block's backward frees, last block first."""
     transient: int = 0
     """Bytes of the largest parameter's gradient while autograd holds it (0: not counted)."""
+    shard_grads: tuple[int, int] = (0, 0)
+    """Bytes of the fp32 gradient shards (device, host) while they exist (NVMe-swapped ones:
+    none, they are not held between uses)."""
     swapped: list[int] | None = None
     """Per-rank shard elements of the units whose shards NVMe parameter offload swaps (None:
     every unit's; ``offload_param.max_in_cpu`` keeps the first ones in host memory)."""
@@ -180,6 +191,7 @@ def moments(
                 kept + lay.in_flight(),
                 transient,
                 ahead + sum(groups[: min(GRAD_WRITES, k - 1)]) * 4,
+                *lay.shard_grads,
             )
         )
     out.append(
@@ -190,6 +202,7 @@ def moments(
             lay.pool_peak(),
             transient,
             ahead + sum(groups[:GRAD_WRITES]) * 4,
+            *lay.shard_grads,
         )
     )
     step = 0
@@ -198,5 +211,6 @@ def moments(
         step = max(resident, sum(groups[: GRAD_WRITES - 1]) * 4)
     if param_nvme:  # the unit being stepped: its shard is read in and written back
         step += max(lay.shards if lay.swapped is None else lay.swapped, default=0) * lay.p
-    out.append(Moment("step", reduce=kept, nvme=step))
+    dev, host = lay.shard_grads
+    out.append(Moment("step", reduce=kept, nvme=step, grads=dev, host_grads=host))
     return out
