@@ -46,7 +46,8 @@ def _inject_inf(param: torch.nn.Parameter, when: list[bool]) -> None:
 
 def _grads_held(engine: Any) -> int:
     """Bytes of memory behind the ``.grad`` of the module's parameters and of the tensors the
-    optimizer steps, plus what the strategy says it holds for gradients besides."""
+    optimizer steps, plus what the strategy says it holds for gradients besides (its
+    gradients and its pooled reduce buffers)."""
     stepped = [p for g in engine.strategy.optimizer.param_groups for p in g["params"]]
     seen: set[int] = set()
     total = 0
@@ -54,7 +55,8 @@ def _grads_held(engine: Any) -> int:
         if p.grad is not None and p.grad.untyped_storage().data_ptr() not in seen:
             seen.add(p.grad.untyped_storage().data_ptr())
             total += p.grad.untyped_storage().nbytes()
-    return total + engine.memory_report().get("grads_held", 0)
+    report = engine.memory_report()
+    return total + report.get("grads_held", 0) + report.get("comm_buffers_held", 0)
 
 
 def assert_no_grads_at_forward(result: dict[str, Any]) -> None:

@@ -137,17 +137,17 @@ def test_a_count_alone_recomputes_every_parameter() -> None:
 
 def test_equal_predicted_times_rank_the_smaller_peak_first() -> None:
     """Stages 1 and 2 move the same bytes and step the same shard, so their predicted times
-    are equal; the planner then prefers the one that leaves more memory free. Gradients are
-    released between steps, so at the activations' peak (the loss's backward) stage 1 holds
-    none while stage 2 keeps its pooled reduce buffers: stage 1 is the smaller."""
-    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
-    hw = Hardware(RANKS, host_memory=RANKS * 4 * CAP, accelerator="cpu")
+    are equal; the planner then prefers the one that leaves more memory free. With no
+    activations known the step's moment decides the peak: stage 1 holds every full gradient
+    there, stage 2 only its pooled reduce buffers, so stage 2 comes first."""
+    shape = ModelShape.from_count(100_000_000, 10_000_000)
+    hw = Hardware(RANKS, host_memory=2**40, accelerator="cpu")
     ests = [estimate(shape, Candidate(s, precision="fp32"), hw) for s in (1, 2)]
-    ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, RATES, shape.recomputed)
+    ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, RATES)
     assert ranked[0][1].total == ranked[1][1].total
     first, second = (e.total("device") + e.total("host") for e, _ in ranked)
     assert first < second
-    assert [e.candidate.stage for e, _ in ranked] == [1, 2]
+    assert [e.candidate.stage for e, _ in ranked] == [2, 1]
 
 
 # --- the step-time model follows the engine's schedule; calibration on the rank's threads ----

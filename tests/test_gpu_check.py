@@ -98,6 +98,7 @@ def test_first_step_bound_takes_rounding_and_refuses_a_wrong_update() -> None:
     gradients (off by an lr-sized step) does not."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
+
     from gpu_check.core import LR
     from gpu_check.trainers import Run, first_step_close
 

@@ -300,7 +300,8 @@ class Engine(torch.nn.Module):
         comm_buffers), the device's peak allocation, and the process's RSS and peak RSS.
         ``grads`` is what gradients take while they exist, from the first backward of a step
         to its optimizer step; ``grads_held`` what they hold now (0 between steps: [Note:
-        released gradients])."""
+        released gradients]), and likewise ``comm_buffers_held`` for the reduce buffers of
+        stages 2-3."""
         report = self.strategy.memory_breakdown()
         if (
             not self.strategy.state.shards_params

@@ -21,7 +21,9 @@ activations without the loss's two transients of the largest one, ``L``):
 - *backward's end*: the activations outside the blocks, every gradient.
 - *step*: every gradient (and stage 0's master gradients), no activation.
 
-The stage-2 gradient pool (``reduce buckets``) is kept between steps, so every moment holds it.
+Stage 2 reduces through pooled buffers instead (``reduce buckets``, ``zero/buffer_pool.py``),
+let go with the gradients: a moment holds at most the pool's most, and no more than the buckets
+reached so far.
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ class GradLayout:
     the head's backward on)."""
     bucket_numel: int
     bucket_bytes: int
-    """Bytes per element of the buckets (0: stage 2, whose buckets are the pooled ones)."""
+    """Bytes per element of the buckets."""
+    kept: bool
+    """True: the buckets are the gradients, kept to the step (stages 0-1); False: stage 2's
+    pooled buffers, reused once reduced."""
     shard_grads: tuple[int, int] = (0, 0)
     """Bytes of the fp32 gradient shards (device, host): stages 1-2."""
     step_grads: int = 0
     """Device bytes made only inside the step: stage 0's fp32 master gradients."""
     pool: int = 0
-    """Bytes of stage 2's gradient pool (kept between steps)."""
+    """Bytes of stage 2's gradient pool at its most (empty between steps)."""
     held: int = 0
     largest_activation: int = 0
     block_frees: tuple[int, ...] = ()
@@ -79,41 +84,46 @@ def stage012_moments(lay: GradLayout) -> list[Moment]:
     total = len(lay.order)
     arrivals = list(lay.arrivals) or [total]
 
-    def buckets(arrived: int) -> int:
-        return _bucket_elements(lay.order, lay.bucket_numel, arrived) * lay.bucket_bytes
+    def reached(arrived: int) -> tuple[int, int]:
+        """(gradient bytes kept, pooled buffer bytes) once `arrived` parameters are in."""
+        made = _bucket_elements(lay.order, lay.bucket_numel, arrived) * lay.bucket_bytes
+        return (made, 0) if lay.kept else (0, min(lay.pool, made))
 
     dev, host = lay.shard_grads
+    grads, pool = reached(arrivals[0])
     out = [
-        Moment("loss backward", lay.held + 2 * lay.largest_activation, reduce=lay.pool),
+        Moment("loss backward", lay.held + 2 * lay.largest_activation),
         Moment(
             "head backward",
             lay.held + lay.largest_activation,
-            reduce=lay.pool,
+            reduce=pool,
             transient=lay.transient,
-            grads=buckets(arrivals[0]),
+            grads=grads,
         ),
     ]
     for k, arrived in enumerate(arrivals[1:]):
+        grads, pool = reached(arrived)
         out.append(
             Moment(
                 f"block {k + 1} backward",
                 max(0, lay.held - sum(lay.block_frees[:k])),
-                reduce=lay.pool,
+                reduce=pool,
                 transient=lay.transient,
-                grads=buckets(arrived) + dev,
+                grads=grads + dev,
                 host_grads=host,
             )
         )
-    every = buckets(total) + dev
+    grads, pool = reached(total)
     out.append(
         Moment(
             "backward's end",
             max(0, lay.held - sum(lay.block_frees)),
-            reduce=lay.pool,
+            reduce=pool,
             transient=lay.transient,
-            grads=every,
+            grads=grads + dev,
             host_grads=host,
         )
     )
-    out.append(Moment("step", reduce=lay.pool, grads=every + lay.step_grads, host_grads=host))
+    every = grads + dev + lay.step_grads
+    out.append(Moment("step", reduce=pool, grads=every, host_grads=host))
     return out

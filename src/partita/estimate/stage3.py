@@ -8,25 +8,27 @@ the activations the forward saved, without the loss's two transients of the larg
 `ActivationProfile.peak` adds; ``L``: that largest activation):
 
 - *loss backward* (the activation peak): ``held + 2L``, every unit still gathered (the reuse
-  and live bounds, `window`), and the gradient buffers the pool kept from the previous step
-  (`BufferPool(keep=2)` in ``grads.py`` keeps the two largest freed ones). No NVMe buffer is
+  and live bounds, `window`), and no gradient buffer: the pool (`BufferPool(keep=2)` in
+  ``grads.py``) lets its free ones go when the step releases the gradients. No NVMe buffer is
   in memory: the forward gathered (and freed) every shard it read ahead, no unit has reduced
   yet, and the previous step released its sub-groups (``nvme.py``).
 - *head backward* (the first unit's hooks): ``held + L`` (the output's gradient), the largest
-  parameter's gradient as autograd computes it (the ``gradient transient``), the kept buffers
-  (the first unit's buffer comes from them), and under parameter offload the shards the
+  parameter's gradient as autograd computes it (the ``gradient transient``), the first unit's
+  gradient buffer (at most the largest), and under parameter offload the shards the
   scheduler reads ahead: ``offload_param.buffer_count`` of them, within ``buffer_count x
   buffer_size`` elements beyond the first, not the largest unit's (it is the one gathered).
-- *backward after k units* (k = 1 .. 4): the kept buffers (lent to the first units) and the
-  other units' reductions in flight, and, under optimizer offload to NVMe, the gradients
-  written through (``GRAD_WRITES_IN_FLIGHT + 1`` sub-groups at most, the largest ones; after k
-  reductions launched at most k - 1 have retired into a write), while the activations of the
-  blocks done are freed (k - 2 of them: the first unit done may be the head, outside them).
-- *backward's end*: the pool at its peak (`pool_peak`: a large unit whose gradient arrives last,
-  a tied embedding, finds the kept large buffers lent out and takes a new one) with only the
-  activations outside the blocks left.
-- *step*: no activations and no gathered units (``end_backward`` reshards them), the kept
-  gradient buffers, and under NVMe offload the resident sub-groups (master, gradient and
+- *backward after k units* (k = 1 .. 4): a unit's buffer of the largest size (a tied
+  embedding's is taken at the head and kept to the end; an untied head's, once reduced, is
+  lent to the next unit), the other units' reductions in flight, the free buffers of the
+  units retired (at most two, each at most the second largest), and, under optimizer offload
+  to NVMe, the gradients written through (``GRAD_WRITES_IN_FLIGHT + 1`` sub-groups at most,
+  the largest ones; after k reductions launched at most k - 1 have retired into a write),
+  while the activations of the blocks done are freed (k - 2 of them: the first unit done may
+  be the head, outside them).
+- *backward's end*: the pool at its peak (`pool_peak`: the largest buffer, two free ones and
+  the reductions in flight) with only the activations outside the blocks left.
+- *step*: no activations and no gathered units (``end_backward`` reshards them), the pool's
+  free buffers (`kept`), and under NVMe offload the resident sub-groups (master, gradient and
   optimizer state of one, or three with ``pipeline_read``/``pipeline_write``), or the two
   gradient writes backward left running, whichever is more, plus the parameter shard the step
   writes back (one unit's, under parameter offload).
@@ -112,29 +114,43 @@ class Stage3Layout:
         return sorted((-(-u // self.world) for u in self.units), reverse=True)
 
     def kept(self) -> int:
-        """Bytes of the gradient buffers the pool keeps between backwards: the largest freed
-        ones, each at most the largest unit's."""
-        return POOL_KEEP * max(self._buffers(), default=0) * self.p
+        """Bytes of the free gradient buffers the pool keeps once every unit has reduced (until
+        the step releases them): the two largest."""
+        return sum(self._buffers()[:POOL_KEEP]) * self.p
+
+    def largest_buffer(self) -> int:
+        """Bytes of the largest unit's gradient buffer (a unit's first buffer is at most it)."""
+        return max(self._buffers(), default=0) * self.p
+
+    def _second(self) -> int:
+        """Elements of the second largest unit's buffer (0 with one unit)."""
+        ordered = self._buffers()
+        return ordered[1] if len(ordered) > 1 else 0
+
+    def held_after(self, units: int) -> int:
+        """Bytes of gradient buffers once `units` units have launched their reductions: one of
+        the largest size, and of the other units' buffers (largest first) those in flight
+        (`in_flight_count`) and one free per unit retired (k - 1 at most, `POOL_KEEP` at most)."""
+        others = self._buffers()[1:]
+        count = self.in_flight_count() + min(max(0, units - 1), POOL_KEEP)
+        return self.largest_buffer() + sum(others[:count]) * self.p
 
     def _buffers(self) -> list[int]:
         """Elements of each unit's gradient buffer, largest first."""
         return sorted([*self.units, *([self.persistent] if self.persistent else [])], reverse=True)
 
-    def in_flight(self) -> int:
-        """Bytes of the buffers of units other than the largest whose reductions are in flight
-        (`MAX_IN_FLIGHT` of them within ``reduce_bucket_size`` elements, one always)."""
-        ordered = self._buffers()
-        other = ordered[1] if len(ordered) > 1 else 0
-        if not other:
+    def in_flight_count(self) -> int:
+        """Reductions of units other than the largest in flight at once: `MAX_IN_FLIGHT`
+        within ``reduce_bucket_size`` elements (of the second largest size), one always."""
+        second = self._second()
+        if not second:
             return 0
-        return min(MAX_IN_FLIGHT, max(1, self.reduce_bucket // other)) * other * self.p
+        return min(MAX_IN_FLIGHT, max(1, self.reduce_bucket // second))
 
     def pool_peak(self) -> int:
-        """Bytes of gradient buffers at the pool's peak: the largest unit's own buffer beside
-        the kept ones, lent out (a unit takes the smallest free buffer that fits, so the first
-        smaller units borrow the kept large ones and a large request then finds none free), and
-        the other units' reductions in flight."""
-        return self.kept() + max(self._buffers(), default=0) * self.p + self.in_flight()
+        """Bytes of gradient buffers at the pool's peak: one of the largest size, the other
+        units' reductions in flight and the free buffers the pool keeps (`held_after`)."""
+        return self.held_after(POOL_KEEP + 1)
 
     def sub_groups(self, sub_group_size: int) -> list[int]:
         """Per-rank elements of every sub-group (a unit's shard cut at ``sub_group_size``),
@@ -174,11 +190,12 @@ def moments(
     sub-groups in memory during the step, `read_ahead`: (``buffer_count``, ``buffer_size``)."""
     groups = lay.sub_groups(sub_group_size) if opt_nvme else []
     ahead = _read_ahead(lay, *read_ahead) if param_nvme else 0
-    gathered, kept, transient = lay.window * lay.p, lay.kept(), lay.transient
+    gathered, transient = lay.window * lay.p, lay.transient
+    first = lay.largest_buffer()
     out = [
-        Moment("loss backward", lay.held + 2 * lay.largest_activation, gathered, kept),
+        Moment("loss backward", lay.held + 2 * lay.largest_activation, gathered),
         Moment(
-            "head backward", lay.held + lay.largest_activation, gathered, kept, transient, ahead
+            "head backward", lay.held + lay.largest_activation, gathered, first, transient, ahead
         ),
     ]
     for k in range(1, GRAD_WRITES + 2):
@@ -188,7 +205,7 @@ def moments(
                 f"backward after {k} unit(s)",
                 max(0, lay.held - freed),
                 gathered,
-                kept + lay.in_flight(),
+                lay.held_after(k),
                 transient,
                 ahead + sum(groups[: min(GRAD_WRITES, k - 1)]) * 4,
                 *lay.shard_grads,
@@ -212,5 +229,5 @@ def moments(
     if param_nvme:  # the unit being stepped: its shard is read in and written back
         step += max(lay.shards if lay.swapped is None else lay.swapped, default=0) * lay.p
     dev, host = lay.shard_grads
-    out.append(Moment("step", reduce=kept, nvme=step, grads=dev, host_grads=host))
+    out.append(Moment("step", reduce=lay.kept(), nvme=step, grads=dev, host_grads=host))
     return out

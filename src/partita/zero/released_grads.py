@@ -5,7 +5,9 @@ torch's own loop frees gradients after the optimizer step (``zero_grad(set_to_no
 default), so the activations of the next forward never sit beside them. partita's strategies do
 the same with every gradient they own: stage 0's bucket buffers and fp32 master gradients,
 stage 1's full-gradient buckets, and the fp32 gradient shards of stages 1-3 (in host memory
-under CPU offload). ``zero_grad`` (the engine calls it after every step, applied or skipped)
+under CPU offload), and the free buffers of the stage 2-3 reduction pools
+(``zero/buffer_pool.py``: reused within a backward, not kept beside the next forward's
+activations). ``zero_grad`` (the engine calls it after every step, applied or skipped)
 drops them; they are made again, zeroed, when backward first writes into them (bucket by
 bucket, as their gradients arrive, so the whole set never joins the activations at the start
 of backward) or when the step reads them (a step with no backward steps zeros, as before).

@@ -199,6 +199,7 @@ class Sharded:
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.grads.peak_transient_bytes
             + (0 if self._host_step is None else self._host_step.sink.nbytes),
+            "comm_buffers_held": self.grads.pool_held_bytes,
         }
 
     def close(self) -> None:

@@ -108,6 +108,12 @@ class ShardedGradients:
         return sum(b.segment.padded_numel * b.params[0].element_size() for b in self.buckets)
 
     @property
+    def pool_held_bytes(self) -> int:
+        """Bytes of stage 2's pooled reduce buffers now, lent out or free (none between
+        steps)."""
+        return self._pool.held_bytes
+
+    @property
     def persistent_held_bytes(self) -> int:
         """Bytes of stage 1's full gradient buffers now."""
         if not self.persistent:
@@ -254,6 +260,7 @@ class ShardedGradients:
                 p.grad = None
             if self.persistent:
                 bucket.buffer, bucket.views = None, []
+        self._pool.drop_free()
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks."""

@@ -65,7 +65,8 @@ class Strategy(Protocol):
 
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held per category: params, grads (while they exist), grads_held (now),
-        master_params, optimizer_state, comm_buffers."""
+        master_params, optimizer_state, comm_buffers (at their most), comm_buffers_held (now,
+        where a strategy pools them)."""
         ...
 
     def close(self) -> None:

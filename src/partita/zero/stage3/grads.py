@@ -64,6 +64,16 @@ class UnitGradReducer:
         """Most bytes of gradient buffers alive at once."""
         return self._pool.peak_bytes
 
+    @property
+    def held_buffer_bytes(self) -> int:
+        """Bytes of gradient buffers now, lent out or free in the pool (none between steps)."""
+        return self._pool.held_bytes
+
+    def drop_free(self) -> None:
+        """Lets go of the pool's free gradient buffers (after a step: [Note: released
+        gradients])."""
+        self._pool.drop_free()
+
     def accumulate(self, unit: ShardedUnit, index: int, grad: torch.Tensor) -> None:
         """Adds parameter `index`'s gradient into the unit's flat gradient buffer (the first
         gradient of a parameter is copied: the buffer is not zeroed up front, see `_fill_holes`)."""

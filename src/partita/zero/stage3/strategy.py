@@ -452,6 +452,7 @@ class FullySharded:
     def zero_grad(self) -> None:
         """Releases the master gradients ([Note: released gradients]; swapped ones are zero
         without memory already)."""
+        self.reducer.drop_free()
         if self.swapped is not None:
             self.swapped.zero_grads()
             return
@@ -470,6 +471,7 @@ class FullySharded:
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": self.reducer.peak_buffer_bytes
             + (0 if self._host_step is None else self._host_step.sink.nbytes),
+            "comm_buffers_held": self.reducer.held_buffer_bytes,
             "persistent_params": 0 if self.persistent is None else self.persistent.gathered_bytes,
         }
 
