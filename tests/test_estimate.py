@@ -205,6 +205,40 @@ def test_gradients_arrive_block_by_block() -> None:
         model = GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=1000))
     shape = describe_module(model)
     assert len(shape.order) == 40 and shape.arrivals == (2, 14, 26, 38)
+    assert shape.head_unit == 2 * 64  # the final norm's unit: the tied embedding comes last
+
+
+def test_an_untied_head_is_the_first_unit_backward_reaches() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=1000, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        shape = describe_module(LlamaForCausalLM(cfg))
+    assert shape.head_unit == 1000 * 64
+
+
+def test_stage2_pool_peak_follows_the_engines_pool() -> None:
+    """`pool_peak` replays zero/sharded_grads.py's use of the engine's own `BufferPool`
+    (at most two reductions in flight, three free buffers kept): the same peak, lent out and
+    free together, for any order of bucket sizes."""
+    import random
+
+    from partita.estimate.backward import pool_peak
+    from partita.zero.buffer_pool import BufferPool
+
+    rng = random.Random(0)
+    for _ in range(50):
+        sizes = [rng.choice([64, 128, 256, 1024]) for _ in range(rng.randint(1, 12))]
+        pool, flying = BufferPool(keep=3), []
+        for n in sizes:
+            buffer = pool.acquire(n, torch.float32, torch.device("cpu"))
+            while len(flying) >= 2:
+                pool.release(flying.pop(0))
+            flying.append(buffer)
+        assert pool.peak_bytes == pool_peak(sizes) * 4, sizes
 
 
 SMALL = ModelShape.from_count(10**9, 10**8)

@@ -33,7 +33,11 @@ from dataclasses import dataclass
 
 from partita.estimate.stage3 import Moment
 
-__all__ = ["GradLayout", "stage012_moments"]
+__all__ = ["GradLayout", "pool_peak", "stage012_moments"]
+
+POOL_KEEP, MAX_IN_FLIGHT = 3, 2
+"""Stage 2's pool (``zero/sharded_grads.py``): ``BufferPool(keep=max_in_flight + 1)`` and
+``max_in_flight = 2`` reduce-scatters."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,32 @@ class GradLayout:
     block_frees: tuple[int, ...] = ()
     """Activation bytes each block's backward frees, last block first."""
     transient: int = 0
+
+
+def pool_peak(buffers: Sequence[int], keep: int = POOL_KEEP, in_flight: int = MAX_IN_FLIGHT) -> int:
+    """Most elements stage 2's pool holds at once (lent out or free) for buffers asked for in
+    `buffers`' order, as ``zero/buffer_pool.py`` and ``zero/sharded_grads.py`` run it: a bucket
+    takes the smallest free buffer that fits or a new one, waits for reductions beyond
+    `in_flight` before its own starts, and each retired buffer goes back to the pool, which
+    keeps the `keep` largest free."""
+    free: list[int] = []
+    flying: list[int] = []
+    lent = peak = 0
+    for size in buffers:
+        fits = [b for b in free if b >= size]
+        base = min(fits) if fits else size
+        if fits:
+            free.remove(base)
+        lent += base
+        peak = max(peak, lent + sum(free))
+        while len(flying) >= in_flight:
+            done = flying.pop(0)
+            lent -= done
+            free.append(done)
+            if len(free) > keep:
+                free.remove(min(free))
+        flying.append(base)
+    return peak
 
 
 def _bucket_elements(order: Sequence[int], bucket_numel: int, arrived: int) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from partita.estimate.backward import GradLayout, stage012_moments
+from partita.estimate.backward import GradLayout, pool_peak, stage012_moments
 from partita.estimate.model import ModelShape
 from partita.estimate.stage3 import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
@@ -254,16 +254,20 @@ def _window(units: list[int], settings: Settings) -> int:
 
 
 def _stage2_buffers(m: ModelShape, n: int, bucket_numel: int) -> int:
-    """Elements of stage 2's pooled gradient buffers at their peak (zero/sharded_grads.py):
+    """Elements of stage 2's pooled gradient buffers at their most (zero/sharded_grads.py):
     segments are cut from the parameters last first; a segment of one parameter whose gradient
-    fills it is reduced from the gradient itself, any other is copied into a pooled buffer, and
-    at most two reductions are in flight while a third bucket fills."""
+    fills it is reduced from the gradient itself, any other is copied into a pooled buffer;
+    the pool's own rules decide the rest (`pool_peak`)."""
     from partita.partition import plan_buckets
 
     sizes = m.param_order
     plan = plan_buckets(sizes, bucket_numel, order=reversed(range(len(sizes))))
-    copied = [b.numel for b in plan if not (len(b.indices) == 1 and sizes[b.indices[0]] % n == 0)]
-    return sum(sorted(copied, reverse=True)[:3])
+    copied = [
+        -(-b.numel // n) * n  # padded to the ranks
+        for b in plan
+        if not (len(b.indices) == 1 and sizes[b.indices[0]] % n == 0)
+    ]
+    return pool_peak(copied)
 
 
 def _stage012(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
@@ -365,7 +369,8 @@ def _stage3_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) ->
     acts = m.activations
     lay = Stage3Layout(
         units, persistent, n, p, _window(units, s), s.reduce_bucket_size,
-        shard_grads=_shard_grads(c, m, n), swapped=_swapped(units, n, s.param_max_in_cpu),
+        head_unit=m.head_unit, shard_grads=_shard_grads(c, m, n),
+        swapped=_swapped(units, n, s.param_max_in_cpu),
     )  # fmt: skip
     if acts is not None:
         frees = acts.block_inputs if c.checkpointing else acts.block_saved

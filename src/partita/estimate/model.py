@@ -45,6 +45,10 @@ class ModelShape:
     blocks: int = 0
     """Trainable elements inside the blocks activation checkpointing wraps (the transformer
     blocks: their forward runs again in backward); 0 when unknown."""
+    head_unit: int | None = None
+    """Trainable elements of the largest unit holding a parameter registered after the last
+    block's (the head's: its gradients come first in backward, so ZeRO-3 makes its buffer
+    first); 0 when there is none, None when unknown."""
     arrivals: tuple[int, ...] = ()
     """How many of `order`'s parameters, counted from its end, have their gradients after the
     backward of what follows the last block (the head) and then of each block, last block
@@ -112,10 +116,15 @@ def describe_module(
     blocks = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
     plan, _ = plan_units(module, blocks, 0)  # threshold 0: every parameter lands in a unit
     units = []
+    index = {id(p): i for i, p in enumerate(p for p in module.parameters() if p.requires_grad)}
+    after = max((index.get(id(p), -1) for b in blocks for p in b.parameters()), default=-1)
+    head = 0
     for _name, _m, params in plan:
         trainable = tuple(p.numel() for p in params if p.requires_grad)
         if trainable:
             units.append(trainable)
+            if any(index.get(id(p), -1) > after for p in params):
+                head = max(head, sum(trainable))
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
     order = tuple(p.numel() for p in module.parameters() if p.requires_grad)
     inside = {id(p): p.numel() for b in blocks for p in b.parameters() if p.requires_grad}
@@ -125,6 +134,7 @@ def describe_module(
         frozen,
         order=order,
         blocks=sum(inside.values()),
+        head_unit=head if blocks else None,
         arrivals=_arrivals(module, blocks),
     )
 

@@ -101,6 +101,9 @@ class Stage3Layout:
     """Activation bytes each block's backward frees, last block first."""
     transient: int = 0
     """Bytes of the largest parameter's gradient while autograd holds it (0: not counted)."""
+    head_unit: int | None = None
+    """Elements of the largest unit the head's backward reaches first (`ModelShape.head_unit`;
+    None: unknown, the largest unit's)."""
     shard_grads: tuple[int, int] = (0, 0)
     """Bytes of the fp32 gradient shards (device, host) while they exist (NVMe-swapped ones:
     none, they are not held between uses)."""
@@ -119,21 +122,31 @@ class Stage3Layout:
         return sum(self._buffers()[:POOL_KEEP]) * self.p
 
     def largest_buffer(self) -> int:
-        """Bytes of the largest unit's gradient buffer (a unit's first buffer is at most it)."""
+        """Bytes of the largest unit's gradient buffer."""
         return max(self._buffers(), default=0) * self.p
+
+    def first_buffer(self) -> int:
+        """Bytes of the buffer the head's backward makes first and keeps while the blocks
+        reduce: the head unit's (at most the largest; a tied embedding registered before the
+        blocks gets its gradient only at the backward's end)."""
+        if self.head_unit is None:
+            return self.largest_buffer()
+        return min(self.head_unit * self.p, self.largest_buffer())
 
     def _second(self) -> int:
         """Elements of the second largest unit's buffer (0 with one unit)."""
         ordered = self._buffers()
         return ordered[1] if len(ordered) > 1 else 0
 
-    def held_after(self, units: int) -> int:
-        """Bytes of gradient buffers once `units` units have launched their reductions: one of
-        the largest size, and of the other units' buffers (largest first) those in flight
-        (`in_flight_count`) and one free per unit retired (k - 1 at most, `POOL_KEEP` at most)."""
+    def held_after(self, units: int, first: int | None = None) -> int:
+        """Bytes of gradient buffers once `units` units have launched their reductions: one
+        kept throughout (`first`, bytes; default the largest's), and of the other units'
+        buffers (largest first) those in flight (`in_flight_count`) and one free per unit
+        retired (k - 1 at most, `POOL_KEEP` at most)."""
         others = self._buffers()[1:]
         count = self.in_flight_count() + min(max(0, units - 1), POOL_KEEP)
-        return self.largest_buffer() + sum(others[:count]) * self.p
+        kept = self.largest_buffer() if first is None else first
+        return kept + sum(others[:count]) * self.p
 
     def _buffers(self) -> list[int]:
         """Elements of each unit's gradient buffer, largest first."""
@@ -191,7 +204,7 @@ def moments(
     groups = lay.sub_groups(sub_group_size) if opt_nvme else []
     ahead = _read_ahead(lay, *read_ahead) if param_nvme else 0
     gathered, transient = lay.window * lay.p, lay.transient
-    first = lay.largest_buffer()
+    first = lay.first_buffer()
     out = [
         Moment("loss backward", lay.held + 2 * lay.largest_activation, gathered),
         Moment(
@@ -205,7 +218,7 @@ def moments(
                 f"backward after {k} unit(s)",
                 max(0, lay.held - freed),
                 gathered,
-                lay.held_after(k),
+                lay.held_after(k, first),
                 transient,
                 ahead + sum(groups[: min(GRAD_WRITES, k - 1)]) * 4,
                 *lay.shard_grads,
