@@ -52,10 +52,11 @@ __all__ = [
 HEADROOM = 0.08
 """Fraction of each memory the planner keeps free for what the estimate misses. The estimate is
 meant to be at or a little above the measured peak, so this covers its errors below, not a
-margin on top. Measured on 2 CPU ranks, fp32, 2026-12-04, against the estimator since 521a9dd:
-the validation table (GPT-2 10m and 50m, stages 0-3, 3 steps, load 3-4,
-``benchmarks/results/estimate_10m_50m.md``) has every prediction from 0.03% below to 5.4%
-above the measured peak; in the planner check (10m, 16 configurations, ``plan_cap_10m.md``)
+margin on top. Measured on 2 CPU ranks, fp32, 2026-12-04: the validation table (GPT-2 10m and
+50m, stages 0-3, 3 steps, ``benchmarks/results/estimate_10m_50m.md``) had every prediction
+from 0.03% below to 5.4% above the measured peak at 521a9dd (load 3-4), and from 0.1% to 6.7%
+above it at d27b299 (gradients and pooled buffers released between steps, load 1-2); in the
+planner check (10m, 16 configurations, ``plan_cap_10m.md``) before those releases
 the runs at load 6-9 peaked up to 6.2% above their predictions (stage 2 with optimizer
 offload and checkpointing: 349.2 MiB against 328.9) and the quiet run 0-10% below them (a
 run's peak grows with the machine's load). 0.08 accepts up to 1/(1 - 0.08) = 1.087 x the
