@@ -123,6 +123,7 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
         + (f", micro-batch {model.micro_batch} x {model.seq_len} tokens" if model.seq_len else "")
     )
     print(f"{'configuration':30s} {'device/rank':>10s} {'host/node':>10s} {'nvme/node':>10s}")
+    shared = estimates[0].notes[1:]  # the first note names the moment of each one's peak
     for e in estimates:
         print(_row(e))
         if detail:
@@ -131,10 +132,9 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
                     f"    {i.name:20s} {format_bytes(i.device):>10s} {format_bytes(i.host):>10s}"
                     f" {format_bytes(i.nvme):>10s}  (per rank)"
                 )
-            for note in e.notes:  # its own (stage 3: the moment of the peak)
-                if note not in estimates[0].notes:
-                    print(f"    {note}")
-    for note in estimates[0].notes:
+            for note in e.notes[:1] + [n for n in e.notes[1:] if n not in shared]:
+                print(f"    {note}")  # its own: the moment of its peak first
+    for note in shared:
         print(f"note: {note}")
 
 

@@ -410,7 +410,9 @@ def _moment_items(
     one with the most device bytes, and host memory holds the largest of what the moments
     keep there (NVMe buffers, offloaded gradient shards)."""
     cpu = hw.accelerator == "cpu"
-    peak = max(moms, key=lambda mo: mo.device + (mo.nvme + mo.host_grads if cpu else 0))
+    # Of moments holding as much, the latest names the peak: with no activations or arrivals
+    # known, the head's backward is counted holding every gradient, as the later ones do.
+    peak = max(reversed(moms), key=lambda mo: mo.device + (mo.nvme + mo.host_grads if cpu else 0))
     before = [_grads_at(i, peak, moms, cpu) if i.name == "gradients" else i for i in states]
     if c.stage == 3:
         before.append(Item("gathered units", device=peak.gathered))
