@@ -28,7 +28,7 @@ states while they exist (all gradients included, as DeepSpeed counts them) are
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from partita.estimate.backward import GradLayout, pool_peak, stage012_moments
 from partita.estimate.model import ModelShape
@@ -302,6 +302,23 @@ def _shard_grads(c: Candidate, m: ModelShape, n: int) -> tuple[int, int]:
     return (0, nbytes) if c.offload_optimizer == "cpu" else (nbytes, 0)
 
 
+def _activation_fields(c: Candidate, m: ModelShape, p: int) -> dict[str, Any]:
+    """The moments' activation sizes (none when the shapes are unknown): what the forward
+    saved without the loss's two transients of the largest activation, that activation, what
+    each block's backward frees (last block first: its inputs alone under checkpointing),
+    and the largest parameter's gradient as autograd computes it."""
+    acts = m.activations
+    if acts is None:
+        return {}
+    frees = acts.block_inputs if c.checkpointing else acts.block_saved
+    return {
+        "held": acts.peak(c.checkpointing) - 2 * acts.largest,
+        "largest_activation": acts.largest,
+        "block_frees": tuple(reversed(frees)),
+        "transient": m.largest_param * p,
+    }
+
+
 def _stage012_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Moment]:
     """The moments of a stage 0-2 step ([Note: stage 0-2 moments] in ``backward.py``)."""
     pool = _stage2_buffers(m, n, s.reduce_bucket_size) * p if c.stage == 2 else 0
@@ -315,17 +332,7 @@ def _stage012_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) 
         m.trainable * 4 if c.stage == 0 and p != 4 else 0,
         pool,
     )
-    acts = m.activations
-    if acts is not None:
-        frees = acts.block_inputs if c.checkpointing else acts.block_saved
-        lay = replace(
-            lay,
-            held=acts.peak(c.checkpointing) - 2 * acts.largest,
-            largest_activation=acts.largest,
-            block_frees=tuple(reversed(frees)),
-            transient=m.largest_param * p,
-        )
-    return stage012_moments(lay)
+    return stage012_moments(replace(lay, **_activation_fields(c, m, p)))
 
 
 def _stage3(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Item]:
@@ -366,21 +373,12 @@ def _swapped(units: list[int], n: int, max_in_cpu: int) -> list[int]:
 def _stage3_moments(c: Candidate, m: ModelShape, n: int, s: Settings, p: int) -> list[Moment]:
     """The moments of a stage-3 step ([Note: stage-3 moments] in ``stage3.py``)."""
     units, persistent = m.unit_sizes(s.stage3_param_persistence_threshold)
-    acts = m.activations
     lay = Stage3Layout(
         units, persistent, n, p, _window(units, s), s.reduce_bucket_size,
         head_unit=m.head_unit, shard_grads=_shard_grads(c, m, n),
         swapped=_swapped(units, n, s.param_max_in_cpu),
     )  # fmt: skip
-    if acts is not None:
-        frees = acts.block_inputs if c.checkpointing else acts.block_saved
-        lay = replace(
-            lay,
-            held=acts.peak(c.checkpointing) - 2 * acts.largest,
-            largest_activation=acts.largest,
-            block_frees=tuple(reversed(frees)),
-            transient=m.largest_param * p,
-        )
+    lay = replace(lay, **_activation_fields(c, m, p))
     return moments(
         lay,
         c.offload_optimizer == "nvme",
