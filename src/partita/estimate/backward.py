@@ -32,12 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from partita.estimate.stage3 import Moment
+from partita.zero.sharded_grads import MAX_IN_FLIGHT, POOL_KEEP
 
 __all__ = ["GradLayout", "pool_peak", "stage012_moments"]
-
-POOL_KEEP, MAX_IN_FLIGHT = 3, 2
-"""Stage 2's pool (``zero/sharded_grads.py``): ``BufferPool(keep=max_in_flight + 1)`` and
-``max_in_flight = 2`` reduce-scatters."""
 
 
 @dataclass(frozen=True)
@@ -94,29 +91,28 @@ def pool_peak(buffers: Sequence[int], keep: int = POOL_KEEP, in_flight: int = MA
     return peak
 
 
-def _bucket_elements(order: Sequence[int], bucket_numel: int, arrived: int) -> int:
-    """Elements of the buckets made once the last `arrived` parameters' gradients are in: the
-    buckets are cut from the end of `order` (``partita.zero.grad_buckets``, the same walk as
-    `plan_buckets` in reverse order), and one exists from its first gradient on."""
+def _bucket_starts(order: Sequence[int], bucket_numel: int) -> list[tuple[int, int]]:
+    """(parameters before it, elements) of each bucket, cut from the end of `order` as
+    ``partita.zero.grad_buckets`` cuts them (`plan_buckets` walked in reverse order)."""
     from partita.partition import plan_buckets
 
-    made, seen = 0, 0
+    out, seen = [], 0
     for bucket in plan_buckets(order, bucket_numel, order=reversed(range(len(order)))):
-        if seen >= arrived:
-            break
-        made += bucket.numel
+        out.append((seen, bucket.numel))
         seen += len(bucket.indices)
-    return made
+    return out
 
 
 def stage012_moments(lay: GradLayout) -> list[Moment]:
     """The moments of [Note: stage 0-2 moments] for one configuration."""
     total = len(lay.order)
     arrivals = list(lay.arrivals) or [total]
+    starts = _bucket_starts(lay.order, lay.bucket_numel)
 
     def reached(arrived: int) -> tuple[int, int]:
-        """(gradient bytes kept, pooled buffer bytes) once `arrived` parameters are in."""
-        made = _bucket_elements(lay.order, lay.bucket_numel, arrived) * lay.bucket_bytes
+        """(gradient bytes kept, pooled buffer bytes) once the last `arrived` parameters'
+        gradients are in: a bucket exists from its first gradient on."""
+        made = sum(numel for before, numel in starts if before < arrived) * lay.bucket_bytes
         return (made, 0) if lay.kept else (0, min(lay.pool, made))
 
     dev, host = lay.shard_grads

@@ -135,15 +135,16 @@ def describe_module(
         order=order,
         blocks=sum(inside.values()),
         head_unit=head if blocks else None,
-        arrivals=_arrivals(module, blocks),
+        arrivals=_arrivals(index, after, blocks),
     )
 
 
-def _arrivals(module: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> tuple[int, ...]:
-    """`ModelShape.arrivals`: parameters after the last block's (the head's), then after each
-    block's first parameter, last block first; a block without trainable parameters adds
-    nothing new."""
-    index = {id(p): i for i, p in enumerate(p for p in module.parameters() if p.requires_grad)}
+def _arrivals(
+    index: dict[int, int], last: int, blocks: Sequence[torch.nn.Module]
+) -> tuple[int, ...]:
+    """`ModelShape.arrivals` from each trainable parameter's registration index (by id) and
+    the last block parameter's: parameters after it (the head's), then after each block's
+    first parameter, last block first; a block without trainable parameters adds nothing."""
     firsts = [
         min((index[id(p)] for p in b.parameters() if id(p) in index), default=None) for b in blocks
     ]
@@ -151,7 +152,6 @@ def _arrivals(module: torch.nn.Module, blocks: Sequence[torch.nn.Module]) -> tup
     if not known:
         return ()
     count = len(index)
-    last = max(index[id(p)] for b in blocks for p in b.parameters() if id(p) in index)
     out = [count - 1 - last]
     for first in reversed(firsts):
         out.append(max(out[-1], count - first) if first is not None else out[-1])

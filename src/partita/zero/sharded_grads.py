@@ -30,6 +30,12 @@ from partita.partition import FlatLayout, Segment
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 
+MAX_IN_FLIGHT = 2
+"""Reduce-scatters in flight by default; the pool keeps one free buffer more than that
+(`POOL_KEEP` at the default), so a steady backward allocates nothing. The estimator replays
+both (``partita/estimate/backward.py``)."""
+POOL_KEEP = MAX_IN_FLIGHT + 1
+
 
 @dataclass
 class GradBucket:
@@ -68,7 +74,7 @@ class ShardedGradients:
     scaling: ReduceScaling
     reduce_dtype: torch.dtype
     rank: int
-    max_in_flight: int = 2
+    max_in_flight: int = MAX_IN_FLIGHT
     group: comm.ProcessGroup | None = None
     buckets: list[GradBucket] = field(init=False, default_factory=list)
     armed: bool = field(init=False, default=False)
