@@ -17,16 +17,18 @@ and the table with that header beside it (FILE.md). ``--tree_commit`` names the 
 the script runs from a ``git archive`` of it (so other work in a shared checkout is not what
 is measured).
     .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB,445MiB [--models 10m]
-        [--repeats 3] [--plan_steps 5] [--json FILE]
+        [--repeats 1] [--speed_steps 30] [--json FILE]
     .venv/bin/python benchmarks/bench_estimate.py --plan_cap 400MiB --repredict FILE.json
 
 ``--plan_cap`` checks the planner instead: with that much memory per rank (and the rates
 measured here: FLOP/s, CPU Adam parameters/s, gloo all-reduce bytes/s) it ranks the
-configurations that fit, trains every candidate ``--repeats`` times, interleaved, and prints
-per cap predicted against measured (median and range of the runs' step times, largest peak):
-the choice should fit and be the fastest measured among those within the cap, or within the
-runs' noise of it. The runs do not depend on the cap, so several caps share them; with
-``--repredict`` a saved run is judged again with the estimator as it is now.
+configurations that fit; it trains every candidate ``--repeats`` times in a fresh pair of
+processes for its peak, then all candidates side by side in one pair of processes for
+``--speed_steps`` steps each, in turn (`plan_speed`: [Note: side-by-side step times]), and
+prints per cap predicted against measured: the choice should fit and no candidate within
+the cap should be faster by a sign test over the paired steps. The runs do not depend on the
+cap, so several caps share them; with ``--repredict`` a saved run is judged again with the
+estimator as it is now.
 
 On CPU the device is the host: predicted peak = device + host items with the estimator's
 defaults (5% allocator slack on CPU ranks; no pinned staging on CPU). Runs minutes on 2 cores.
@@ -297,19 +299,39 @@ def _cap_table(name: str, ests: list[Any], verdict: dict[str, Any], meas: dict[s
 
 
 def plan_check(
-    name: str, caps: list[int], repeats: int, steps: int, env: dict[str, str]
+    name: str, caps: list[int], repeats: int, speed_steps: int, env: dict[str, str]
 ) -> dict[str, Any]:
-    """Ranks the configurations for each cap (bytes per rank) with rates measured here, trains
+    """Ranks the configurations for each cap (bytes per rank) with rates measured here; trains
     every candidate (fitting or not: the measurements do not depend on the cap) `repeats`
-    times interleaved, and prints predicted against measured for each cap."""
+    times in fresh processes for its peak, then all of them side by side for `speed_steps`
+    steps for their speed; prints predicted against measured for each cap."""
     from partita.estimate.plan import HEADROOM
 
     rates = _rates(name, env)
     print(f"rates: {rates.flops / 1e9:.1f} GFLOP/s, link {rates.link_bandwidth / 1e9:.2f} GB/s, "
           f"(CPU share {rates.comm_cpu_share:.2f}), Adam {rates.adam_rate / 1e6:.0f} M params/s; "
           f"headroom {HEADROOM}", flush=True)  # fmt: skip
-    meas = _measure(name, _plan_candidates(), repeats, steps, env)
-    return judge(name, caps, rates, meas)
+    cands = _plan_candidates()
+    meas = _measure(name, cands, repeats, STEPS, env)  # peaks, each in fresh processes
+    times = _side_by_side(name, cands, speed_steps, env)
+    return judge(name, caps, rates, meas, times)
+
+
+def _side_by_side(
+    name: str, cands: list[Any], steps: int, env: dict[str, str]
+) -> dict[str, list[float]]:
+    """Every candidate's step times, the engines side by side in one pair of ranks
+    ([Note: side-by-side step times] in `plan_speed`); per step the slower rank's."""
+    import plan_speed
+    from partita.testing import run_distributed
+
+    spec = [
+        (c.label, c.stage, c.offload_optimizer, c.offload_param, c.checkpointing) for c in cands
+    ]
+    per_rank = run_distributed(
+        plan_speed.side_by_side_worker, 2, name, spec, 2, steps, timeout=3600, env=env
+    )
+    return plan_speed.slower_rank(per_rank)
 
 
 def _plan_candidates() -> list[Any]:
@@ -320,9 +342,17 @@ def _plan_candidates() -> list[Any]:
     ]
 
 
-def judge(name: str, caps: list[int], rates: Any, meas: dict[str, Any]) -> dict[str, Any]:
+def judge(
+    name: str,
+    caps: list[int],
+    rates: Any,
+    meas: dict[str, Any],
+    times: dict[str, list[float]] | None = None,
+) -> dict[str, Any]:
     """The planner's choice for each cap (the estimator and HEADROOM as they are now, `rates`)
-    against measurements `meas` (as `_measure` returns them); prints a table per cap."""
+    against measurements `meas` (as `_measure` returns them) and, when given, the side-by-side
+    step times `times` (which then decide the speed verdict); prints a table per cap."""
+    import plan_speed
     from partita.estimate import Hardware, estimate
     from partita.estimate.model import from_hf_config
     from partita.estimate.plan import HEADROOM, rank
@@ -330,7 +360,7 @@ def judge(name: str, caps: list[int], rates: Any, meas: dict[str, Any]) -> dict[
     shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
     cands = [c for c in _plan_candidates() if c.label in meas]
     result: dict[str, Any] = {"model": name, "rates": vars(rates), "headroom": HEADROOM,
-                              "measured": meas, "caps": []}  # fmt: skip
+                              "measured": meas, "side_by_side": times, "caps": []}  # fmt: skip
     for cap in caps:
         hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=HEADROOM)
         ests = [estimate(shape, c, hw) for c in cands]
@@ -339,8 +369,22 @@ def judge(name: str, caps: list[int], rates: Any, meas: dict[str, Any]) -> dict[
         verdict["predicted_peak"] = {
             e.candidate.label: e.total("device") + e.total("host") for e in ests
         }
+        if times is None:
+            table = _cap_table(name, ests, verdict, meas)
+        else:
+            side = plan_speed.verdict(verdict["chosen"], verdict["within_cap"], times)
+            verdict["side_by_side"] = side
+            rows = [
+                {"label": e.candidate.label, "fits": e.fits,
+                 "predicted_peak": verdict["predicted_peak"][e.candidate.label] / 2**20,
+                 "measured_peak": max(meas[e.candidate.label]["peak"]) / 2**20,
+                 "within": e.candidate.label in verdict["within_cap"],
+                 "predicted_step": verdict["predicted_step"].get(e.candidate.label)}
+                for e in ests
+            ]  # fmt: skip
+            table = plan_speed.cap_table(name, cap / 2**20, rows, verdict["chosen"], times, side)
         result["caps"].append(verdict)
-        print("\n" + _cap_table(name, ests, verdict, meas) + "\n", flush=True)
+        print("\n" + table + "\n", flush=True)
     return result
 
 
@@ -356,16 +400,18 @@ def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
         with open(args.repredict) as f:
             saved = json.load(f)
         for res in saved["results"]:
-            judge(res["model"], caps, Rates(**res["rates"]), res["measured"])
+            judge(
+                res["model"], caps, Rates(**res["rates"]), res["measured"], res.get("side_by_side")
+            )
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
-    results = [plan_check(n, caps, args.repeats, args.plan_steps, env) for n in names]
+    results = [plan_check(n, caps, args.repeats, args.speed_steps, env) for n in names]
     if args.json:
         meta = {"command": " ".join(sys.argv), "started": started,
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                 "loadavg_start": load, "loadavg_end": os.getloadavg(),
-                "cpus": os.cpu_count(), "steps": args.plan_steps, "repeats": args.repeats}  # fmt: skip
+                "cpus": os.cpu_count(), "speed_steps": args.speed_steps, "repeats": args.repeats}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
 
@@ -384,8 +430,14 @@ def main() -> None:
         "--plan_cap",
         help="check the planner under this memory per rank, e.g. 410MiB (or several: 400MiB,440MiB)",
     )
-    ap.add_argument("--repeats", type=int, default=3, help="--plan_cap: runs per candidate")
-    ap.add_argument("--plan_steps", type=int, default=5, help="--plan_cap: steps per run")
+    ap.add_argument(
+        "--repeats", type=int, default=1,
+        help="--plan_cap: fresh-process runs per candidate for its peak (the largest counts)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--speed_steps", type=int, default=30,
+        help="--plan_cap: timed steps per candidate, all candidates side by side",
+    )  # fmt: skip
     ap.add_argument(
         "--tree_commit", help="run from a `git archive` of this commit: name it in the results"
     )
