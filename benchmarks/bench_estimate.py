@@ -348,21 +348,24 @@ def judge(
     rates: Any,
     meas: dict[str, Any],
     times: dict[str, list[float]] | None = None,
+    headroom: float | None = None,
 ) -> dict[str, Any]:
-    """The planner's choice for each cap (the estimator and HEADROOM as they are now, `rates`)
-    against measurements `meas` (as `_measure` returns them) and, when given, the side-by-side
-    step times `times` (which then decide the speed verdict); prints a table per cap."""
+    """The planner's choice for each cap (the estimator as it is now, `rates`, `headroom`:
+    None for the planner's default `HEADROOM`) against measurements `meas` (as `_measure`
+    returns them) and, when given, the side-by-side step times `times` (which then decide the
+    speed verdict); prints a table per cap."""
     import plan_speed
     from partita.estimate import Hardware, estimate
     from partita.estimate.model import from_hf_config
     from partita.estimate.plan import HEADROOM, rank
 
+    headroom = HEADROOM if headroom is None else headroom
     shape = from_hf_config(_config(name), MICRO_BATCH, SEQ, torch.float32)
     cands = [c for c in _plan_candidates() if c.label in meas]
-    result: dict[str, Any] = {"model": name, "rates": vars(rates), "headroom": HEADROOM,
+    result: dict[str, Any] = {"model": name, "rates": vars(rates), "headroom": headroom,
                               "measured": meas, "side_by_side": times, "caps": []}  # fmt: skip
     for cap in caps:
-        hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=HEADROOM)
+        hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=headroom)
         ests = [estimate(shape, c, hw) for c in cands]
         ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates, shape.recomputed)
         verdict = _verdict(cap, ests, ranked, meas)
@@ -401,8 +404,9 @@ def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
             saved = json.load(f)
         for res in saved["results"]:
             judge(
-                res["model"], caps, Rates(**res["rates"]), res["measured"], res.get("side_by_side")
-            )
+                res["model"], caps, Rates(**res["rates"]), res["measured"],
+                res.get("side_by_side"), args.headroom,
+            )  # fmt: skip
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
@@ -433,6 +437,10 @@ def main() -> None:
     ap.add_argument(
         "--repeats", type=int, default=1,
         help="--plan_cap: fresh-process runs per candidate for its peak (the largest counts)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--headroom", type=float,
+        help="with --plan_cap --repredict: judge with this planner headroom (default: HEADROOM)",
     )  # fmt: skip
     ap.add_argument(
         "--speed_steps", type=int, default=30,

@@ -47,12 +47,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The engine's own figures: the estimate follows them if they change.
+from partita.zero.stage3.grads import MAX_IN_FLIGHT, POOL_KEEP
+
 __all__ = ["GRAD_WRITES", "MAX_IN_FLIGHT", "POOL_KEEP", "Moment", "Stage3Layout", "moments"]
 
-POOL_KEEP = 2
-"""Freed gradient buffers the pool keeps (``zero/stage3/grads.py``: ``BufferPool(keep=2)``)."""
-MAX_IN_FLIGHT = 4
-"""Reduce-scatters in flight at once (``UnitGradReducer.max_in_flight``)."""
 GRAD_WRITES = 3
 """Sub-group gradients NVMe offload holds in backward (``zero/stage3/nvme.py``:
 ``GRAD_WRITES_IN_FLIGHT`` writes running plus the one being added)."""

@@ -24,6 +24,11 @@ from partita.zero.released_grads import ensure_grad
 from partita.zero.stage3.identity import REDUCE
 from partita.zero.stage3.unit import ShardedUnit, trace
 
+MAX_IN_FLIGHT = 4
+"""Unit reduce-scatters alive at once by default (`UnitGradReducer.max_in_flight`); the
+estimator's stage-3 moments count with it (`partita.estimate.stage3`)."""
+POOL_KEEP = 2
+"""Freed unit gradient buffers the reducer's pool keeps for the next units."""
 
 @dataclass
 class _Pending:
@@ -45,14 +50,14 @@ class UnitGradReducer:
 
     scaling: ReduceScaling
     reduce_dtype: torch.dtype
-    max_in_flight: int = 4
+    max_in_flight: int = MAX_IN_FLIGHT
     group: comm.ProcessGroup | None = None
     max_in_flight_numel: int | None = None
     """``reduce_bucket_size``: gradient elements in flight at once (at least one segment)."""
     sink: Callable[[ShardedUnit, int, torch.Tensor], None] | None = None
     """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
-    _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=2), init=False)
+    _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=POOL_KEEP), init=False)
     _host_adds: HostAdds = field(default_factory=HostAdds, init=False)
     """Adds into host-memory master gradients (optimizer offload), applied as copies land."""
     _in_flight_numel: int = field(default=0, init=False)
