@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from partita.estimate import plan
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
 from partita.estimate.model import ModelShape
 from partita.estimate.plan import HEADROOM
@@ -204,7 +205,7 @@ def plan_main(argv: Sequence[str]) -> int:
     ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
     ap.add_argument("--output", default="ds_config.json", help="where to write the config")
     args = ap.parse_args(list(argv))
-    from partita.estimate import calibrate, plan
+    from partita.estimate import calibrate
 
     # CPU ranks share the node's cores: calibrate with the threads one of them gets.
     threads = calibrate.rank_threads(args.devices_per_node) if args.cpu else None
@@ -242,4 +243,29 @@ def plan_main(argv: Sequence[str]) -> int:
     plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
     extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
     print(f"chose {best.label}; wrote {args.output}{extra}")
+    if args.headroom > 0:
+        _print_kept_out(args, model, estimates, ranked, rates)
     return 0
+
+
+def _print_kept_out(
+    args: argparse.Namespace,
+    model: ModelShape,
+    estimates: list[Estimate],
+    ranked: list[tuple[Estimate, plan.Timing]],
+    rates: plan.Rates,
+) -> None:
+    """Names the faster configurations only the headroom kept out, and by how much."""
+    _, without = _estimates(argparse.Namespace(**{**vars(args), "headroom": 0.0}))
+    tokens = args.micro_batch * args.seq_len
+    faster = plan.kept_out_by_headroom(
+        ranked, without, model.trainable, tokens, rates, model.recomputed
+    )
+    short = {e.candidate: e.shortfalls() for e in estimates}
+    chosen = ranked[0][1].total
+    for e, t in faster:
+        print(
+            f"note: {e.candidate.label} is predicted {1 - t.total / chosen:.0%} faster and fits "
+            f"the memory in full, not with the {args.headroom:.0%} --headroom kept free for "
+            f"what the estimate misses ({'; '.join(short[e.candidate])})"
+        )

@@ -44,6 +44,7 @@ __all__ = [
     "calibrate_adam_rate",
     "calibrate_flops",
     "ds_config",
+    "kept_out_by_headroom",
     "rank",
     "step_time",
 ]
@@ -167,6 +168,30 @@ def rank(
         (e, step_time(e, params, tokens_per_rank, rates, recomputed)) for e in estimates if e.fits
     ]
     return sorted(timed, key=lambda et: (et[1].total, _peak(et[0])))
+
+
+def kept_out_by_headroom(
+    ranked: list[tuple[Estimate, Timing]],
+    without_headroom: list[Estimate],
+    params: int,
+    tokens_per_rank: int,
+    rates: Rates,
+    recomputed: int | None = None,
+) -> list[tuple[Estimate, Timing]]:
+    """Configurations predicted faster than the choice (``ranked[0]``) that fit the memory in
+    full but not with the headroom kept free: `without_headroom` are the same candidates
+    estimated with ``headroom=0``. Fastest first. The planner does not take them (the
+    headroom is there for what the estimate misses), but says what they would gain."""
+    if not ranked:
+        return []
+    chosen = ranked[0][1].total
+    fits_now = {e.candidate for e, _ in ranked}
+    out = [
+        (e, step_time(e, params, tokens_per_rank, rates, recomputed))
+        for e in without_headroom
+        if e.fits and e.candidate not in fits_now
+    ]
+    return sorted((et for et in out if et[1].total < chosen), key=lambda et: et[1].total)
 
 
 def _peak(est: Estimate) -> int:
