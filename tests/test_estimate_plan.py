@@ -250,7 +250,7 @@ def test_the_planner_names_the_faster_configurations_its_headroom_keeps_out(
     activations is predicted at 350.5-368.5 MiB: within the cap in full, predicted faster
     than the checkpointed choice, but not within the headroom. The planner keeps to its
     headroom and says what it gave up, naming each such configuration (side by side they ran
-    4-13% faster than the choice: ``benchmarks/results/plan_cap_10m.md``, runs 9-10)."""
+    4-14% faster than the choice: ``benchmarks/results/plan_cap_10m.md``, runs 9-10)."""
     import json
     import re
 
