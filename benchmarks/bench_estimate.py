@@ -82,8 +82,8 @@ def worker(
     # Imported before the baseline: code is not training memory (GPT-2's modelling module and
     # what its first forward imports weigh ~100 MiB of RSS).
     import transformers.loss.loss_utils
-    import transformers.masking_utils  # noqa: F401
-    from transformers import GPT2LMHeadModel
+    import transformers.masking_utils
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
 
     import partita
     from partita.accelerator import host_peak_rss, host_rss
@@ -94,21 +94,7 @@ def worker(
     except OSError:
         pass
     base = host_rss()
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(_config(name))
-    if ckpt:
-        model.gradient_checkpointing_enable()
-    zero: dict[str, Any] = {"stage": stage}
-    for key, where in (("offload_optimizer", opt), ("offload_param", param)):
-        if where != "none":
-            zero[key] = (
-                {"device": where, "nvme_path": nvme_dir} if where == "nvme" else {"device": where}
-            )
-    config = {
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "zero_optimization": zero,
-    }
+    model, config = build(name, stage, opt, param, ckpt, nvme_dir)
     engine, *_ = partita.initialize(model=model, config=config)
     del model
     g = torch.Generator().manual_seed(engine.global_rank)
@@ -130,6 +116,31 @@ def worker(
     report["peak_over_base"] = host_peak_rss() - base
     engine.destroy()
     return report
+
+
+def build(
+    name: str, stage: int, opt: str, param: str, ckpt: bool, nvme_dir: str = ""
+) -> tuple[Any, dict[str, Any]]:
+    """GPT-2 `name` (seed 0; HF activation checkpointing with `ckpt`) and the DeepSpeed config
+    of the cell (AdamW, the micro-batch, ZeRO `stage`, optimizer/parameter offload)."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_config(name))
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    zero: dict[str, Any] = {"stage": stage}
+    for key, where in (("offload_optimizer", opt), ("offload_param", param)):
+        if where != "none":
+            zero[key] = (
+                {"device": where, "nvme_path": nvme_dir} if where == "nvme" else {"device": where}
+            )
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+    }
+    return model, config
 
 
 def _predict(name: str, stage: int, opt: str, param: str) -> dict[str, int]:

@@ -48,26 +48,13 @@ def side_by_side_worker(
     checkpointing) on its own GPT-2 `name`, `warmup` untimed steps each, then `steps` timed
     steps each, taken in turn in a rotating order; per candidate, this rank's step times."""
     import torch.distributed as dist
-    from transformers import GPT2LMHeadModel
 
     import partita
-    from bench_estimate import MICRO_BATCH, SEQ, SHAPES, _config
+    from bench_estimate import MICRO_BATCH, SEQ, SHAPES, build
 
     engines = {}
     for label, stage, opt, param, ckpt in cands:
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(_config(name))
-        if ckpt:
-            model.gradient_checkpointing_enable()
-        zero: dict[str, Any] = {"stage": stage}
-        for key, where in (("offload_optimizer", opt), ("offload_param", param)):
-            if where != "none":
-                zero[key] = {"device": where}
-        config = {
-            "train_micro_batch_size_per_gpu": MICRO_BATCH,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-            "zero_optimization": zero,
-        }
+        model, config = build(name, stage, opt, param, ckpt)
         engines[label], *_ = partita.initialize(model=model, config=config)
     g = torch.Generator().manual_seed(dist.get_rank())
     vocab = SHAPES[name]["vocab_size"]

@@ -30,6 +30,7 @@ estimator's stage-3 moments count with it (`partita.estimate.stage3`)."""
 POOL_KEEP = 2
 """Freed unit gradient buffers the reducer's pool keeps for the next units."""
 
+
 @dataclass
 class _Pending:
     unit: ShardedUnit
