@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import psutil
@@ -32,15 +32,23 @@ def start_launcher(args: list[str], env: dict[str, str] | None = None) -> subpro
     )
 
 
-def wait_for_files(paths: Iterable[Path], proc: subprocess.Popen[str], guard_s: float) -> None:
-    """Waits until every path exists; fails (with the launcher's output) if the launcher exits
-    first or the hang guard runs out."""
+def wait_for_files(
+    paths: Iterable[Path],
+    proc: subprocess.Popen[str] | Sequence[subprocess.Popen[str]],
+    guard_s: float,
+) -> None:
+    """Waits until every path exists; fails (with its output) if a launcher in `proc` (one or
+    several: each node's) exits first, or if the hang guard runs out."""
     paths = list(paths)
+    procs = list(proc) if isinstance(proc, Sequence) else [proc]
     deadline = time.monotonic() + guard_s
     while not all(p.exists() for p in paths):
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"launcher exited {proc.returncode} early:\n{out}\n{err}")
+        for i, launcher in enumerate(procs):
+            if launcher.poll() is not None:
+                out, err = launcher.communicate()
+                raise AssertionError(
+                    f"launcher {i} of {len(procs)} exited {launcher.returncode} early:\n{out}\n{err}"
+                )
         if time.monotonic() > deadline:
             raise AssertionError(f"hang guard: {[str(p) for p in paths if not p.exists()]} missing")
         time.sleep(0.05)

@@ -94,7 +94,7 @@ def test_two_agents_train_like_one_node_and_listen_only_where_named(
 ) -> None:
     node0, node1 = _start_nodes(tmp_path, ["stages", "--hold"])
     try:
-        wait_for_files([tmp_path / "held0", tmp_path / "held1"], node0, guard_s=GUARD_S)
+        wait_for_files([tmp_path / "held0", tmp_path / "held1"], [node0, node1], guard_s=GUARD_S)
         listeners = {pid: listening_sockets(pid) for pid in _job_pids(node0, node1)}
     finally:
         (tmp_path / "release").write_text("")
@@ -171,9 +171,11 @@ def test_hostfile_fanout_over_ssh_trains_like_one_node(
 def test_killed_node_ends_the_job_naming_it(tmp_path: Path, dead: int) -> None:
     nodes = _start_nodes(tmp_path, ["elastic", str(tmp_path / "ckpt"), "4", "--gate", "1"])
     killed, survivor = nodes[dead], nodes[1 - dead]
-    pids: list[int] = []
+    pids = [node.pid for node in nodes]  # the agents, until their workers are known
     try:
-        wait_for_files([tmp_path / "gate0", tmp_path / "gate1"], survivor, guard_s=GUARD_S)
+        # Either node failing to start fails here at once (a node that dies before the gates
+        # would leave the other waiting out the whole guard).
+        wait_for_files([tmp_path / "gate0", tmp_path / "gate1"], nodes, guard_s=GUARD_S)
         pids = _job_pids(*nodes)
         os.kill(killed.pid, signal.SIGKILL)
         _, err = finish(survivor, guard_s=30)  # the bound, as a hang guard

@@ -19,6 +19,7 @@ imports torch at module level, so ``partita --help`` answers quickly.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import shutil
@@ -443,6 +444,10 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``partita`` command; returns the process exit status."""
+    # A crash of the agent itself (a signal in native code: torch's store, the elastic agent)
+    # prints every thread's stack instead of ending the job with a bare status (-11 seen in CI).
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in SUBCOMMANDS:
         return _run_subcommand(args[0], args[1:])
