@@ -33,6 +33,9 @@ from partita.launcher.launch import find_free_port
 SCRIPT = Path(__file__).resolve().parent / "multinode_train.py"
 NODES = ("127.0.0.1", "127.0.0.2")
 GUARD_S = 300  # hang guard for a whole job on 2 busy cores, never a timing assertion
+# pytest's own timeout past the guard, so a hung job fails through the guard, which prints the
+# launchers' output (pytest's timeout at 300 s fired first and showed nothing, 2026-12-04).
+pytestmark = pytest.mark.timeout(GUARD_S + 120)
 # One thread per worker in every run: the launcher's default divides the cores among a node's
 # workers, so one node of 2 workers and 2 nodes of 1 would sum in different orders.
 THREADS = {"OMP_NUM_THREADS": "1"}
