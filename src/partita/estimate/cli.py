@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from partita.estimate import plan
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
@@ -256,7 +257,11 @@ def _print_kept_out(
     rates: plan.Rates,
 ) -> None:
     """Names the faster configurations only the headroom kept out, and by how much."""
-    _, without = _estimates(argparse.Namespace(**{**vars(args), "headroom": 0.0}))
+    # The same candidates on the same model, only without the headroom (no second trace).
+    without = [
+        estimate(model, e.candidate, replace(e.hardware, headroom=0.0), Settings())
+        for e in estimates
+    ]
     tokens = args.micro_batch * args.seq_len
     faster = plan.kept_out_by_headroom(
         ranked, without, model.trainable, tokens, rates, model.recomputed

@@ -186,12 +186,11 @@ def kept_out_by_headroom(
         return []
     chosen = ranked[0][1].total
     fits_now = {e.candidate for e, _ in ranked}
-    out = [
-        (e, step_time(e, params, tokens_per_rank, rates, recomputed))
-        for e in without_headroom
-        if e.fits and e.candidate not in fits_now
+    return [
+        (e, t)
+        for e, t in rank(without_headroom, params, tokens_per_rank, rates, recomputed)
+        if e.candidate not in fits_now and t.total < chosen
     ]
-    return sorted((et for et in out if et[1].total < chosen), key=lambda et: et[1].total)
 
 
 def _peak(est: Estimate) -> int:
