@@ -105,6 +105,17 @@ def finish(proc: subprocess.Popen[str], guard_s: float) -> tuple[str, str]:
         return proc.communicate(timeout=guard_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired as still:
+            # A process the launcher started outlives it holding its output pipes open.
+            out, err = _text(still.stdout), _text(still.stderr)
+            out += f"\n(launcher exited {proc.poll()}; its output is still held open)"
         message = f"hang guard: launcher still running after {guard_s} s\n{out}\n{err}"
         raise AssertionError(message) from None
+
+
+def _text(data: bytes | str | None) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return data or ""

@@ -375,11 +375,11 @@ def test_fanout_plan_one_agent_per_node_in_hostfile_order() -> None:
         ]
         assert cd == "cd /w"
         assert shlex.split(exec_line) == [
-            "exec", "/py", "-u", "-m", "partita.launcher",
+            "exec", "/py", "-u", "-m", "partita.launcher", "--lifeline_fd", "3",
             "--num_nodes", "2", "--node_rank", str(node.node_rank),
             "--master_addr", "h1", "--master_port", "29500",
             "--num_gpus", "2", "--max_restarts", "1",
-            "train.py", "--lr", "1e-3", "a b", "<", "/dev/null",
+            "train.py", "--lr", "1e-3", "a b", "3<&0", "<", "/dev/null",
         ]  # fmt: skip
 
 
@@ -418,7 +418,7 @@ def test_elastic_fanout_plan_starts_the_per_node_elastic_agent(tmp_path: Path) -
     for node in plan:
         exec_line = shlex.split(node.script.splitlines()[-1])
         assert exec_line[:5] == ["exec", "/py", "-u", "-m", "partita.launcher"]
-        agent = cli.parse_launch_args(exec_line[5:-2])  # up to "<", "/dev/null"
+        agent = cli.parse_launch_args(exec_line[5:-3])  # up to "3<&0", "<", "/dev/null"
         assert (agent.min_nodes, agent.num_nodes, agent.node_rank) == (1, 3, node.node_rank)
         assert (agent.master_addr, agent.master_port) == ("10.0.0.1", 4321)
         assert (agent.node_addr, agent.max_restarts, agent.rdzv_conf) == (node.host, 2, conf)
@@ -452,11 +452,15 @@ def test_plan_scripts_run_through_bash_reach_the_agent_with_exact_env(tmp_path: 
         assert (tmp_path / f"rec.{node.node_rank}.env").read_text() == TRICKY["PARTITA_D"]
 
 
-_FAKE_SSH = """#!/bin/sh
-# Records its argv (one per line) and the script on stdin, per host; exits $FAIL_CODE for $FAIL_HOST.
+_FAKE_SSH = """#!/bin/bash
+# Records its argv (one per line) and the script on stdin up to its exec line (stdin then stays
+# open as the node's line), per host; exits $FAIL_CODE for $FAIL_HOST.
 host="$3"  # argv: -o BatchMode=yes HOST COMMAND
 printf '%s\\n' "$@" > "$SSH_LOG/$host.argv"
-cat > "$SSH_LOG/$host.stdin"
+while IFS= read -r line; do
+  printf '%s\\n' "$line" >> "$SSH_LOG/$host.stdin"
+  case "$line" in exec*) break ;; esac
+done
 [ "$host" = "$FAIL_HOST" ] && exit "$FAIL_CODE"
 exit 0
 """
@@ -503,7 +507,7 @@ def test_cli_hostfile_fans_out_over_ssh_on_path(
             ("--num_procs", "2"),
         ]:
             assert exec_line[exec_line.index(flag) + 1] == value
-        assert exec_line[-4:] == [script, "x y", "<", "/dev/null"]
+        assert exec_line[-5:] == [script, "x y", "3<&0", "<", "/dev/null"]
 
 
 def test_cli_hostfile_failed_node_is_named(

@@ -115,9 +115,15 @@ def test_two_agents_train_like_one_node_and_listen_only_where_named(
 
 _SSH_STAND_IN = """#!/bin/bash
 # Stand-in for ssh: records argv and the script on stdin per host, then runs the remote
-# command here, as ssh would run it on HOST.  argv: -o BatchMode=yes HOST COMMAND
+# command here, as ssh would run it on HOST, and ends when the command does (ssh does not wait
+# for its stdin to close).  $SSH_FAIL_HOST: fails as an unreachable host does, running nothing.
+# argv: -o BatchMode=yes HOST COMMAND
 printf '%s\\n' "$@" > "$SSH_LOG/$3.argv"
-tee "$SSH_LOG/$3.stdin" | bash -c "$4"
+if [ "$3" = "${SSH_FAIL_HOST:-}" ]; then
+  echo "ssh: connect to host $3 port 22: Connection refused" >&2
+  exit 255
+fi
+bash -c "$4" < <(tee "$SSH_LOG/$3.stdin")
 """
 
 
@@ -168,6 +174,32 @@ def test_hostfile_fanout_over_ssh_trains_like_one_node(
         script = (log / f"{host}.stdin").read_text()
         assert "export PARTITA_SECRETISH='a b; $HOME'" in script
         assert f"--node_rank {rank} " in script and f"--node_addr {host} " in script
+
+
+def test_fanout_stops_every_node_when_one_cannot_start(tmp_path: Path) -> None:
+    # Node 1's ssh fails before its agent starts, so node 0's agent would wait in the
+    # rendezvous for it (torch's static timeout: 600 s); the fan-out stops it instead.
+    out = tmp_path / "out"
+    out.mkdir()
+    refused = {"SSH_FAIL_HOST": NODES[1]}
+    proc, _ = _start_fanout(tmp_path, [str(SCRIPT), str(out), "stages"], env=refused)
+    try:
+        _, stderr = finish(proc, guard_s=GUARD_S)
+    finally:
+        left = wait_gone(_processes_naming(tmp_path), bound_s=30)
+        kill_all(left)
+    assert proc.returncode == 1, stderr
+    assert f"partita: node 1 ({NODES[1]}) exited with status 255; stopping the other" in stderr
+    assert left == [], "a node's agent or worker outlived the fan-out"
+
+
+def _processes_naming(folder: Path) -> list[int]:
+    """Processes (agents, workers) whose command line names ``folder``: this test's job."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(str(folder) in arg for arg in proc.info["cmdline"] or ()):
+            found.append(proc.pid)
+    return found
 
 
 @pytest.mark.parametrize("dead", [1, 0])

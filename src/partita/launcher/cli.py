@@ -30,6 +30,7 @@ from typing import Any
 
 # launch.py imports torch only inside its functions, so this import keeps --help fast.
 from partita import env
+from partita.launcher import lifeline
 from partita.launcher.launch import (
     DEFAULT_MASTER_PORT,
     LaunchError,
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no_local_rank", action="store_true", help="do not pass --local_rank=<N> to the script"
     )
+    # Set by the --hostfile fan-out on each node's agent: ssh's standard input, whose end
+    # stops the node (`partita.launcher.lifeline`). Not for users.
+    parser.add_argument("--lifeline_fd", type=_int_at_least(0), help=argparse.SUPPRESS)
     parser.add_argument(
         "--no_ssh",
         action="store_true",
@@ -455,6 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.hostfile is not None:
             return _launch_hostfile(ns)
+        if ns.lifeline_fd is not None:
+            lifeline.watch(ns.lifeline_fd)
         return launch(_options(ns))
     except LaunchError as err:
         print(f"partita: error: {err}", file=sys.stderr)

@@ -8,6 +8,8 @@
 environment, ``--local_rank`` and the bound rendezvous store of `partita.launcher.launch`.
 An elastic job (``--nnodes MIN:MAX``) passes that instead of ``--num_nodes``; node 0 hosts
 its dynamic rendezvous and the fan-out lets the job outlive any other node (`run_fanout`).
+Each ssh's standard input stays open as the node's line: the fan-out closes it to stop the
+node, and it closes by itself when the fan-out dies (`partita.launcher.lifeline`).
 
 The environment forwarded to the nodes is the variables of this process whose names start with
 an allow-listed prefix (DeepSpeed's ``NCCL``, ``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX``, plus
@@ -20,6 +22,7 @@ ssh's standard input as a script for ``bash -s``, never as arguments, so they do
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import shlex
 import shutil
@@ -36,6 +39,7 @@ from partita.launcher.launch import DEFAULT_MASTER_PORT, LaunchError, LaunchOpti
 
 __all__ = [
     "EXPORT_PREFIXES",
+    "LIFELINE_FD",
     "NodeCommand",
     "deepspeed_env_files",
     "exported_env",
@@ -53,6 +57,11 @@ _LAUNCHER_SET = frozenset(
     var.name for var in env_vars.VARIABLES if var.set_by.startswith("the `partita` launcher")
 )
 _SSH_OPTIONS = ("-o", "BatchMode=yes")  # a password prompt would hang the fan-out
+#: The descriptor on which each node's agent gets ssh's standard input (`partita.launcher.lifeline`).
+LIFELINE_FD = 3
+# How long a stopped node's agent gets to end its workers after its line closes (torch's
+# agent gives them 30 s between SIGTERM and SIGKILL) before its ssh is terminated.
+_STOP_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -130,13 +139,14 @@ def _agent_args(options: LaunchOptions, slots: list[int], gpus: bool) -> list[st
 
 def node_script(exports: Mapping[str, str], cwd: str, command: Sequence[str]) -> str:
     """A bash script that sets ``exports``, enters ``cwd`` and execs ``command``, every value
-    shell-quoted (spaces, quotes, ``$``, ``;`` arrive as typed)."""
+    shell-quoted (spaces, quotes, ``$``, ``;`` arrive as typed). ``command`` gets ssh's
+    standard input, the fan-out's line to the node, as descriptor `LIFELINE_FD`."""
     lines = ["set -e"]
     lines += [f"export {key}={shlex.quote(value)}" for key, value in exports.items()]
     lines.append(f"cd {shlex.quote(cwd)}")
-    # stdin is this script: the agent must not read the rest of it (there is none after exec,
-    # but a worker reading stdin would otherwise block on ssh's open channel).
-    lines.append("exec " + shlex.join(command) + " < /dev/null")
+    # stdin is this script and then the open line: a worker reading stdin would block on it,
+    # so stdin becomes /dev/null and the line moves to its own descriptor.
+    lines.append(f"exec {shlex.join(command)} {LIFELINE_FD}<&0 < /dev/null")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +177,7 @@ def fanout_plan(
         node_env = dict(exports)
         if gpus:
             node_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-        command = [python, "-u", "-m", "partita.launcher"]
+        command = [python, "-u", "-m", "partita.launcher", "--lifeline_fd", str(LIFELINE_FD)]
         command += [*_membership_args(options, len(hosts)), "--node_rank", str(rank)]
         command += ["--master_addr", master, "--master_port", str(port)]
         if _is_ip(host):  # its workers' sockets go on the interface the hostfile named
@@ -199,7 +209,7 @@ def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1, elastic: bool = F
     """Runs every node's command and waits; returns 0 when the job succeeded, else 1.
 
     A static job succeeds when every node exits 0: the first node to fail is named and the
-    others' ssh sessions are stopped. In an elastic job (``elastic``) the survivors carry on
+    others are stopped (`_stop`). In an elastic job (``elastic``) the survivors carry on
     without a failed node (torch's rendezvous restarts them at the new size, as far as
     ``--max_restarts`` allows), so only node 0, which hosts the rendezvous, decides: its
     failure is named and stops the others, its success is the job's once the rest have ended.
@@ -212,6 +222,7 @@ def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1, elastic: bool = F
             if code is None:
                 continue
             pending.remove((node, proc))
+            _close_line(proc)
             if code == 0:
                 continue
             where = f"partita: node {node.node_rank} ({node.host}) exited with status {code}"
@@ -220,13 +231,31 @@ def run_fanout(plan: Sequence[NodeCommand], poll: float = 0.1, elastic: bool = F
                 print(f"{where}; {_AFTER_HOST if host_done else _GOES_ON}", file=sys.stderr)
                 continue
             print(f"{where}; stopping the other nodes", file=sys.stderr)
-            for _, other in pending:
-                other.terminate()
-            for _, other in pending:
-                other.wait()
+            _stop([other for _, other in pending])
             return 1
         time.sleep(poll)
     return 0
+
+
+def _stop(procs: Sequence[subprocess.Popen[str]], grace_s: float = _STOP_GRACE_S) -> None:
+    """Stops nodes: closing a node's line ends its agent, which ends its workers (terminating
+    ssh alone would leave them running, `partita.launcher.lifeline`); an ssh still there after
+    ``grace_s`` is terminated."""
+    for proc in procs:
+        _close_line(proc)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.wait()
+
+
+def _close_line(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):  # the ssh may already be gone (a broken pipe)
+            proc.stdin.close()
 
 
 # [Note: the elastic fan-out's exit]
@@ -245,9 +274,13 @@ _AFTER_HOST = "node 0, the rendezvous host, had already finished the job"
 
 
 def _start(node: NodeCommand) -> subprocess.Popen[str]:
-    """Starts ``node``'s ssh with its script on stdin (then closed: the script ends in exec)."""
+    """Starts ``node``'s ssh with its script on stdin, which then stays open as the node's
+    line (`partita.launcher.lifeline`) until the node ends or is stopped."""
     proc = subprocess.Popen(node.argv, stdin=subprocess.PIPE, text=True)
     assert proc.stdin is not None
-    proc.stdin.write(node.script)
-    proc.stdin.close()
+    # An ssh that fails at once (an unreachable host) may be gone before the script is written:
+    # its exit status is reported when it is polled.
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.write(node.script)
+        proc.stdin.flush()
     return proc
