@@ -14,6 +14,7 @@ side by side in one pair of ranks (timings are not asserted in tests).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -280,3 +281,37 @@ def test_the_planner_names_the_faster_configurations_its_headroom_keeps_out(
     # With no headroom asked for, nothing is kept out and nothing is said.
     assert plan_main([*argv, "--headroom", "0"]) == 0
     assert "--headroom kept free" not in capsys.readouterr().out
+
+
+def test_plan_takes_the_share_of_collectives_compute_cannot_hide(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--comm_cpu_share`` reaches the step model: the comm column is the model's for the
+    share given (1: nothing hidden), and a share outside (0, 1] is refused naming the flag."""
+    from partita.estimate.cli import plan_main
+
+    _config().save_pretrained(tmp_path)
+    argv = [
+        "--model", str(tmp_path), "--cpu", "--num_gpus", str(RANKS), "--host_memory", "64GiB",
+        "--micro_batch", str(MICRO_BATCH), "--seq_len", str(SEQ), "--precision", "fp32",
+        "--flops", str(RATES.flops), "--adam_rate", str(RATES.adam_rate),
+        "--link_bandwidth", str(RATES.link_bandwidth), "--output", str(tmp_path / "c.json"),
+    ]  # fmt: skip
+    comm = {}
+    for share in ("1", "0.25"):
+        assert plan_main([*argv, "--comm_cpu_share", share]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        comm[share] = {" ".join(r[:-5]): float(r[-3]) for r in rows if r and r[0].startswith("z")}
+    shape = from_hf_config(_config(), MICRO_BATCH, SEQ, torch.float32)
+    for share, got in comm.items():
+        rates = replace(RATES, comm_cpu_share=float(share))
+        ests = [estimate(shape, c, Hardware(RANKS, host_memory=64 << 30, accelerator="cpu"))
+                for c in candidates("fp32", None) if "nvme" not in c.label]  # fmt: skip
+        want = {e.candidate.label: t.comm for e, t in rank(ests, shape.trainable,
+                MICRO_BATCH * SEQ, rates, shape.recomputed)}  # fmt: skip
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-2, abs=1e-3) for k in got), (got, want)
+    assert comm["0.25"] != comm["1"]
+    with pytest.raises(SystemExit):
+        plan_main([*argv, "--comm_cpu_share", "0"])
+    assert "--comm_cpu_share" in capsys.readouterr().err

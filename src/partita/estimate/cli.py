@@ -30,6 +30,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _share(text: str) -> float:
+    value = _fraction(text) if text not in ("1", "1.0", "100%") else 1.0
+    if value == 0.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
@@ -203,6 +210,14 @@ def plan_main(argv: Sequence[str]) -> int:
         help="CPU Adam parameters/s per rank (default: measured here with --cpu, else 1B)",
     )
     ap.add_argument("--disk_bandwidth", default="3GB", help="NVMe bytes/s per node")
+    ap.add_argument(
+        "--comm_cpu_share",
+        type=_share,
+        default=1.0,
+        help="with --cpu: the part of a collective's time its own CPU work takes, which "
+        "compute beside it cannot hide (1: none hidden; benchmarks/bench_estimate.py "
+        "measures it for gloo)",
+    )
     ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
     ap.add_argument("--output", default="ds_config.json", help="where to write the config")
     args = ap.parse_args(list(argv))
@@ -222,6 +237,7 @@ def plan_main(argv: Sequence[str]) -> int:
             parse_bytes(args.host_bandwidth, "--host_bandwidth"),
             adam,
             parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
+            comm_cpu_share=args.comm_cpu_share,
         )
         model, estimates = _estimates(args)
     except EstimateError as error:
