@@ -310,7 +310,12 @@ def _cap_table(name: str, ests: list[Any], verdict: dict[str, Any], meas: dict[s
 
 
 def plan_check(
-    name: str, caps: list[int], repeats: int, speed_steps: int, env: dict[str, str]
+    name: str,
+    caps: list[int],
+    repeats: int,
+    speed_steps: int,
+    env: dict[str, str],
+    trial: bool = False,
 ) -> dict[str, Any]:
     """Ranks the configurations for each cap (bytes per rank) with rates measured here; trains
     every candidate (fitting or not: the measurements do not depend on the cap) `repeats`
@@ -325,7 +330,7 @@ def plan_check(
     cands = _plan_candidates()
     meas = _measure(name, cands, repeats, STEPS, env)  # peaks, each in fresh processes
     times = _side_by_side(name, cands, speed_steps, env)
-    return judge(name, caps, rates, meas, times)
+    return judge(name, caps, rates, meas, times, trial=trial)
 
 
 def _side_by_side(
@@ -360,11 +365,15 @@ def judge(
     meas: dict[str, Any],
     times: dict[str, list[float]] | None = None,
     headroom: float | None = None,
+    trial: bool = False,
 ) -> dict[str, Any]:
     """The planner's choice for each cap (the estimator as it is now, `rates`, `headroom`:
     None for the planner's default `HEADROOM`) against measurements `meas` (as `_measure`
     returns them) and, when given, the side-by-side step times `times` (which then decide the
-    speed verdict); prints a table per cap."""
+    speed verdict); prints a table per cap. `trial`: the choice of ``partita plan --trial``,
+    whose trials measure what `_measure` measured (a fresh pair of processes, 3 steps, peak
+    over baseline): the fastest predicted of those the headroom kept out whose peak leaves
+    `TRIAL_MARGIN` of the cap free, else the planner's choice."""
     import plan_speed
     from partita.estimate import Hardware, estimate
     from partita.estimate.model import from_hf_config
@@ -379,6 +388,8 @@ def judge(
         hw = Hardware(2, host_memory=2 * cap, accelerator="cpu", headroom=headroom)
         ests = [estimate(shape, c, hw) for c in cands]
         ranked = rank(ests, shape.trainable, MICRO_BATCH * SEQ, rates, shape.recomputed)
+        if trial:
+            ranked = _with_trials(shape, cap, ests, ranked, rates, meas)
         verdict = _verdict(cap, ests, ranked, meas)
         verdict["predicted_peak"] = {
             e.candidate.label: e.total("device") + e.total("host") for e in ests
@@ -402,6 +413,25 @@ def judge(
     return result
 
 
+def _with_trials(
+    shape: Any, cap: int, ests: list[Any], ranked: list[Any], rates: Any, meas: dict[str, Any]
+) -> list[Any]:
+    """`ranked` with ``partita plan --trial``'s choice first (`judge`)."""
+    from dataclasses import replace
+
+    from partita.estimate import estimate
+    from partita.estimate.plan import kept_out_by_headroom
+    from partita.estimate.trial import TRIAL_MARGIN
+
+    without = [estimate(shape, e.candidate, replace(e.hardware, headroom=0.0)) for e in ests]
+    tokens = MICRO_BATCH * SEQ
+    kept = kept_out_by_headroom(ranked, without, shape.trainable, tokens, rates, shape.recomputed)
+    for e, t in kept:
+        if max(meas[e.candidate.label]["peak"]) <= cap * (1 - TRIAL_MARGIN):
+            return [(e, t), *ranked]
+    return ranked
+
+
 def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
     from partita.estimate.units import parse_bytes
 
@@ -416,12 +446,12 @@ def _plan_checks(names: list[str], args: argparse.Namespace) -> None:
         for res in saved["results"]:
             judge(
                 res["model"], caps, Rates(**res["rates"]), res["measured"],
-                res.get("side_by_side"), args.headroom,
+                res.get("side_by_side"), args.headroom, args.trial,
             )  # fmt: skip
         return
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
-    results = [plan_check(n, caps, args.repeats, args.speed_steps, env) for n in names]
+    results = [plan_check(n, caps, args.repeats, args.speed_steps, env, args.trial) for n in names]
     if args.json:
         meta = {"command": " ".join(sys.argv), "started": started,
                 "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -452,6 +482,11 @@ def main() -> None:
     ap.add_argument(
         "--headroom", type=float,
         help="with --plan_cap --repredict: judge with this planner headroom (default: HEADROOM)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--trial", action="store_true",
+        help="with --plan_cap: judge the choice of partita plan --trial (its trials' peaks are "
+        "the measured ones)",
     )  # fmt: skip
     ap.add_argument(
         "--speed_steps", type=int, default=30,

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from partita.estimate import plan
+from partita.estimate import plan, trial
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
 from partita.estimate.model import ModelShape
 from partita.estimate.plan import HEADROOM
@@ -220,7 +220,16 @@ def plan_main(argv: Sequence[str]) -> int:
     )
     ap.add_argument("--nvme_path", help="directory for NVMe offload files in the config")
     ap.add_argument("--output", default="ds_config.json", help="where to write the config")
+    ap.add_argument(
+        "--trial",
+        action="store_true",
+        help="run each configuration predicted faster than the choice that only --headroom "
+        "kept out for 3 steps on this node (fastest first; needs --model) and take the "
+        f"first whose measured peak leaves {trial.TRIAL_MARGIN:.0%} free",
+    )
     args = ap.parse_args(list(argv))
+    if args.trial and (args.model is None or args.nodes != 1):
+        ap.error("--trial runs the model on this node: it needs --model and --nodes 1")
     from partita.estimate import calibrate
 
     # CPU ranks share the node's cores: calibrate with the threads one of them gets.
@@ -245,7 +254,8 @@ def plan_main(argv: Sequence[str]) -> int:
         return 2
     tokens = args.micro_batch * args.seq_len
     ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
-    if not ranked:
+    kept = _kept_out(args, model, estimates, ranked, rates) if args.headroom > 0 else []
+    if not ranked and not (args.trial and kept):
         print(_nothing_fits(estimates))
         return 1
     print(
@@ -256,32 +266,83 @@ def plan_main(argv: Sequence[str]) -> int:
             f"{e.candidate.label:30s} {t.total:8.3g} {t.compute:8.3g} {t.comm:8.3g}"
             f" {t.offload:8.3g} {t.nvme:8.3g}"
         )
-    best: Candidate = ranked[0][0].candidate
+    best: Candidate | None = ranked[0][0].candidate if ranked else None
+    if args.trial:
+        try:
+            best = _trial(args, kept, best)
+        except trial.TrialError as error:
+            print(f"partita plan: error: {error}", file=sys.stderr)
+            return 2
+    if best is None:  # only trials could have found one, and none fit
+        print(_nothing_fits(estimates))
+        return 1
     plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
     extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
     print(f"chose {best.label}; wrote {args.output}{extra}")
-    if args.headroom > 0:
-        _print_kept_out(args, model, estimates, ranked, rates)
+    if not args.trial:
+        _print_kept_out(args, estimates, ranked, kept)
     return 0
 
 
-def _print_kept_out(
+def _kept_out(
     args: argparse.Namespace,
     model: ModelShape,
     estimates: list[Estimate],
     ranked: list[tuple[Estimate, plan.Timing]],
     rates: plan.Rates,
-) -> None:
-    """Names the faster configurations only the headroom kept out, and by how much."""
+) -> list[tuple[Estimate, plan.Timing]]:
+    """The configurations predicted faster than the choice that only the headroom kept out."""
     # The same candidates on the same model, only without the headroom (no second trace).
     without = [
         estimate(model, e.candidate, replace(e.hardware, headroom=0.0), Settings())
         for e in estimates
     ]
     tokens = args.micro_batch * args.seq_len
-    faster = plan.kept_out_by_headroom(
+    return plan.kept_out_by_headroom(
         ranked, without, model.trainable, tokens, rates, model.recomputed
     )
+
+
+def _trial(
+    args: argparse.Namespace,
+    kept: list[tuple[Estimate, plan.Timing]],
+    chosen: Candidate | None,
+) -> Candidate | None:
+    """``--trial``: runs the configurations the headroom kept out, fastest first, and returns
+    the first whose measured peak per rank fits with `trial.TRIAL_MARGIN` to spare (else
+    `chosen`, None when nothing fit the headroom either)."""
+    for e, _ in kept:
+        hw = e.hardware
+        # What one rank may use: the device, or on CPU ranks its share of the node's host.
+        have = hw.device_memory if hw.accelerator != "cpu" else hw.host_memory
+        assert have is not None  # a configuration kept out by the headroom had a limit
+        if hw.accelerator == "cpu":
+            have //= hw.devices_per_node
+        limit = int(have * (1 - trial.TRIAL_MARGIN))
+        accel = "cpu" if args.cpu else "cuda"
+        run = trial.trial_peaks(
+            args.model, e.candidate, hw.devices_per_node, args.micro_batch, args.seq_len,
+            accel, nvme_path=args.nvme_path,
+        )  # fmt: skip
+        predicted = e.device + e.total("host") if hw.accelerator == "cpu" else e.device
+        what = f"trial: {e.candidate.label} (predicted {format_bytes(predicted)} per rank)"
+        if run.error is not None:
+            print(f"{what} failed: {run.error}")
+        elif run.peak > limit:
+            print(f"{what} peaked at {format_bytes(run.peak)}, over {format_bytes(limit)}")
+        else:
+            print(f"{what} peaked at {format_bytes(run.peak)}, within {format_bytes(limit)}")
+            return e.candidate
+    return chosen
+
+
+def _print_kept_out(
+    args: argparse.Namespace,
+    estimates: list[Estimate],
+    ranked: list[tuple[Estimate, plan.Timing]],
+    faster: list[tuple[Estimate, plan.Timing]],
+) -> None:
+    """Names the faster configurations only the headroom kept out, and by how much."""
     short = {e.candidate: e.shortfalls() for e in estimates}
     chosen = ranked[0][1].total
     for e, t in faster:

@@ -179,12 +179,11 @@ def kept_out_by_headroom(
     recomputed: int | None = None,
 ) -> list[tuple[Estimate, Timing]]:
     """Configurations predicted faster than the choice (``ranked[0]``) that fit the memory in
-    full but not with the headroom kept free: `without_headroom` are the same candidates
-    estimated with ``headroom=0``. Fastest first. The planner does not take them (the
-    headroom is there for what the estimate misses), but says what they would gain."""
-    if not ranked:
-        return []
-    chosen = ranked[0][1].total
+    full but not with the headroom kept free (every one of those when nothing is ranked):
+    `without_headroom` are the same candidates estimated with ``headroom=0``. Fastest first.
+    The planner does not take them (the headroom is there for what the estimate misses) unless
+    a trial run shows one fits (``partita plan --trial``), but says what they would gain."""
+    chosen = ranked[0][1].total if ranked else float("inf")
     fits_now = {e.candidate for e, _ in ranked}
     return [
         (e, t)
