@@ -25,8 +25,12 @@ def write_script(path: Path, text: str) -> Path:
 
 
 def start_launcher(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    """Starts ``partita <args>`` with captured output (read it with ``communicate``)."""
-    full_env = {**os.environ, **(env or {})}
+    """Starts ``partita <args>`` with captured output (read it with ``communicate``).
+
+    Python's fault handler is on in the launcher and everything it starts, so a crash in
+    native code (an agent exited -11 with no output in a full run, 2026-12-04) leaves every
+    thread's stack in the output the test prints."""
+    full_env = {"PYTHONFAULTHANDLER": "1", **os.environ, **(env or {})}
     return subprocess.Popen(
         [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
     )
