@@ -63,7 +63,10 @@ offload and checkpointing: 349.2 MiB against 328.9) and the quiet run 0-10% belo
 run's peak grows with the machine's load). 0.08 accepts up to 1/(1 - 0.08) = 1.087 x the
 prediction: the worst seen plus ~2.5%. It was 0.15 when an older estimator read every
 prediction 1-14% *above* measured, which made the planner refuse configurations that ran
-well within the cap."""
+well within the cap. With today's estimator, under load 10 (5f2edc5, 2026-12-04,
+``benchmarks/results/peaks_under_load_10m.md``) every one of the 16 planner candidates peaked
+at or under its prediction (the closest 0.1% under); it stays for what was not measured (GPUs,
+other models), and ``partita plan --trial`` measures what it keeps out instead of guessing."""
 
 
 @dataclass(frozen=True)
