@@ -244,6 +244,17 @@ def test_the_compute_calibration_runs_the_model_on_the_ranks_threads(monkeypatch
     assert 0 < rate < float("inf")
 
 
+def _plan_argv(model_dir: Any, host_memory: str, out: Any) -> list[str]:
+    """``partita plan`` on the test model saved in `model_dir`, CPU ranks, the fixed rates."""
+    return [
+        "--model", str(model_dir), "--cpu", "--num_gpus", str(RANKS),
+        "--host_memory", host_memory, "--micro_batch", str(MICRO_BATCH),
+        "--seq_len", str(SEQ), "--precision", "fp32", "--flops", str(RATES.flops),
+        "--adam_rate", str(RATES.adam_rate), "--link_bandwidth", str(RATES.link_bandwidth),
+        "--output", str(out),
+    ]  # fmt: skip
+
+
 def test_the_planner_names_the_faster_configurations_its_headroom_keeps_out(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -259,13 +270,7 @@ def test_the_planner_names_the_faster_configurations_its_headroom_keeps_out(
 
     _config().save_pretrained(tmp_path)
     out = tmp_path / "ds_config.json"
-    argv = [
-        "--model", str(tmp_path), "--cpu", "--num_gpus", str(RANKS),
-        "--host_memory", f"{RANKS * CAP // MIB}MiB", "--micro_batch", str(MICRO_BATCH),
-        "--seq_len", str(SEQ), "--precision", "fp32", "--flops", str(RATES.flops),
-        "--adam_rate", str(RATES.adam_rate), "--link_bandwidth", str(RATES.link_bandwidth),
-        "--output", str(out),
-    ]  # fmt: skip
+    argv = _plan_argv(tmp_path, f"{RANKS * CAP // MIB}MiB", out)
     assert plan_main(argv) == 0
     text = capsys.readouterr().out
     _, chosen = _plan()
@@ -291,12 +296,7 @@ def test_plan_takes_the_share_of_collectives_compute_cannot_hide(
     from partita.estimate.cli import plan_main
 
     _config().save_pretrained(tmp_path)
-    argv = [
-        "--model", str(tmp_path), "--cpu", "--num_gpus", str(RANKS), "--host_memory", "64GiB",
-        "--micro_batch", str(MICRO_BATCH), "--seq_len", str(SEQ), "--precision", "fp32",
-        "--flops", str(RATES.flops), "--adam_rate", str(RATES.adam_rate),
-        "--link_bandwidth", str(RATES.link_bandwidth), "--output", str(tmp_path / "c.json"),
-    ]  # fmt: skip
+    argv = _plan_argv(tmp_path, "64GiB", tmp_path / "c.json")
     comm = {}
     for share in ("1", "0.25"):
         assert plan_main([*argv, "--comm_cpu_share", share]) == 0
@@ -334,13 +334,7 @@ def test_a_trial_takes_the_faster_configuration_the_headroom_kept_out(
 
     _config().save_pretrained(tmp_path)
     out = tmp_path / "ds_config.json"
-    argv = [
-        "--model", str(tmp_path), "--cpu", "--num_gpus", str(RANKS),
-        "--host_memory", f"{RANKS * CAP // MIB}MiB", "--micro_batch", str(MICRO_BATCH),
-        "--seq_len", str(SEQ), "--precision", "fp32", "--flops", str(RATES.flops),
-        "--adam_rate", str(RATES.adam_rate), "--link_bandwidth", str(RATES.link_bandwidth),
-        "--output", str(out), "--trial",
-    ]  # fmt: skip
+    argv = [*_plan_argv(tmp_path, f"{RANKS * CAP // MIB}MiB", out), "--trial"]
     assert plan_main(argv) == 0
     text = capsys.readouterr().out
     tried = re.findall(r"^trial: (.+) \(predicted .*\) peaked at (.+), (within|over) ", text, re.M)

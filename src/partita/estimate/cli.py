@@ -197,6 +197,42 @@ def _compute_rate(args: argparse.Namespace) -> float:
 def plan_main(argv: Sequence[str]) -> int:
     """``partita plan``: ranks the configurations that fit by predicted step time and writes
     the fastest as a DeepSpeed config."""
+    ap = _plan_parser()
+    args = ap.parse_args(list(argv))
+    if args.trial and (args.model is None or args.nodes != 1):
+        ap.error("--trial runs the model on this node: it needs --model and --nodes 1")
+    try:
+        rates = _rates(args)
+        model, estimates = _estimates(args)
+    except EstimateError as error:
+        print(f"partita plan: error: {error}", file=sys.stderr)
+        return 2
+    tokens = args.micro_batch * args.seq_len
+    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
+    kept = _kept_out(args, model, estimates, ranked, rates) if args.headroom > 0 else []
+    if not ranked and not (args.trial and kept):
+        print(_nothing_fits(estimates))
+        return 1
+    _print_ranking(ranked)
+    best: Candidate | None = ranked[0][0].candidate if ranked else None
+    if args.trial:
+        try:
+            best = _trial(args, kept, best)
+        except trial.TrialError as error:
+            print(f"partita plan: error: {error}", file=sys.stderr)
+            return 2
+    if best is None:  # only trials could have found one, and none fit
+        print(_nothing_fits(estimates))
+        return 1
+    plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
+    extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
+    print(f"chose {best.label}; wrote {args.output}{extra}")
+    if not args.trial:
+        _print_kept_out(args, estimates, ranked, kept)
+    return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
     ap = _parser("partita plan", plan_main.__doc__ or "")
     ap.add_argument(
         "--flops",
@@ -227,37 +263,31 @@ def plan_main(argv: Sequence[str]) -> int:
         "kept out for 3 steps on this node (fastest first; needs --model) and take the "
         f"first whose measured peak leaves {trial.TRIAL_MARGIN:.0%} free",
     )
-    args = ap.parse_args(list(argv))
-    if args.trial and (args.model is None or args.nodes != 1):
-        ap.error("--trial runs the model on this node: it needs --model and --nodes 1")
+    return ap
+
+
+def _rates(args: argparse.Namespace) -> plan.Rates:
+    """The rates the step time is predicted from: given, defaults, or calibrated here."""
     from partita.estimate import calibrate
 
     # CPU ranks share the node's cores: calibrate with the threads one of them gets.
     threads = calibrate.rank_threads(args.devices_per_node) if args.cpu else None
-    try:
-        flops = float(parse_count(args.flops, "--flops")) if args.flops else _compute_rate(args)
-        if args.adam_rate is not None:
-            adam = float(parse_count(args.adam_rate, "--adam_rate"))
-        else:
-            adam = calibrate.calibrate_adam_rate(threads=threads) if args.cpu else 1e9
-        rates = plan.Rates(
-            flops,
-            parse_bytes(args.link_bandwidth, "--link_bandwidth"),
-            parse_bytes(args.host_bandwidth, "--host_bandwidth"),
-            adam,
-            parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
-            comm_cpu_share=args.comm_cpu_share,
-        )
-        model, estimates = _estimates(args)
-    except EstimateError as error:
-        print(f"partita plan: error: {error}", file=sys.stderr)
-        return 2
-    tokens = args.micro_batch * args.seq_len
-    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
-    kept = _kept_out(args, model, estimates, ranked, rates) if args.headroom > 0 else []
-    if not ranked and not (args.trial and kept):
-        print(_nothing_fits(estimates))
-        return 1
+    flops = float(parse_count(args.flops, "--flops")) if args.flops else _compute_rate(args)
+    if args.adam_rate is not None:
+        adam = float(parse_count(args.adam_rate, "--adam_rate"))
+    else:
+        adam = calibrate.calibrate_adam_rate(threads=threads) if args.cpu else 1e9
+    return plan.Rates(
+        flops,
+        parse_bytes(args.link_bandwidth, "--link_bandwidth"),
+        parse_bytes(args.host_bandwidth, "--host_bandwidth"),
+        adam,
+        parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
+        comm_cpu_share=args.comm_cpu_share,
+    )
+
+
+def _print_ranking(ranked: list[tuple[Estimate, plan.Timing]]) -> None:
     print(
         f"{'configuration':30s} {'step s':>8s} {'compute':>8s} {'comm':>8s} {'offload':>8s} {'nvme':>8s}"
     )
@@ -266,22 +296,6 @@ def plan_main(argv: Sequence[str]) -> int:
             f"{e.candidate.label:30s} {t.total:8.3g} {t.compute:8.3g} {t.comm:8.3g}"
             f" {t.offload:8.3g} {t.nvme:8.3g}"
         )
-    best: Candidate | None = ranked[0][0].candidate if ranked else None
-    if args.trial:
-        try:
-            best = _trial(args, kept, best)
-        except trial.TrialError as error:
-            print(f"partita plan: error: {error}", file=sys.stderr)
-            return 2
-    if best is None:  # only trials could have found one, and none fit
-        print(_nothing_fits(estimates))
-        return 1
-    plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
-    extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
-    print(f"chose {best.label}; wrote {args.output}{extra}")
-    if not args.trial:
-        _print_kept_out(args, estimates, ranked, kept)
-    return 0
 
 
 def _kept_out(
