@@ -147,6 +147,21 @@ def host_peak_rss() -> int:
     return host_rss()
 
 
+def host_file_rss() -> int:
+    """Resident pages of this process backed by files (libraries' code, mapped files), bytes
+    (Linux: RssFile; else 0). They are clean and reclaimable, not memory a job can run out of,
+    and how many a run maps depends on the page cache: in a fresh virtual environment the same
+    3 training steps mapped 65 MiB of them, in an older one 26 (2026-12-05)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as fh:
+            for line in fh:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 

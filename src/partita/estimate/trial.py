@@ -12,8 +12,10 @@ in a fresh set of rank processes, and stops at the first whose measured peak fit
 
 Each rank builds the model from its Hugging Face config (random weights: memory does not depend
 on their values), trains on random tokens at the planned micro-batch and sequence length, and
-reports its peak over the baseline taken after imports: resident memory (``VmHWM``, reset
-first) on CPU ranks, the caching allocator's reserved bytes on a GPU.
+reports its peak over the baseline taken after imports: on CPU ranks resident memory
+(``VmHWM``, reset first) less the file-backed pages mapped during the run (libraries' code:
+clean, reclaimable, and 26 or 65 MiB for the same steps depending on the page cache, see
+`partita.accelerator.host_file_rss`), on a GPU the caching allocator's reserved bytes.
 """
 
 from __future__ import annotations
@@ -26,16 +28,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from partita import env as env_vars
 from partita.estimate.memory import Candidate
 
 __all__ = ["TRIAL_MARGIN", "TrialError", "TrialRun", "trial_peaks"]
 
 TRIAL_MARGIN = 0.03
 """Fraction of each memory a configuration's measured peak must leave free to be taken. One
-configuration's peak moved 0.7% between a quiet machine and a load of 10 (GPT-2 10m, stage 1,
-2 CPU ranks: 347.6-350.0 MiB, ``benchmarks/results/peaks_under_load_10m_load6.json`` and the
-planner runs 9-10); 3% covers that several times over without refusing what the trial showed
-to run."""
+configuration's peak resident memory moved 0.7% between a quiet machine and a load of 10
+(GPT-2 10m, stage 1, 2 CPU ranks: 347.6-350.0 MiB, ``benchmarks/results/peaks_under_load_10m.md``
+and the planner runs 9-10); its two ranks differ by up to 3% in one run (308-318 MiB, file
+pages left out, 2026-12-05). 3% covers the drift; the ranks' spread is why a trial takes the
+larger rank."""
 
 
 class TrialError(RuntimeError):
@@ -123,13 +127,17 @@ def _rank(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
     )  # fmt: skip
-    if accelerator == "cpu":
-        os.environ["PARTITA_ACCELERATOR"] = "cpu"
     import torch
+
+    if accelerator == "cpu":
+        from partita.estimate.calibrate import rank_threads
+
+        os.environ[env_vars.ACCELERATOR.name] = "cpu"
+        torch.set_num_threads(rank_threads(world))  # the node's cores shared, as launched
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import partita
-    from partita.accelerator import host_peak_rss, host_rss
+    from partita.accelerator import host_file_rss, host_peak_rss, host_rss
     from partita.estimate.plan import ds_config
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -142,6 +150,7 @@ def _rank(
         with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
             f.write("5")
     base = torch.cuda.memory_reserved() if gpu else host_rss()
+    base_files = host_file_rss()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     if candidate.checkpointing:
@@ -156,7 +165,10 @@ def _rank(
         x = x.to(engine.device)
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
-    peak = (torch.cuda.max_memory_reserved() if gpu else host_peak_rss()) - base
+    if gpu:
+        peak = torch.cuda.max_memory_reserved() - base
+    else:  # less the file pages mapped meanwhile: reclaimable, and not the same on every run
+        peak = host_peak_rss() - base - (host_file_rss() - base_files)
     engine.destroy()
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"peak": peak}, f)
@@ -169,7 +181,8 @@ def _import_model_code(config: Any) -> None:
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    importlib.import_module(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__)
+    with contextlib.suppress(KeyError):  # a model transformers does not map: built as is
+        importlib.import_module(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__)
     for name in ("transformers.loss.loss_utils", "transformers.masking_utils"):
         with contextlib.suppress(ImportError):  # not in every transformers version
             importlib.import_module(name)
