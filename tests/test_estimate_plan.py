@@ -348,3 +348,14 @@ def test_a_trial_takes_the_faster_configuration_the_headroom_kept_out(
     config = json.loads(out.read_text())
     peaks = run_distributed(train_under_plan, RANKS, config, False, timeout=600)
     assert max(peaks) <= CAP, (label, [p / MIB for p in peaks])
+
+
+def test_a_trial_that_fails_is_a_result_not_a_crash(tmp_path: Any) -> None:
+    """A configuration whose ranks fail (here: NVMe offload to a folder that cannot exist) comes
+    back as a `TrialRun` naming the error, so the planner goes on to the next one."""
+    from partita.estimate.trial import trial_peaks
+
+    _config().save_pretrained(tmp_path)
+    bad = Candidate(3, offload_optimizer="nvme", precision="fp32")
+    run = trial_peaks(str(tmp_path), bad, RANKS, MICRO_BATCH, SEQ, "cpu", nvme_path="/proc/x")
+    assert run.error and run.peaks == (), run

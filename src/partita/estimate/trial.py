@@ -95,7 +95,7 @@ def trial_peaks(
                 if time.monotonic() > deadline:
                     raise TrialError(f"trial of {candidate.label} ran past {timeout_s:.0f} s")
         except mp.ProcessRaisedException as err:
-            return TrialRun((), error=str(err).strip().splitlines()[-1])
+            return TrialRun((), error=str(err).strip().splitlines()[-1].strip(" -"))
         except mp.ProcessExitedException as err:
             return TrialRun((), error=f"a rank exited with status {err.exit_code}")
         finally:
