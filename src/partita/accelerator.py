@@ -137,14 +137,20 @@ def host_rss() -> int:
 
 def host_peak_rss() -> int:
     """Peak resident set size of this process, bytes (Linux: VmHWM; else current RSS)."""
+    peak = _status_bytes("VmHWM")
+    return host_rss() if peak is None else peak
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` in bytes; None where there is none."""
     try:
         with open(f"/proc/{os.getpid()}/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return host_rss()
+    return None
 
 
 def host_file_rss() -> int:
@@ -152,14 +158,7 @@ def host_file_rss() -> int:
     (Linux: RssFile; else 0). They are clean and reclaimable, not memory a job can run out of,
     and how many a run maps depends on the page cache: in a fresh virtual environment the same
     3 training steps mapped 65 MiB of them, in an older one 26 (2026-12-05)."""
-    try:
-        with open(f"/proc/{os.getpid()}/status") as fh:
-            for line in fh:
-                if line.startswith("RssFile:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("RssFile") or 0
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
