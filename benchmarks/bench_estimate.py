@@ -420,16 +420,10 @@ def _with_trials(
     shape: Any, cap: int, ests: list[Any], ranked: list[Any], rates: Any, meas: dict[str, Any]
 ) -> list[Any]:
     """`ranked` with ``partita plan --trial``'s choice first (`judge`)."""
-    from dataclasses import replace
-
-    from partita.estimate import estimate
     from partita.estimate.plan import kept_out_by_headroom
     from partita.estimate.trial import TRIAL_MARGIN
 
-    without = [estimate(shape, e.candidate, replace(e.hardware, headroom=0.0)) for e in ests]
-    tokens = MICRO_BATCH * SEQ
-    kept = kept_out_by_headroom(ranked, without, shape.trainable, tokens, rates, shape.recomputed)
-    for e, t in kept:
+    for e, t in kept_out_by_headroom(shape, ests, ranked, MICRO_BATCH * SEQ, rates):
         if max(meas[e.candidate.label]["peak"]) <= cap * (1 - TRIAL_MARGIN):
             return [(e, t), *ranked]
     return ranked

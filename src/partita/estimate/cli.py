@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 
 from partita.estimate import plan, trial
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
@@ -31,22 +30,26 @@ def _positive(text: str) -> int:
 
 
 def _share(text: str) -> float:
-    value = _fraction(text) if text not in ("1", "1.0", "100%") else 1.0
-    if value == 0.0:
+    value = _parse_fraction(text)
+    if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
     return value
 
 
 def _fraction(text: str) -> float:
+    value = _parse_fraction(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return value
+
+
+def _parse_fraction(text: str) -> float:
     try:
-        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+        return float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a fraction such as 0.1 or 10%, got {text!r}"
         ) from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
-    return value
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -209,7 +212,11 @@ def plan_main(argv: Sequence[str]) -> int:
         return 2
     tokens = args.micro_batch * args.seq_len
     ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
-    kept = _kept_out(args, model, estimates, ranked, rates) if args.headroom > 0 else []
+    kept = (
+        plan.kept_out_by_headroom(model, estimates, ranked, tokens, rates)
+        if args.headroom > 0
+        else []
+    )
     if not ranked and not (args.trial and kept):
         print(_nothing_fits(estimates))
         return 1
@@ -298,25 +305,6 @@ def _print_ranking(ranked: list[tuple[Estimate, plan.Timing]]) -> None:
         )
 
 
-def _kept_out(
-    args: argparse.Namespace,
-    model: ModelShape,
-    estimates: list[Estimate],
-    ranked: list[tuple[Estimate, plan.Timing]],
-    rates: plan.Rates,
-) -> list[tuple[Estimate, plan.Timing]]:
-    """The configurations predicted faster than the choice that only the headroom kept out."""
-    # The same candidates on the same model, only without the headroom (no second trace).
-    without = [
-        estimate(model, e.candidate, replace(e.hardware, headroom=0.0), Settings())
-        for e in estimates
-    ]
-    tokens = args.micro_batch * args.seq_len
-    return plan.kept_out_by_headroom(
-        ranked, without, model.trainable, tokens, rates, model.recomputed
-    )
-
-
 def _trial(
     args: argparse.Namespace,
     kept: list[tuple[Estimate, plan.Timing]],
@@ -333,13 +321,12 @@ def _trial(
         if hw.accelerator == "cpu":
             have //= hw.devices_per_node
         limit = int(have * (1 - trial.TRIAL_MARGIN))
-        accel = "cpu" if args.cpu else "cuda"
         run = trial.trial_peaks(
             args.model, e.candidate, hw.devices_per_node, args.micro_batch, args.seq_len,
-            accel, nvme_path=args.nvme_path,
+            hw.accelerator, nvme_path=args.nvme_path,
         )  # fmt: skip
-        predicted = e.device + e.total("host") if hw.accelerator == "cpu" else e.device
-        what = f"trial: {e.candidate.label} (predicted {format_bytes(predicted)} per rank)"
+        predicted = format_bytes(plan.rank_need(e))
+        what = f"trial: {e.candidate.label} (predicted {predicted} per rank)"
         if run.error is not None:
             print(f"{what} failed: {run.error}")
         elif run.peak > limit:

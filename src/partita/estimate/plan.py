@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from partita.estimate.calibrate import calibrate_adam_rate, calibrate_flops
-from partita.estimate.memory import DTYPE_BYTES, Candidate, Estimate
+from partita.estimate.memory import DTYPE_BYTES, Candidate, Estimate, estimate
+from partita.estimate.model import ModelShape
 
 __all__ = [
     "HEADROOM",
@@ -46,6 +47,7 @@ __all__ = [
     "ds_config",
     "kept_out_by_headroom",
     "rank",
+    "rank_need",
     "step_time",
 ]
 
@@ -170,32 +172,33 @@ def rank(
     timed = [
         (e, step_time(e, params, tokens_per_rank, rates, recomputed)) for e in estimates if e.fits
     ]
-    return sorted(timed, key=lambda et: (et[1].total, _peak(et[0])))
+    return sorted(timed, key=lambda et: (et[1].total, rank_need(et[0])))
 
 
 def kept_out_by_headroom(
+    model: ModelShape,
+    estimates: list[Estimate],
     ranked: list[tuple[Estimate, Timing]],
-    without_headroom: list[Estimate],
-    params: int,
     tokens_per_rank: int,
     rates: Rates,
-    recomputed: int | None = None,
 ) -> list[tuple[Estimate, Timing]]:
-    """Configurations predicted faster than the choice (``ranked[0]``) that fit the memory in
-    full but not with the headroom kept free (every one of those when nothing is ranked):
-    `without_headroom` are the same candidates estimated with ``headroom=0``. Fastest first.
-    The planner does not take them (the headroom is there for what the estimate misses) unless
-    a trial run shows one fits (``partita plan --trial``), but says what they would gain."""
+    """Configurations predicted faster than the choice (``ranked[0]``, as `rank` ranks
+    `estimates` of `model`) that fit the memory in full but not with the headroom kept free
+    (every one of those when nothing is ranked), estimated again with ``headroom=0`` on the
+    same model (no second trace). Fastest first. The planner does not take them (the headroom
+    is there for what the estimate misses) unless a trial run shows one fits (``partita plan
+    --trial``), but says what they would gain."""
+    without = [estimate(model, e.candidate, replace(e.hardware, headroom=0.0)) for e in estimates]
     chosen = ranked[0][1].total if ranked else float("inf")
     fits_now = {e.candidate for e, _ in ranked}
     return [
         (e, t)
-        for e, t in rank(without_headroom, params, tokens_per_rank, rates, recomputed)
+        for e, t in rank(without, model.trainable, tokens_per_rank, rates, model.recomputed)
         if e.candidate not in fits_now and t.total < chosen
     ]
 
 
-def _peak(est: Estimate) -> int:
+def rank_need(est: Estimate) -> int:
     """Per-rank bytes the configuration needs where it is tightest: the device, or on CPU
     ranks the host (their device is the host)."""
     if est.hardware.accelerator == "cpu":
