@@ -108,6 +108,7 @@ def finish(proc: subprocess.Popen[str], guard_s: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=guard_s)
     except subprocess.TimeoutExpired:
+        _dump_stacks(proc.pid)
         proc.kill()
         try:
             out, err = proc.communicate(timeout=60)
@@ -117,6 +118,20 @@ def finish(proc: subprocess.Popen[str], guard_s: float) -> tuple[str, str]:
             out += f"\n(launcher exited {proc.poll()}; its output is still held open)"
         message = f"hang guard: launcher still running after {guard_s} s\n{out}\n{err}"
         raise AssertionError(message) from None
+
+
+def _dump_stacks(pid: int, wait_s: float = 3.0) -> None:
+    """SIGABRTs `pid` and everything under it, workers first: with PYTHONFAULTHANDLER set
+    (`start_launcher`) each prints every thread's stack into the launcher's output, so a hung
+    job says where it hung (a two-node job hung after its workers' last step, 2026-12-05)."""
+    try:
+        tree = psutil.Process(pid).children(recursive=True)[::-1] + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        with contextlib.suppress(psutil.Error):
+            member.send_signal(signal.SIGABRT)
+    psutil.wait_procs(tree, timeout=wait_s)
 
 
 def _text(data: bytes | str | None) -> str:
