@@ -1,7 +1,8 @@
-"""partita's environment variables: read in one module (`partita.env`), listed in README.
+"""partita's environment variables: read in one module (`partita.env`), listed in the docs.
 
-A variable read (or named) anywhere else would drift from its documentation; the README table
-is generated from `partita.env`, so a variable added there and not to README fails here.
+A variable read (or named) anywhere else would drift from its documentation; the table in
+docs/environment.md is generated from `partita.env`, so a variable added there and not to the
+page fails here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from partita.testing.interpreter import run_python
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = SRC / "partita"
-README = SRC.parent / "README.md"
+ENV_PAGE = SRC.parent / "docs" / "environment.md"
 _NAME = re.compile(r"PARTITA_[A-Z][A-Z0-9_]*")
 
 
@@ -72,17 +73,17 @@ def test_every_variable_is_registered() -> None:
         assert var.doc.strip() and var.values.strip() and var.default.strip(), var.name
 
 
-def test_readme_lists_every_variable() -> None:
-    """README.md holds the table `partita.env.markdown_table()` generates, verbatim."""
+def test_docs_list_every_variable() -> None:
+    """docs/environment.md holds the table `partita.env.markdown_table()` generates, verbatim."""
     from partita import env
 
     table = env.markdown_table()
     assert all(f"`{v.name}`" in table for v in env.VARIABLES)
-    readme = README.read_text()
-    missing = [v.name for v in env.VARIABLES if f"| `{v.name}` |" not in readme]
-    assert table in readme, (
-        f"README.md's environment-variable table is not what partita.env defines (missing: "
-        f"{missing or 'none; a row differs'}); paste the output of "
+    page = ENV_PAGE.read_text()
+    missing = [v.name for v in env.VARIABLES if f"| `{v.name}` |" not in page]
+    assert table in page, (
+        f"docs/environment.md's table is not what partita.env defines (missing: "
+        f"{missing or 'none; a row differs'}); replace it with the output of "
         "`python -c 'import partita.env as e; print(e.markdown_table())'`"
     )
 
