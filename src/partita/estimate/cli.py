@@ -119,12 +119,48 @@ def _estimates(args: argparse.Namespace) -> tuple[ModelShape, list[Estimate]]:
     return model, [estimate(model, c, hw, Settings()) for c in cands]
 
 
+_LIMIT_FLAGS = {"device": "--device_memory", "host": "--host_memory", "nvme": "--nvme"}
+PER_PARAM_NOTE = (
+    "bytes/param: one rank's bytes (device + host + nvme) per trainable parameter. The familiar "
+    "16 is 2 weights + 2 gradients + 4 fp32 master + 8 Adam moments (16-bit, nothing sharded); "
+    "partita also keeps fp32 gradients for the masters (+4, sharded with them from stage 1), "
+    "and counts buffers (gathered units, reduce buckets, staging), activations, the allocator's "
+    "slack (10% of the live bytes on CUDA, 5% on CPU ranks) and other (a CPU rank's runtime)"
+)
+"""Printed under the table: where a row's bytes per parameter differ from the familiar 16."""
+
+
+def _verdict(e: Estimate) -> str:
+    """A row's verdict: "fits", "NO: ..." and what was not checked. A memory whose limit was
+    not given is never called fitting (1.1 TB of host memory is "host unchecked")."""
+    unchecked = e.unchecked()
+    flags = ", ".join(_LIMIT_FLAGS[what] for what in unchecked)
+    open_ = f"{' and '.join(unchecked)} unchecked (give {flags})" if unchecked else ""
+    if not e.fits:
+        return "NO: " + "; ".join(e.shortfalls()) + (f"; {open_}" if open_ else "")
+    checked = [what for what, need, have in e.needs() if need and have is not None]
+    if not open_:
+        return "fits"
+    return (f"fits {' and '.join(checked)}; " if checked else "") + open_
+
+
 def _row(e: Estimate) -> str:
-    verdict = "fits" if e.fits else "NO: " + "; ".join(e.shortfalls())
     return (
         f"{e.candidate.label:30s} {format_bytes(e.device):>10s} {format_bytes(e.host_per_node):>10s}"
-        f" {format_bytes(e.nvme_per_node):>10s}  {verdict}"
+        f" {format_bytes(e.nvme_per_node):>10s}  {_verdict(e)}"
     )
+
+
+def _per_param_row(e: Estimate) -> str:
+    """The row's bytes per trainable parameter by group, adding up to its total."""
+    per = e.per_param()
+    # The familiar four always (a 0 there says something); the rest only where present.
+    parts = " + ".join(
+        f"{name} {v:.2f}"
+        for name, v in per.items()
+        if name != "total" and (v or name in ("weights", "grads", "master", "moments"))
+    )
+    return f"    bytes/param: {parts} = {per['total']:.2f}"
 
 
 def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
@@ -138,6 +174,7 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
     shared = estimates[0].notes[1:]  # the first note names the moment of each one's peak
     for e in estimates:
         print(_row(e))
+        print(_per_param_row(e))
         if detail:
             for i in e.items:
                 print(
@@ -148,6 +185,14 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
                 print(f"    {note}")  # its own: the moment of its peak first
     for note in shared:
         print(f"note: {note}")
+    print(f"note: {PER_PARAM_NOTE}")
+    unchecked = sorted({w for e in estimates for w in e.unchecked()})
+    if unchecked:
+        flags = ", ".join(_LIMIT_FLAGS[w] for w in unchecked)
+        print(
+            f"note: {' and '.join(unchecked)} memory not checked: {flags} not given, so no row "
+            "is said to fit it"
+        )
 
 
 def _nothing_fits(estimates: list[Estimate]) -> str:

@@ -39,6 +39,7 @@ __all__ = [
     "CPU_RUNTIME",
     "DTYPE_BYTES",
     "MODEL_STATES",
+    "PER_PARAM_GROUPS",
     "Candidate",
     "Estimate",
     "Hardware",
@@ -58,6 +59,22 @@ torch 2.13 (``tests/test_estimate_plan.py`` runs under a cap that counts it)."""
 _COPY_SLICE_NUMEL = 1 << 22  # partita.zero.shard_step.COPY_SLICE_NUMEL (pinned copy-back slice)
 MODEL_STATES = ("parameters", "gradients", "fp32 masters", "optimizer state")
 """The items DeepSpeed's estimator counts ("model states")."""
+PER_PARAM_GROUPS = {
+    "parameters": "weights",
+    "gradients": "grads",
+    "fp32 masters": "master",
+    "optimizer state": "moments",
+    "gathered units": "buffers",
+    "reduce buckets": "buffers",
+    "nvme buffers": "buffers",
+    "pinned staging": "buffers",
+    "activations": "activations",
+    "gradient transient": "activations",
+    "allocator slack": "slack",
+    "runtime": "other",
+}
+"""Which group of `Estimate.per_param` each item falls in: the familiar 16 bytes per parameter
+(2 weights + 2 gradients + 4 fp32 master + 8 Adam moments) against what partita holds besides."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +199,8 @@ class Estimate:
     moment)."""
     states: list[Item] = field(default_factory=list)
     """The model states while they exist (gradients whole); empty: as in `items`."""
+    trainable: int = 0
+    """The model's trainable parameters (Ψ), what `per_param` divides by."""
 
     def total(self, where: Literal["device", "host", "nvme"]) -> int:
         """Sum over items of one rank's bytes in `where`."""
@@ -207,17 +226,22 @@ class Estimate:
         """NVMe bytes per node."""
         return self.total("nvme") * self.hardware.devices_per_node
 
+    def needs(self) -> list[tuple[Literal["device", "host", "nvme"], int, int | None]]:
+        """(memory, bytes needed, bytes given or None) for the device (per device), the host
+        and NVMe (per node). A CPU rank's device is host memory: counted there, not twice."""
+        hw = self.hardware
+        cpu = hw.accelerator == "cpu"
+        host = self.host_per_node + (self.device * hw.devices_per_node if cpu else 0)
+        return [
+            ("device", 0 if cpu else self.device, hw.device_memory),
+            ("host", host, hw.host_memory),
+            ("nvme", self.nvme_per_node, hw.nvme),
+        ]
+
     def shortfalls(self) -> list[str]:
         """Why this does not fit (empty when it fits or no limits were given)."""
         hw, out = self.hardware, []
-        host = self.host_per_node
-        if hw.accelerator == "cpu":
-            host += self.device * hw.devices_per_node  # a CPU rank's "device" is host memory
-        for what, need, have in (
-            ("device", self.device, hw.device_memory),
-            ("host", host, hw.host_memory),
-            ("nvme", self.nvme_per_node, hw.nvme),
-        ):
+        for what, need, have in self.needs():
             if not need or have is None:
                 continue
             usable = int(have * (1.0 - hw.headroom))
@@ -231,8 +255,26 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        """True when every limit given is met."""
+        """True when every limit given is met (see `unchecked` for the memories not given)."""
         return not self.shortfalls()
+
+    def unchecked(self) -> list[str]:
+        """The memories ("device", "host", "nvme") this configuration uses whose limit was not
+        given: `fits` says nothing about them."""
+        return [what for what, need, have in self.needs() if need and have is None]
+
+    def per_param(self) -> dict[str, float]:
+        """One rank's bytes (device + host + NVMe) per trainable parameter, by group of items
+        (`PER_PARAM_GROUPS`: weights, grads, master, moments, buffers, activations, slack,
+        other),
+        with their sum as "total"; so the familiar 16 can be read against this estimate."""
+        psi = max(self.trainable, 1)
+        out = dict.fromkeys(dict.fromkeys(PER_PARAM_GROUPS.values()), 0.0)
+        for i in self.items:
+            group = PER_PARAM_GROUPS.get(i.name, "other")
+            out[group] += (i.device + i.host + i.nvme) / psi
+        out["total"] = sum(out.values())
+        return out
 
 
 def _place(where: Offload, nbytes: int) -> dict[str, int]:
@@ -487,7 +529,7 @@ def estimate(
     else:
         notes.append("the CUDA context and library workspaces are not included")
     own = {i.name: i.device + i.host + i.nvme for i in items} | peaks
-    return Estimate(candidate, hardware, items, notes, own, states)
+    return Estimate(candidate, hardware, items, notes, own, states, model.trainable)
 
 
 def candidates(precision: str = "bf16", checkpointing: bool | None = None) -> list[Candidate]:
