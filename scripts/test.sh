@@ -3,9 +3,11 @@
 # four-rank parity tests again with torch's kernels, oneDNN and MKL held to AVX2: a summation
 # order that differs with the vector width must show here, not on a user's AVX2-only CPU.
 # With arguments, runs only `pytest -q ARGS` (default dispatch).
+# The test profile of the set-up adds the dev tools (pytest, ruff, mypy, DeepSpeed, ...) to
+# whatever .venv holds, a demo venv included.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$root/scripts/setup_env.sh"
+bash "$root/scripts/setup_env.sh" test
 cd "$root"
 python="$root/.venv/bin/python"
 # Bytecode for partita and the tests, written once: every rank process imports them, and with
