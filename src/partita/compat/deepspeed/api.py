@@ -11,6 +11,8 @@ import logging
 from typing import Any
 
 from partita import api as _api
+from partita.compat.deepspeed._cpu_world import with_cpu_world_hint
+from partita.config.errors import ConfigError
 from partita.engine import Engine
 
 add_config_arguments = _api.add_config_arguments
@@ -25,7 +27,15 @@ def initialize(*args: Any, **kwargs: Any) -> tuple[Engine, Any, Any, Any]:
     dataloader, lr_scheduler)``. The first call says in the log (rank 0) that partita stands in,
     so a run launched for DeepSpeed shows which engine trained it."""
     global _announced
-    result = _api.initialize(*args, **kwargs)
+    try:
+        result = _api.initialize(*args, **kwargs)
+    except ConfigError as error:
+        # A Trainer on a CPU-only torch without use_cpu=True: say so instead of the bare
+        # batch arithmetic (_cpu_world.py).
+        hinted = with_cpu_world_hint(error)
+        if hinted is None:
+            raise
+        raise hinted from error
     if not _announced:
         _announced = True
         from partita.compat.alias import _package_version
