@@ -99,7 +99,7 @@ def test_inert_field_says_why(path: str) -> None:
 def test_inert_fields_accept_any_valid_value() -> None:
     raw = _set(BASE, "zero_optimization.allgather_bucket_size", 1234)
     raw = _set(raw, "zero_optimization.overlap_comm", False)
-    raw = _set(raw, "activation_checkpointing.cpu_checkpointing", True)
+    raw = _set(raw, "aio.single_submit", True)
     assert _rejection(raw) == []
 
 

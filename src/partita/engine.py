@@ -88,6 +88,7 @@ class Engine(torch.nn.Module):
         self._timer = _WallClock(self.accelerator, enabled=config.wall_clock_breakdown)
         self._window_start = time.perf_counter()
         _ensure_log_handler(self.global_rank)
+        engine_setup.attach_tools(self, config)  # flops_profiler, comms_logger, activations
 
     # --- DeepSpeed-style accessors -------------------------------------------------------
     def train_batch_size(self) -> int:

@@ -318,3 +318,25 @@ def strategy(
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"
     )
+
+
+def attach_tools(engine: Any, config: DeepSpeedConfig) -> None:
+    """Wires the config's tool sections into a new engine: the FLOPs profile at
+    ``flops_profiler.profile_step``, the comms logger, and the ``activation_checkpointing``
+    settings (the defaults of `partita.activations.checkpoint` unless the script called
+    ``deepspeed.checkpointing.configure`` itself, which wins as in DeepSpeed)."""
+    from partita.activations import checkpointing
+    from partita.profiling import comms
+    from partita.profiling.engine_hooks import EngineFlopsProfile
+
+    # DeepSpeed's engine.flops_profiler is the profiler itself; the profile step's results
+    # (flops, fwd_duration) stay readable on engine.flops_profile after its report.
+    profile = (
+        EngineFlopsProfile(engine, config.flops_profiler) if config.flops_profiler.enabled else None
+    )
+    engine.flops_profile = profile
+    engine.flops_profiler = profile.profiler if profile is not None else None
+    if config.comms_logger.enabled:
+        comms.configure(config.comms_logger)
+    if not checkpointing.is_configured():
+        checkpointing.apply_config(config.activation_checkpointing)

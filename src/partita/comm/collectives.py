@@ -11,6 +11,7 @@ time this rank spends blocked in it, for the launcher's hang watchdog (see
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -77,14 +78,21 @@ class _Then:
 
 
 class _Waited:
-    """A handle whose ``wait`` counts as time blocked in a collective (for the watchdog)."""
+    """A handle whose ``wait`` counts as time blocked in a collective (for the watchdog) and
+    reports the collective's latency, issue to first completed wait (for the comms logger)."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, op: str, issued_at: float) -> None:
         self.work = work
+        self.op = op
+        self.issued_at: float | None = issued_at
 
     def wait(self) -> bool:
         with LAST_COLLECTIVE.waiting():
-            return bool(self.work.wait())
+            done = bool(self.work.wait())
+        if self.issued_at is not None:
+            COUNTERS.finished(self.op, time.perf_counter() - self.issued_at)
+            self.issued_at = None
+        return done
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -93,12 +101,17 @@ class _Waited:
 def _tracked(op: str, tag: str, async_op: bool, run: Callable[[bool], Any]) -> Work | None:
     """Runs ``run(async_op)``, a collective named `op`, recorded in `LAST_COLLECTIVE`."""
     LAST_COLLECTIVE.issued(op, tag)
+    issued_at = time.perf_counter()
     if not async_op:
         with LAST_COLLECTIVE.waiting():
             run(False)
+        COUNTERS.finished(op, time.perf_counter() - issued_at)
         return None
     handle = run(True)
-    return None if handle is None else _Waited(handle)  # type: ignore[return-value]
+    if handle is None:
+        COUNTERS.finished(op, time.perf_counter() - issued_at)
+        return None
+    return _Waited(handle, op, issued_at)  # type: ignore[return-value]
 
 
 def _staging_device(

@@ -15,8 +15,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 _ALL_REDUCE_FACTOR = 2
+
+
+class CommObserver(Protocol):
+    """Sees every collective: its payload when recorded, its latency once finished (the comms
+    logger, `partita.profiling.comms`). Calls arrive in issue order from one thread."""
+
+    def recorded(self, op: str, tag: str, nbytes: int) -> None:
+        """A collective's payload, as `CommCounters.record` counts it."""
+
+    def finished(self, op: str, seconds: float) -> None:
+        """The oldest unfinished collective took `seconds` from issue to completion."""
 
 
 @dataclass
@@ -27,6 +39,8 @@ class CommCounters:
     total_calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     step_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     step_elements: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    observer: CommObserver | None = None
+    """Told of every record and completion when set (the comms logger); None costs one test."""
 
     def record(self, op: str, tag: str, nbytes: int, numel: int) -> None:
         """Adds one collective's payload to the totals."""
@@ -35,6 +49,13 @@ class CommCounters:
         self.total_calls[key] += 1
         self.step_bytes[key] += nbytes
         self.step_elements[key] += numel
+        if self.observer is not None:
+            self.observer.recorded(op, tag, nbytes)
+
+    def finished(self, op: str, seconds: float) -> None:
+        """A collective issued as `op` completed after `seconds` (tells the observer)."""
+        if self.observer is not None:
+            self.observer.finished(op, seconds)
 
     def begin_step(self) -> None:
         """Starts a new per-step window (the engine calls it after each optimizer step)."""

@@ -13,7 +13,7 @@ entry here (``tests/test_config_ledger.py`` walks the schema and fails on a fiel
   schedules or packs work, never the numbers trained); accepted with any valid value and
   ignored, for the reason in the note.
 
-Keys DeepSpeed has but the schema does not (``pipeline``, ``flops_profiler``, ...) are listed in
+Keys DeepSpeed has but the schema does not (``pipeline``, ``autotuning``, ...) are listed in
 ``unsupported.py``; they never reach the models.
 """
 
@@ -83,8 +83,11 @@ _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"
 _FP32_MASTERS = "partita keeps fp32 master weights and optimizer states"
 _NO_PIPELINE = "pipeline parallelism is not supported by partita"
-_DS_CKPT = "configures deepspeed.checkpointing, which partita does not provide; models that " \
-    "call torch.utils.checkpoint are unaffected by it in DeepSpeed too"  # fmt: skip
+# deepspeed.checkpointing.checkpoint (partita.activations) reads the section; initialize()
+# applies it unless the script configured checkpointing itself.
+_ACTIVATIONS = "activations/checkpointing.py"
+_FLOPS = "profiling/engine_hooks.py"
+_COMMS = "profiling/comms.py"
 _COMM_CHOICE = "a choice between collectives that compute the same sums"
 
 LEDGER: dict[str, Entry] = {
@@ -279,12 +282,24 @@ LEDGER: dict[str, Entry] = {
     "wandb.team": _read(_MONITOR),
     "wandb.group": _read(_MONITOR),
     "wandb.project": _read(_MONITOR),
-    "activation_checkpointing.partition_activations": _inert(_DS_CKPT),
-    "activation_checkpointing.cpu_checkpointing": _inert(_DS_CKPT),
-    "activation_checkpointing.contiguous_memory_optimization": _inert(_DS_CKPT),
-    "activation_checkpointing.number_checkpoints": _inert(_DS_CKPT),
-    "activation_checkpointing.synchronize_checkpoint_boundary": _inert(_DS_CKPT),
-    "activation_checkpointing.profile": _inert(_DS_CKPT),
+    "activation_checkpointing.partition_activations": _read(_ACTIVATIONS),
+    "activation_checkpointing.cpu_checkpointing": _read(_ACTIVATIONS),
+    "activation_checkpointing.contiguous_memory_optimization": _read(_ACTIVATIONS),
+    "activation_checkpointing.number_checkpoints": _read(_ACTIVATIONS),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _read(_ACTIVATIONS),
+    "activation_checkpointing.profile": _read(_ACTIVATIONS),
+    "flops_profiler.enabled": _read(_SETUP),
+    "flops_profiler.recompute_fwd_factor": _read(_FLOPS),
+    "flops_profiler.profile_step": _read(_FLOPS),
+    "flops_profiler.module_depth": _read(_FLOPS),
+    "flops_profiler.top_modules": _read(_FLOPS),
+    "flops_profiler.detailed": _read(_FLOPS),
+    "flops_profiler.output_file": _read(_FLOPS),
+    "comms_logger.enabled": _read(_SETUP, _COMMS),
+    "comms_logger.verbose": _read(_COMMS),
+    "comms_logger.prof_all": _read(_COMMS),
+    "comms_logger.debug": _read(_COMMS),
+    "comms_logger.prof_ops": _read(_COMMS),
     "checkpoint.tag_validation": _read("checkpoint/save.py"),
     "checkpoint.async_save": _read("checkpoint/save.py"),
     "checkpoint.load_universal": _refused(

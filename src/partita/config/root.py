@@ -18,6 +18,7 @@ from .sections.base import Bool, NonNegFloat, PositiveFloat, PositiveInt, Sectio
 from .sections.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .sections.optim import OptimizerConfig, SchedulerConfig
 from .sections.precision import BF16Config, DataTypesConfig, DTypeName, FP16Config
+from .sections.profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .sections.runtime import ActivationCheckpointingConfig, AioConfig, CheckpointConfig
 from .sections.zero import ZeroConfig
 
@@ -119,6 +120,12 @@ class DeepSpeedConfig(Section):
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="Checkpoint save/load behaviour."
+    )
+    flops_profiler: FlopsProfilerConfig = Field(
+        default_factory=FlopsProfilerConfig, description="The FLOPs profiler."
+    )
+    comms_logger: CommsLoggerConfig = Field(
+        default_factory=CommsLoggerConfig, description="The communication logger."
     )
     data_types: DataTypesConfig = Field(
         default_factory=DataTypesConfig, description="Dtype overrides."

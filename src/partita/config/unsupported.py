@@ -1,7 +1,7 @@
 """DeepSpeed config keys partita does not support, and why.
 
 A key here is an error unless its value is *inert* (the feature is switched off, e.g.
-``"flops_profiler": {"enabled": false}``): such a block changes nothing in DeepSpeed either,
+``"amp": {"enabled": false}``): such a block changes nothing in DeepSpeed either,
 so it is accepted and dropped, which lets users keep their configs. Anything else fails with
 the reason and what to use instead; silently ignoring it would train differently from what
 the user asked for.
@@ -63,7 +63,6 @@ UNSUPPORTED_KEYS: dict[str, Unsupported] = {
     "compression_training": Unsupported(f"{_OFF}: compression training", _never),
     "quantize_training": Unsupported(f"{_OFF}: MoQ quantize training"),
     "weight_quantization": Unsupported(f"{_OFF}: weight quantization", _never),
-    "flops_profiler": Unsupported("use torch.profiler or torch.utils.flop_counter instead"),
     "autotuning": Unsupported(f"{_OFF}: the autotuner; set batch and ZeRO values explicitly"),
     "elasticity": Unsupported(
         "elastic batch sizing is not supported; give fixed batch sizes (torchrun restarts "
@@ -89,7 +88,6 @@ UNSUPPORTED_KEYS: dict[str, Unsupported] = {
     "seq_parallel_communication_data_type": Unsupported(
         f"{_OFF}: sequence parallelism", _equals("fp32")
     ),
-    "comms_logger": Unsupported(f"{_OFF}: the communication logger"),
     "comet": Unsupported(
         "the Comet monitor is not supported; use tensorboard, csv_monitor or wandb"
     ),

@@ -85,5 +85,16 @@ _UNSUPPORTED = {
 }
 
 
+# Submodules DeepSpeed binds on import, imported here on first use (keeps this package cheap).
+_LAZY = {
+    "checkpointing": "partita.compat.deepspeed.checkpointing",
+    "profiling": "partita.compat.deepspeed.profiling",
+}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(_LAZY[name])
     raise missing_attribute("deepspeed", name, _UNSUPPORTED.get(name))

@@ -6,6 +6,7 @@ from .base import Section
 from .monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .optim import OptimizerConfig, SchedulerConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
+from .profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .runtime import ActivationCheckpointingConfig, AioConfig, CheckpointConfig, ParallelWriteConfig
 from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
@@ -15,8 +16,10 @@ __all__ = [
     "BF16Config",
     "CSVMonitorConfig",
     "CheckpointConfig",
+    "CommsLoggerConfig",
     "DataTypesConfig",
     "FP16Config",
+    "FlopsProfilerConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",

@@ -1,0 +1,1 @@
+"""``deepspeed.profiling``: the FLOPs profiler (`flops_profiler`)."""
