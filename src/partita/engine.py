@@ -21,6 +21,7 @@ from partita.accelerator import configure_host_allocator, get_accelerator, host_
 from partita.checkpoint import background as checkpoint_background
 from partita.config import DeepSpeedConfig
 from partita.config.sections.runtime import CheckpointConfig
+from partita.engine_compat import DeepSpeedEngineMethods
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
 from partita.zero import accessors
@@ -31,7 +32,7 @@ from partita.zero.strategy import Strategy
 logger = logging.getLogger("partita")
 
 
-class Engine(torch.nn.Module):
+class Engine(DeepSpeedEngineMethods, torch.nn.Module):
     """Wraps a module for distributed training (see `partita.initialize`)."""
 
     def __init__(
@@ -192,6 +193,7 @@ class Engine(torch.nn.Module):
     ) -> torch.Tensor:
         """Backward of `loss`, scaled for accumulation and fp16; reduces gradients at the
         boundary. Returns the loss as given."""
+        self._require_resident_states("engine.backward()")
         if loss.numel() != 1:
             raise ValueError(
                 f"engine.backward expects a scalar loss, got shape {tuple(loss.shape)}"
@@ -214,6 +216,7 @@ class Engine(torch.nn.Module):
             raise RuntimeError(
                 "engine.step() was called inside engine.no_sync(); leave the block first"
             )
+        self._require_resident_states("engine.step()")
         if self.is_gradient_accumulation_boundary():
             with self._timer("step"):
                 self._take_model_step(lr_kwargs or {})
@@ -327,6 +330,7 @@ class Engine(torch.nn.Module):
         units one at a time; every rank must call it."""
         from partita.zero.save16 import save_16bit_model
 
+        self._require_resident_states("save_16bit_model()")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def consolidated_16bit_state_dict(
@@ -336,6 +340,7 @@ class Engine(torch.nn.Module):
         elsewhere; every rank must call it. Stage 3 gathers one unit at a time."""
         from partita.zero.save16 import consolidated_16bit_state_dict
 
+        self._require_resident_states("consolidated_16bit_state_dict()")
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def _zero3_consolidated_16bit_state_dict(
@@ -385,6 +390,7 @@ class Engine(torch.nn.Module):
         `partita.checkpoint.save_checkpoint`)."""
         from partita.checkpoint import save_checkpoint
 
+        self._require_resident_states("save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -410,6 +416,7 @@ class Engine(torch.nn.Module):
         the explicit opt-in needed to read a DeepSpeed checkpoint (pickle files can run code)."""
         from partita.checkpoint import load_checkpoint
 
+        self._require_resident_states("load_checkpoint()")
         return load_checkpoint(
             self,
             load_dir,
@@ -424,6 +431,7 @@ class Engine(torch.nn.Module):
     def destroy(self) -> None:
         """Waits for a background save (raising its failure), releases hooks and closes
         monitors (the process group stays up)."""
+        self.reload_states()  # stage 3 hands the weights back to the module: they must be here
         try:
             checkpoint_background.wait_for(self)
         finally:

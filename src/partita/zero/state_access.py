@@ -105,8 +105,19 @@ class ParamStates:
 
     def __init__(self, layout: StateLayout, gatherer: UnitGatherer | None = None) -> None:
         self.layout = layout
-        self.gatherer = gatherer
+        self._gatherer = gatherer
+        self.unreadable: str | None = None
+        """Why the state cannot be read now (``engine.offload_states()`` moved it off the
+        device and left zero-byte storages): every read or write raises it."""
+        self.ungatherable: str | None = None
+        """Likewise for gathering parameters (their shards were moved)."""
+
+    @property
+    def gatherer(self) -> UnitGatherer | None:
         """Stage 3: gathers and pins the units of parameters (`GatheredParameters`)."""
+        if self.ungatherable is not None:
+            raise RuntimeError(self.ungatherable)
+        return self._gatherer
 
     @property
     def replicated(self) -> bool:
@@ -119,6 +130,8 @@ class ParamStates:
         return self.layout.shards_params
 
     def _slot(self, param: torch.Tensor) -> ParamSlot:
+        if self.unreadable is not None:
+            raise RuntimeError(self.unreadable)
         slot = self.layout.slot(param)
         if slot is None:
             raise ValueError(
