@@ -248,3 +248,50 @@ def test_deepspeed_names_under_the_stand_in() -> None:
         "same_module": True, "configured": True, "cpu": True, "profile": True, "n": 3,
         "flops": 2 * 2 * 4 * 4, "log_summary": True,
     }  # fmt: skip
+
+
+class _Dropouts(torch.nn.Module):
+    """Linear-dropout-GELU layers, checkpointed when asked."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.2), torch.nn.GELU())
+            for _ in range(3)
+        )
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = checkpoint(layer, x) if self.checkpointed else layer(x)
+        return x
+
+
+def _engine_losses(checkpointed: bool) -> list[float]:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "activation_checkpointing": {"cpu_checkpointing": True},
+    }
+    engine, *_ = partita.initialize(
+        model=_Dropouts(checkpointed), config=config, dist_init_required=False
+    )
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(5)
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.randn(2, 16, generator=data)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_zero3_engine_with_cpu_checkpointing_trains_as_without_checkpointing() -> None:
+    """Recomputation re-gathers stage-3 parameters; the config's section reaches checkpoint."""
+    plain = _engine_losses(checkpointed=False)
+    STATS.reset_peaks()
+    assert _engine_losses(checkpointed=True) == plain
+    assert STATS.peak_host_bytes == 3 * 2 * 16 * 4 and STATS.peak_device_bytes == 0
