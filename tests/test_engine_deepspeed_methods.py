@@ -51,6 +51,11 @@ def test_tutorial_accessors_return_what_deepspeed_returns() -> None:
         assert got["after_set_batch"] == (2 * WORLD * 3, 2, 3)
         assert got["gas_after_set"] == 3
         assert got["after_set_micro"] == (4 * WORLD * 3, 4, 3)
+        # backward returns the loss divided by the accumulation steps (3 by now), as
+        # DeepSpeed does; scale_wrt_gas=False returns it whole. fp16's loss scale is not in it.
+        assert got["backward_returns_share"] is True
+        assert got["backward_returns_loss"] is False
+        assert got["unscaled_returns_loss"] is True
     assert results[1][0]["get_data_parallel_rank"] == 1
 
     assert (stage0["bfloat16_enabled"], stage0["fp16_enabled"]) == (False, False)

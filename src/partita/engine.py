@@ -192,7 +192,8 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
         """Backward of `loss`, scaled for accumulation and fp16; reduces gradients at the
-        boundary. Returns the loss as given."""
+        boundary. Returns the loss divided by the accumulation steps (with `scale_wrt_gas`),
+        as DeepSpeed does: the share of this micro-batch in the step's loss."""
         self._require_resident_states("engine.backward()")
         if loss.numel() != 1:
             raise ValueError(
@@ -200,15 +201,16 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
             )
         sync = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
         gas = self.gradient_accumulation_steps()
-        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
+        share = loss / gas if scale_wrt_gas and gas > 1 else loss
         self._loss_sum += loss.detach().float() / gas
+        scaled = share
         if self.loss_scaler.scale != 1.0:
             scaled = scaled.float() * self.loss_scaler.scale
         with self._timer("backward"):
             self.strategy.begin_backward(sync)
             scaled.backward(retain_graph=retain_graph)
             self.strategy.end_backward()
-        return loss
+        return share
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Updates the weights at the accumulation boundary; counts the micro step always."""
