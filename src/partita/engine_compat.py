@@ -592,9 +592,10 @@ class DeepSpeedEngineMethods:
         unit at a time (DeepSpeed returns each rank's empty partitions), so every rank must
         call it; `keep_vars` then gives detached copies, as the parameters hold none."""
         engine_offload.require_resident(self, "module_state_dict()")  # type: ignore[arg-type]
-        sd: dict[str, Any] = self.module.state_dict(
-            destination=destination, prefix=prefix, keep_vars=True
-        )
+        sd: dict[str, Any] = self.module.state_dict(prefix=prefix, keep_vars=True)
+        if destination is not None:  # torch's contract: fill the caller's dict and return it
+            destination.update(sd)
+            sd = destination
         frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
         if exclude_frozen_parameters:
             for name in frozen & set(sd):
