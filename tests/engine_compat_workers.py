@@ -225,3 +225,22 @@ def config(stage: int, **extra: Any) -> dict:
     """A small AdamW config at `stage` (gradient clipping on, so the norm matters)."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0, **extra.pop("zero", {})}
     return base_config(micro=2, gas=2, clip=1.0, zero_optimization=zero, **extra)
+
+
+def offload_refusals(_: Any) -> dict[str, str]:
+    """The messages of offload_states calls DeepSpeed refuses too."""
+    out: dict[str, str] = {}
+    param_offload = config(3, zero={"offload_param": {"device": "cpu"}})
+    calls = {
+        "offload_param": (param_offload, {}),
+        "nvme": (config(1), {"device": "nvme"}),
+        "unknown_kind": (config(1), {"include": ["optim_states", "bogus"]}),
+    }
+    for name, (cfg, kwargs) in calls.items():
+        engine = _engine(cfg)
+        try:
+            engine.offload_states(**kwargs)
+        except ValueError as error:
+            out[name] = str(error)
+        engine.destroy()
+    return out

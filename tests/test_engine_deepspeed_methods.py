@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine_compat_workers import accessor_cases, config, offload_cases, state_dict_cases
+from engine_compat_workers import (
+    accessor_cases,
+    config,
+    offload_cases,
+    offload_refusals,
+    state_dict_cases,
+)
 from partita.engine import Engine
 from partita.engine_compat import REFUSED
 from partita.testing import run_distributed
@@ -168,3 +174,26 @@ def test_offload_and_reload_states_continue_training_bitwise(stage: int) -> None
         if stage < 3:  # separate fp32 masters; at stage 3 an fp32 shard is its master
             assert generation["during"]["hp_params"] == 0
         assert everything16["during"]["hp_params"] == 0
+
+
+def test_offload_states_refuses_what_deepspeed_refuses_naming_it() -> None:
+    got = run_distributed(offload_refusals, 1, None, timeout=120)[0]
+    assert "zero_optimization.offload_param" in got["offload_param"]
+    assert "device='nvme'" in got["nvme"]
+    assert "'bogus'" in got["unknown_kind"] and "optim_states" in got["unknown_kind"]
+
+
+def test_offload_leaves_state_that_optimizer_offload_keeps_on_the_host() -> None:
+    # bf16: on a CPU run an fp32 shard would be its own (host) master, one storage for both
+    host_masters = config(3, zero={"offload_optimizer": {"device": "cpu"}}, bf16={"enabled": True})
+    cases = [
+        {"config": host_masters, "include": None},
+        {"config": host_masters, "include": "all"},
+    ]
+    base, offloaded = run_distributed(offload_cases, WORLD, cases, timeout=240)[0]
+    assert _same_run(base, offloaded)
+    # As in DeepSpeed: masters and optimizer state already live on the host and stay put;
+    # the parameter shards move.
+    assert offloaded["during"]["optim_states"] == offloaded["before"]["optim_states"] > 0
+    assert offloaded["during"]["hp_params"] == offloaded["before"]["hp_params"] > 0
+    assert offloaded["during"]["lp_params"] == 0 < offloaded["before"]["lp_params"]
