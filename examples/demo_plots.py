@@ -32,6 +32,7 @@ def write_loss_curve(losses: Sequence[Sequence[float]], path: Path, title: str) 
 
     ``losses[r][s]`` is rank ``r``'s loss at step ``s + 1`` (mean over its micro-steps)."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps = range(1, len(losses[0]) + 1) if losses else range(0)
@@ -49,6 +50,7 @@ def write_loss_curve(losses: Sequence[Sequence[float]], path: Path, title: str) 
                label="uniform guess, ln 256 = 5.55")  # fmt: skip
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 2.5
     ax.set_ylabel("training loss (cross-entropy, nats per byte)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
@@ -105,6 +107,7 @@ def _engine_bars(ax: Axes, reports: Sequence[Mapping[str, int]], keys: list[str]
     ax.set_xticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
     ax.set_title("engine.memory_report() per rank")
     ax.set_ylabel("MiB")
-    ax.margins(y=0.12)
+    # Headroom above the bars for the legend: over them it would hide the shorter ones.
+    ax.margins(y=0.35 if len(keys) > 3 else 0.2)
     if keys:
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper center", ncols=min(len(keys), 4))

@@ -163,9 +163,10 @@ class RunLog:
 
 def memory_table(reports: list[dict[str, int]]) -> str:
     """Each rank's ``engine.memory_report()`` as a table in MiB, a column per rank."""
-    rows = ["memory (MB)      " + "  ".join(f"rank {r:>2}" for r in range(len(reports)))]
+    width = max(len("memory (MB)"), *(len(key) for key in reports[0])) + 1
+    rows = [f"{'memory (MB)':<{width}}" + "  ".join(f"rank {r:>2}" for r in range(len(reports)))]
     for key in reports[0]:
-        rows.append(f"{key:<16}" + "  ".join(f"{rep[key] / MB:7.1f}" for rep in reports))
+        rows.append(f"{key:<{width}}" + "  ".join(f"{rep[key] / MB:7.1f}" for rep in reports))
     return "\n".join(rows)
 
 

@@ -45,13 +45,13 @@ say "upgrading pip in the venv (~2 MB)"
 "${pip_install[@]}" -q --upgrade pip
 # Pinned: an unpinned torch pulls a multi-GB CUDA build. On the same command line in every later
 # step too, so that nothing that depends on torch swaps the build.
-say "torch 2.13.0, CPU build (~190 MB download, ~850 MB installed with sympy and networkx)"
+say "torch 2.13.0, CPU build (~190 MB wheel, ~750 MB installed with sympy and networkx)"
 "${pip_install[@]}" "torch==2.13.0"
 if [ "$profile" = demo ]; then
   say "partita (editable) + its demo extra: transformers (GPT-2), matplotlib (pictures) (~250 MB)"
 else
   say "partita (editable) + its dev extra: the demo's, pytest, ruff, mypy, accelerate, peft," \
-    "trl, mkdocs, tensorboard, DeepSpeed 0.19.8 from its sdist (~550 MB)"
+    "trl, mkdocs, tensorboard, DeepSpeed 0.19.8 from its sdist (~400 MB)"
 fi
 "${pip_install[@]}" -e "$root[$extra]" "torch==2.13.0"
 echo "$want" > "$stamp"
