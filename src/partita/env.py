@@ -26,10 +26,12 @@ __all__ = [
     "COLLECTIVES",
     "CPU_ADAM",
     "DATA_SEED",
+    "DEBUG",
     "DEFAULT_HANG_TIMEOUT",
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_HOST_CACHE_HEADROOM",
     "DEFAULT_MMAP_THRESHOLD",
+    "FAILURE_DIR",
     "HANG_TIMEOUT",
     "HEARTBEAT_DIR",
     "HEARTBEAT_INTERVAL",
@@ -48,6 +50,8 @@ __all__ = [
     "collectives",
     "cpu_adam_enabled",
     "data_seed",
+    "debug",
+    "failure_dir",
     "forced_accelerator",
     "hang_timeout",
     "harness_run_dir",
@@ -149,6 +153,21 @@ DATA_SEED = EnvVar(
     _USER,
     "shuffling seed of the data loader `initialize(training_data=...)` builds",
 )
+DEBUG = EnvVar(
+    "PARTITA_DEBUG",
+    "`1` (on) or `0`/`false`/`no`/`off`/empty",
+    "off",
+    _USER,
+    "a failed job shows every rank's traceback and torch's failure summary (by default the "
+    "launcher shows a configuration error's message once, a crash's first traceback once)",
+)
+FAILURE_DIR = EnvVar(
+    "PARTITA_FAILURE_DIR",
+    "a directory",
+    "unset: a failing rank prints its traceback",
+    _LAUNCHER,
+    "where a rank whose script raised records the error; only the first to fail prints it",
+)
 HANG_TIMEOUT = EnvVar(
     "PARTITA_HANG_TIMEOUT",
     "seconds >= 0",
@@ -223,6 +242,8 @@ VARIABLES: tuple[EnvVar, ...] = (
     COLLECTIVES,
     CPU_ADAM,
     DATA_SEED,
+    DEBUG,
+    FAILURE_DIR,
     HANG_TIMEOUT,
     HEARTBEAT_DIR,
     HEARTBEAT_INTERVAL,
@@ -306,6 +327,16 @@ def data_seed(environ: Environ | None = None) -> int:
         raise ValueError(
             f"environment variable {DATA_SEED.name}={raw!r} is not an integer"
         ) from None
+
+
+def debug(environ: Environ | None = None) -> bool:
+    """Whether ``PARTITA_DEBUG`` asks for every rank's traceback and torch's failure summary."""
+    return (DEBUG.raw(environ) or "").strip().lower() not in OFF_VALUES
+
+
+def failure_dir(environ: Environ | None = None) -> str | None:
+    """``PARTITA_FAILURE_DIR``, or None when unset or empty (no failure records asked for)."""
+    return FAILURE_DIR.raw(environ) or None
 
 
 def hang_timeout(environ: Environ | None = None) -> float:

@@ -10,7 +10,17 @@ import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "Problem", "did_you_mean", "join_path"]
+__all__ = ["ConfigError", "PartitaUserError", "Problem", "did_you_mean", "join_path"]
+
+
+class PartitaUserError(Exception):
+    """An error the user fixes in what they asked for (a config, an option), not in code.
+
+    Its message is the whole story: what is wrong, where (key, file, rank), and what to do. A
+    traceback adds nothing, so the ``partita`` launcher prints the message once for the whole
+    job, without one, and exits with status 2 (see `partita.launcher.failures`). Subclasses
+    keep their own base (``ValueError`` ...) so existing ``except`` clauses still match.
+    """
 
 
 @dataclass(frozen=True)
@@ -30,11 +40,12 @@ class Problem:
         return f"{self.path}: {self.message}" if self.path else self.message
 
 
-class ConfigError(ValueError):
+class ConfigError(PartitaUserError, ValueError):
     """A DeepSpeed config that partita cannot run with.
 
-    Holds every problem found (``.problems``); the message lists each one with its dotted key
+    Holds every problem found (``.problems``); the message names each one with its dotted key
     path, prefixed by where the config came from (``.source``, a file path or ``"<dict>"``).
+    A single problem is one line, so the last line of a traceback says everything.
     """
 
     def __init__(self, problems: Sequence[Problem], source: str | None = None) -> None:
@@ -46,9 +57,10 @@ class ConfigError(ValueError):
 
     def _format(self) -> str:
         where = f" in {self.source}" if self.source else ""
+        if len(self.problems) == 1:
+            return f"DeepSpeed config{where}: {self.problems[0]}"
         count = len(self.problems)
-        noun = "problem" if count == 1 else "problems"
-        lines = [f"DeepSpeed config{where}: {count} {noun}:"]
+        lines = [f"DeepSpeed config{where}: {count} problems:"]
         lines.extend(f"  - {problem}" for problem in self.problems)
         return "\n".join(lines)
 

@@ -26,6 +26,10 @@ It also keeps the job to itself (issue 13):
   world size;
 - processes: every worker starts through `partita.launcher.worker_exec`, so it dies with the
   launcher even when the launcher is SIGKILLed; SIGTERM/SIGINT stop the job through the agent;
+- failures: a Python worker runs its script inside that shim, which records the exception that
+  ended it, so a failed job prints a user error's message once (exit 2) or the first failing
+  rank's traceback once (exit 1), not every rank's and torch's summary block
+  (`partita.launcher.failures`; ``PARTITA_DEBUG=1`` prints everything);
 - hangs: `partita.launcher.watchdog` ends a job whose ranks stopped making progress for
   ``--hang_timeout`` seconds, naming the rank and each rank's last collective.
 
@@ -34,17 +38,21 @@ torch is imported only inside functions so that ``partita --help`` stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import logging
 import os
 import socket
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from partita import env as env_vars
+from partita.launcher import failures
+from partita.launcher.worker_exec import RUN_MODULE, RUN_PATH
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -68,6 +76,7 @@ __all__ = [
     "visible_gpu_count",
     "with_parent_death_signal",
     "worker_command",
+    "worker_entry",
     "worker_env",
 ]
 
@@ -79,6 +88,9 @@ DEFAULT_MASTER_PORT = 29500
 # The agent substitutes this placeholder in worker arguments with the worker's local rank
 # (torch.distributed.elastic.utils.api.macros.local_rank, spelled out to avoid a torch import).
 _LOCAL_RANK_MACRO = "${local_rank}"
+
+# Where workers record their failures, under the launch's log directory (the agent's root).
+_FAILURE_DIR = "failures"
 
 # Static rendezvous keys its store entries by run id, so all nodes of one job must use the same
 # one; a job is already identified by its master address and port.
@@ -187,23 +199,31 @@ def _escape_macro(arg: str) -> str:
     return arg.replace("$", "$$")
 
 
+def _script_args(options: LaunchOptions) -> list[str]:
+    args = [] if options.no_local_rank else [f"--local_rank={_LOCAL_RANK_MACRO}"]
+    return args + [_escape_macro(arg) for arg in options.script_args]
+
+
 def worker_command(options: LaunchOptions) -> tuple[str, list[str]]:
-    """The worker's executable and its arguments (``${local_rank}`` filled in by the agent)."""
-    args: list[str] = []
+    """The worker's executable and its arguments (``${local_rank}`` filled in by the agent), as
+    the user would type them; `worker_entry` is what the agent starts."""
     if options.no_python:
-        entrypoint = options.script
-    else:
-        # -u: unbuffered output, so worker prints interleave in real time and are not lost
-        # when the agent kills a worker.
-        entrypoint = sys.executable
-        args.append("-u")
-        if options.module:
-            args.append("-m")
-        args.append(_escape_macro(options.script))
-    if not options.no_local_rank:
-        args.append(f"--local_rank={_LOCAL_RANK_MACRO}")
-    args.extend(_escape_macro(arg) for arg in options.script_args)
-    return entrypoint, args
+        return options.script, _script_args(options)
+    # -u: unbuffered output, so worker prints interleave in real time and are not lost
+    # when the agent kills a worker.
+    module = ["-m"] if options.module else []
+    return sys.executable, ["-u", *module, _escape_macro(options.script), *_script_args(options)]
+
+
+def worker_entry(options: LaunchOptions) -> tuple[str, list[str]]:
+    """What the agent starts for each worker: `worker_command` through
+    `partita.launcher.worker_exec`, which ties the worker's life to the launcher's and, for a
+    Python script, runs it in its own interpreter so that it can report how it failed."""
+    if options.no_python:
+        return with_parent_death_signal(*worker_command(options))
+    mode = RUN_MODULE if options.module else RUN_PATH
+    shim = ["-u", "-m", "partita.launcher.worker_exec", mode, _escape_macro(options.script)]
+    return sys.executable, [*shim, *_script_args(options)]
 
 
 def _usable_cpus() -> int:
@@ -409,7 +429,7 @@ def build_launch_config(
     )
 
 
-def _failure_headline(err: ChildFailedError, node_rank: int) -> str:
+def _debug_headline(err: ChildFailedError, node_rank: int) -> str:
     rank, failure = err.get_first_failure()
     return (
         f"partita: rank {rank} (local_rank {failure.local_rank} on node {node_rank}) failed "
@@ -440,9 +460,13 @@ def _start_watchdog(directory: Path, timeout: float) -> Watchdog | None:
     return watchdog
 
 
-def _prepare_environment(options: LaunchOptions, plan: WorkerPlan, bind_addr: str | None) -> None:
+def _prepare_environment(
+    options: LaunchOptions, plan: WorkerPlan, bind_addr: str | None, failure_dir: Path
+) -> None:
     """What every worker inherits (the agent copies this process's environment)."""
     os.environ.update(worker_env(plan, os.environ))
+    failure_dir.mkdir()
+    os.environ[env_vars.FAILURE_DIR.name] = str(failure_dir)
     if options.num_nodes == 1 and bind_addr is not None and _is_loopback(bind_addr):
         os.environ.update(loopback_env(os.environ))
     elif options.num_nodes > 1:
@@ -469,8 +493,9 @@ def node_interface_env(node_addr: str | None, environ: Mapping[str, str]) -> dic
 def launch(options: LaunchOptions) -> int:
     """Start the workers of this node, wait for them, and return partita's exit status.
 
-    Returns 0 when every worker succeeded, 1 when one failed or hung (after printing the
-    agent's failure summary, which names the failed ranks, and the watchdog's report),
+    Returns 0 when every worker succeeded; 2 when the first rank to fail stopped on a
+    `PartitaUserError` (a config error: its message printed once), 1 when it failed otherwise
+    or the job hung (after one line naming that rank; see `partita.launcher.failures`);
     128 + signal number when partita itself was interrupted. Raises ``LaunchError`` for
     requests this machine cannot satisfy.
     """
@@ -483,9 +508,9 @@ def launch(options: LaunchOptions) -> int:
         default_port = 0 if options.num_nodes == 1 else DEFAULT_MASTER_PORT
         listener = listen_socket(bind_addr, options.master_port or default_port)
         master_port = int(listener.getsockname()[1])
-    _prepare_environment(options, plan, bind_addr)
-    entrypoint, args = with_parent_death_signal(*worker_command(options))
+    entrypoint, args = worker_entry(options)
     with tempfile.TemporaryDirectory(prefix="partita_launch_") as log_dir:
+        _prepare_environment(options, plan, bind_addr, Path(log_dir) / _FAILURE_DIR)
         watchdog = _start_watchdog(Path(log_dir) / "heartbeat", hang_timeout)
         # The store takes the descriptor over; detach so this socket object does not close it.
         listen_fd = None if listener is None else listener.detach()
@@ -521,6 +546,43 @@ def _gone_nodes(options: LaunchOptions, master_port: int) -> list[str]:
     return gone_nodes(options.master_addr, master_port, options.num_nodes, options.node_rank)
 
 
+@contextlib.contextmanager
+def _agent_logs_quiet(quiet: bool) -> Iterator[None]:
+    """Mutes the agent's log lines below CRITICAL ("Sending process ... closing signal", "failed
+    (exitcode: 1) local_rank: 1"): the launcher's own line says which rank failed and how."""
+    if not quiet:
+        yield
+        return
+    before = logging.root.manager.disable
+    logging.disable(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.disable(before)
+
+
+def _failure_report(
+    err: ChildFailedError, config: LaunchConfig, options: LaunchOptions, hung: bool
+) -> int:
+    """Prints what the user needs to know of a failed job; returns the launcher's status."""
+    records = Path(str(env_vars.failure_dir()))  # _prepare_environment set it for the workers
+    line, status = failures.summarize(records, err.failures, options.node_rank, options.num_nodes)
+    port = int(config.rdzv_endpoint.rpartition(":")[2])
+    # A worker here failing because a peer vanished names this node; say which one left.
+    lines = [f"partita: {gone}" for gone in _gone_nodes(options, port)]
+    if hung:
+        lines.append("partita: the job hung and was stopped (the watchdog's report is above).")
+        status = failures.CRASH_EXIT
+    if env_vars.debug():
+        # As before failures were summarised: torch's block names each failed rank and pid.
+        lines += [] if hung else [_debug_headline(err, options.node_rank)]
+        lines.append(str(err))
+    elif not hung:
+        lines.append(line)
+    print(*lines, sep="\n", file=sys.stderr)
+    return status
+
+
 def _run_agent(
     config: LaunchConfig,
     entrypoint: str,
@@ -533,19 +595,12 @@ def _run_agent(
     from torch.distributed.launcher.api import elastic_launch
 
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with _agent_logs_quiet(not env_vars.debug()):
+            elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
-        # The agent has already stopped the surviving workers; the summary names each
-        # failed rank, its exit code and pid.
-        if watchdog is not None and watchdog.reports:
-            headline = "partita: the job hung and was stopped (the watchdog's report is above)."
-        else:
-            headline = _failure_headline(err, options.node_rank)
-        port = int(config.rdzv_endpoint.rpartition(":")[2])
-        # A worker here failing because a peer vanished names this node; say which one left.
-        gone = [f"partita: {line}" for line in _gone_nodes(options, port)]
-        print(*gone, headline, err, sep="\n", file=sys.stderr)
-        return 1
+        # The agent has already stopped the surviving workers.
+        hung = watchdog is not None and bool(watchdog.reports)
+        return _failure_report(err, config, options, hung)
     except SignalException as err:
         print(f"partita: stopped by {err.sigval.name}; workers terminated", file=sys.stderr)
         return 128 + int(err.sigval)
