@@ -37,7 +37,8 @@ __all__ = ["STATS", "ContiguousArena", "Placement", "SavedInputStats", "pack", "
 
 @dataclass
 class SavedInputStats:
-    """Bytes of checkpointed inputs alive, by where they are kept (see the module note)."""
+    """Bytes of checkpointed inputs alive, by where they are kept (see [Note: saved-input
+    accounting])."""
 
     device_bytes: int = 0
     host_bytes: int = 0
@@ -80,12 +81,15 @@ class ContiguousArena:
     _buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
     _free: dict[tuple[torch.dtype, torch.device], list[int]] = field(default_factory=dict)
 
-    def take(self, flat: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Copies `flat` into a free slot; returns the slot's view and its release function."""
-        key = (flat.dtype, flat.device)
+    def take(self, flat: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """Copies `flat` into a free slot of the buffer on `device`; returns the slot's view and
+        its release function."""
+        key = (flat.dtype, device)
         if key not in self._buffers:
-            self._buffers[key] = torch.empty(self.slots * flat.numel(), dtype=flat.dtype,
-                                             device=flat.device)  # fmt: skip
+            buffer = torch.empty(self.slots * flat.numel(), dtype=flat.dtype, device=device)
+            # A host buffer is pinned on CUDA machines so copies back to the device are async.
+            self._buffers[key] = get_accelerator().pin_memory(buffer) if device.type == "cpu" \
+                else buffer  # fmt: skip
             self._free[key] = list(range(self.slots - 1, -1, -1))
         buffer, free = self._buffers[key], self._free[key]
         width = buffer.numel() // self.slots
@@ -98,7 +102,7 @@ class ContiguousArena:
             )
         slot = free.pop()
         view = buffer[slot * width : slot * width + flat.numel()]
-        view.copy_(flat)
+        view.copy_(flat, non_blocking=True)
         return view, lambda: free.append(slot)
 
 
@@ -125,10 +129,12 @@ class _Stored:
         )
         data = self._shard(tensor) if self.partitioned else tensor
         release = None
-        if where.arena is not None:
-            data, release = where.arena.take(data.reshape(-1))
         self.on_host = where.to_host
-        if where.to_host and tensor.device.type != "cpu":
+        move = where.to_host and tensor.device.type != "cpu"
+        if where.arena is not None:  # the slots live where the inputs are kept
+            keep_on = torch.device("cpu") if move else tensor.device
+            data, release = where.arena.take(data.reshape(-1), keep_on)
+        elif move:
             host = get_accelerator().pin_memory(torch.empty(data.shape, dtype=data.dtype))
             data = host.copy_(data, non_blocking=True)
         self.data: torch.Tensor = data

@@ -118,7 +118,8 @@ class CommsLogger:
         self._pending.append(_Pending(op, name, nbytes))
 
     def finished(self, op: str, seconds: float) -> None:
-        """The oldest unfinished collective completed (called by the counters)."""
+        """The oldest unfinished collective completed (called by the counters; see [Note: comms
+        latency])."""
         if op in _UNRECORDED:
             self._add(op, op, 0, seconds)
         elif self._pending:
