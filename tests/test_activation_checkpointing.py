@@ -268,7 +268,7 @@ class _Dropouts(torch.nn.Module):
         return x
 
 
-def _engine_losses(checkpointed: bool) -> list[float]:
+def _engine_losses(checkpointed: bool) -> tuple[list[float], dict[str, int]]:
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
@@ -286,12 +286,15 @@ def _engine_losses(checkpointed: bool) -> list[float]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses
+    return losses, engine.memory_report()
 
 
 def test_zero3_engine_with_cpu_checkpointing_trains_as_without_checkpointing() -> None:
     """Recomputation re-gathers stage-3 parameters; the config's section reaches checkpoint."""
-    plain = _engine_losses(checkpointed=False)
+    plain, _ = _engine_losses(checkpointed=False)
     STATS.reset_peaks()
-    assert _engine_losses(checkpointed=True) == plain
+    losses, report = _engine_losses(checkpointed=True)
+    assert losses == plain
     assert STATS.peak_host_bytes == 3 * 2 * 16 * 4 and STATS.peak_device_bytes == 0
+    # memory_report itemises what checkpointing keeps: the 3 layer inputs, on the host.
+    assert (report["ckpt_inputs"], report["ckpt_inputs_host"]) == (0, 3 * 2 * 16 * 4)

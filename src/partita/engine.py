@@ -307,7 +307,12 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         ``grads`` is what gradients take while they exist, from the first backward of a step
         to its optimizer step; ``grads_held`` what they hold now (0 between steps: [Note:
         released gradients]), and likewise ``comm_buffers_held`` for the reduce buffers of
-        stages 2-3."""
+        stages 2-3. With activation checkpointing, ``ckpt_inputs`` and ``ckpt_inputs_host`` are
+        the peak bytes of checkpointed layer inputs kept on the device and in host memory
+        (``cpu_checkpointing``) since the process started ([Note: saved-input accounting]): what
+        checkpointing keeps of the activations."""
+        from partita.activations import STATS as saved_inputs
+
         report = self.strategy.memory_breakdown()
         if (
             not self.strategy.state.shards_params
@@ -320,6 +325,9 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         report["device_peak"] = self.accelerator.max_memory_allocated()
         report["rss"] = host_rss()
         report["peak_rss"] = host_peak_rss()
+        if saved_inputs.peak_device_bytes or saved_inputs.peak_host_bytes:
+            report["ckpt_inputs"] = saved_inputs.peak_device_bytes
+            report["ckpt_inputs_host"] = saved_inputs.peak_host_bytes
         return report
 
     def save_16bit_model(
