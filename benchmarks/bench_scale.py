@@ -22,7 +22,7 @@ when the run fails or is interrupted (SIGTERM/SIGINT).
 and ``deepspeed.initialize``, ``DS_ACCELERATOR=cpu``); its NVMe path needs its ``async_io``
 C++ op (libaio), and the error it gives when that is missing is recorded.
 
-The README's record is the first command. fp32, because on a CPU without native bf16 (AVX2 only)
+docs/benchmarks.md's record is the first command. fp32, because on a CPU without native bf16 (AVX2 only)
 torch runs bf16 matmuls on one thread at a small fraction of the fp32 rate (a 3B forward reached
 block 11 of 37 in 11 minutes); lr 3e-6, because at 1e-5 and above Adam's first steps on the
 one repeated batch overshoot at 3B (the loss rose again at the third step).

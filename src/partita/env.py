@@ -5,7 +5,7 @@ Accessors read at call time, not at import, so a test that sets ``os.environ`` (
 that sets it before starting workers) is seen; each takes an optional mapping in place of
 ``os.environ``. A value that does not parse is a ValueError naming the variable and the value.
 Code that sets a variable for a child process (the launcher, the test harness) uses
-`EnvVar.name`. README's table is `markdown_table()`'s output (tests/test_env.py compares).
+`EnvVar.name`. docs/environment.md's table is `markdown_table()`'s output (tests/test_env.py compares).
 
 Imported by the launcher CLI (whose ``--help`` must not import torch) and by the start-up hook's
 `partita.compat.alias`, which runs at interpreter start: keep this module's imports to ``os``
@@ -70,7 +70,7 @@ Environ = Mapping[str, str]
 
 class EnvVar(NamedTuple):
     """One environment variable: its name, the values it takes, its default, who sets it and
-    what it does (one README table row each)."""
+    what it does (one row each in docs/environment.md)."""
 
     name: str
     values: str
@@ -254,11 +254,11 @@ VARIABLES: tuple[EnvVar, ...] = (
     TEST_RUN_DIR,
     TEST_START_METHOD,
 )
-"""Every variable, in the README table's order."""
+"""Every variable, in the order of docs/environment.md's table."""
 
 
 def markdown_table() -> str:
-    """README's table of environment variables (tests/test_env.py holds README to it)."""
+    """docs/environment.md's table of environment variables (tests/test_env.py holds the page to it)."""
     rows = [
         "| variable | values | default | set by | what it does |",
         "|---|---|---|---|---|",

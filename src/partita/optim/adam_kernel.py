@@ -3,7 +3,7 @@
 `adam_step` updates fp32 CPU tensors exactly as ``torch._fused_adamw_`` / ``torch._fused_adam_``
 (the kernels behind ``torch.optim.AdamW(fused=True)``) would, bit for bit, with one division per
 element instead of two (see the C++ file's header for why that is exact). Measured on this
-project's 2-core CPU host with ``benchmarks/bench_offload.py`` (README, offload section).
+project's 2-core CPU host with ``benchmarks/bench_offload.py`` (docs/zero.md, offload).
 
 The kernel is built on first use by `partita.native` and checked against torch's kernel on
 random data (both modes, with and without weight decay, both of torch's ``lerp`` branches,

@@ -56,5 +56,5 @@ def missing_attribute(owner: str, name: str, feature: str | None = None) -> NotI
     what = f": {feature} is not implemented by partita" if feature else ""
     return NotInPartita(
         f"{owner}.{name} does not exist in partita's deepspeed stand-in{what} "
-        "(partita.compat.deepspeed; see the README's Hugging Face section)"
+        "(partita.compat.deepspeed; see docs/huggingface.md)"
     )
