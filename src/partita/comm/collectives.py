@@ -22,6 +22,7 @@ from partita import env
 from partita.comm.counters import COUNTERS
 from partita.comm.heartbeat import LAST_COLLECTIVE
 from partita.comm.pairwise import pair_all_gather, pair_all_reduce, pair_reduce_scatter
+from partita.comm.pins import hold as _pin
 from partita.comm.process_group import ProcessGroup, is_initialized
 
 ReduceOp = dist.ReduceOp
@@ -169,6 +170,7 @@ def all_reduce(
     if _single_process(group):
         return None
     (t,), back = _staged(group, tensor)
+    _pin(t)  # [Note: exit abort] in partita.comm.pins
     work = _tracked("all_reduce", tag, async_op, lambda a: _all_reduce(t, op, group, a))
     return _copied_back(work, back)
 
@@ -202,6 +204,7 @@ def reduce_scatter(
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
     (out, inp), back = _staged(group, output, input)
+    _pin(out, inp)
     work = _tracked(
         "reduce_scatter", tag, async_op, lambda a: _reduce_scatter(out, inp, op, group, a, tag)
     )
@@ -252,6 +255,7 @@ def all_gather(
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
     (out, inp), back = _staged(group, output, input)
+    _pin(out, inp)
     work = _tracked("all_gather", tag, async_op, lambda a: _all_gather(out, inp, group, a, tag))
     return _copied_back(work, back)
 
@@ -293,6 +297,7 @@ def broadcast(
     if _single_process(group):
         return None
     (t,), back = _staged(group, tensor)
+    _pin(t)
     work = _tracked(
         "broadcast", tag, async_op, lambda a: dist.broadcast(t, src=src, group=group, async_op=a)
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from partita import cluster_env
+from partita import cluster_env, shutdown
 from partita.accelerator import get_accelerator
 from partita.comm.heartbeat import start_heartbeat, stop_heartbeat
 
@@ -49,6 +49,7 @@ def init_distributed(
     del auto_mpi_discovery, verbose, config  # accepted for DeepSpeed signature compatibility
     if is_initialized():
         start_heartbeat(dist.get_rank())
+        _register_shutdown()
         return
     if dist_init_required is False:
         raise RuntimeError(
@@ -74,6 +75,14 @@ def init_distributed(
         kwargs["device_id"] = device_id
     dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
     start_heartbeat(dist.get_rank())
+    _register_shutdown()
+
+
+def _register_shutdown() -> None:
+    """What this layer stops at exit, in order: [Note: ordered shutdown] in `partita.shutdown`."""
+    shutdown.register(shutdown.Phase.THREADS, "comm.heartbeat", stop_heartbeat)
+    shutdown.register(shutdown.Phase.DEVICE, "accelerator", get_accelerator().synchronize)
+    shutdown.register(shutdown.Phase.PROCESS_GROUP, "comm.process_group", destroy_process_group)
 
 
 def _as_timedelta(timeout: datetime.timedelta | float | None) -> datetime.timedelta:
