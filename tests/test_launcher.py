@@ -237,7 +237,7 @@ def script(tmp_path: Path) -> str:
             "--node_rank cannot be used with --hostfile",
         ),
         (["--include", "localhost:0", "{s}"], "--include/--exclude select hosts of a --hostfile"),
-        (["--force_multi", "{s}"], "--force_multi is not supported by partita"),
+        (["--force_multi", "{s}"], "--force_multi chooses how the hosts of a --hostfile are"),
         (["--num_nodes", "2", "{s}"], "--num_nodes 2 needs --node_rank and --master_addr"),
         (
             ["--num_nodes", "2", "--node_rank", "2", "--master_addr", "h", "{s}"],

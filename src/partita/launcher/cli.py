@@ -3,9 +3,12 @@
 ``partita [launcher flags] script.py [script args...]`` starts one worker per GPU (or
 ``--num_procs`` CPU workers) through torchrun's elastic agent; the flags follow DeepSpeed's
 ``deepspeed`` launcher, so existing command lines keep working. Multi-node jobs either run
-``partita`` once on every node with ``--num_nodes``, ``--node_rank`` and ``--master_addr``
-(DeepSpeed's ``--no_ssh`` mode), or name the nodes in a ``--hostfile`` and let partita start
-that per-node command on each over ssh (`partita.launcher.multinode`). ``--nnodes MIN:MAX``
+``partita`` once on every node with ``--node_rank`` and ``--master_addr`` and either
+``--num_nodes`` or DeepSpeed's ``--hostfile H --no_ssh`` (the hostfile gives the world, node K
+runs host K's slots), or name the nodes in a ``--hostfile`` and let partita start that
+per-node command on each over ssh (`partita.launcher.multinode`), or through ``--launcher
+pdsh|openmpi|mpich|slurm``, the scheduler's own tool (`partita.launcher.backends`); a hostfile
+of one host runs here unless ``--force_multi``, as DeepSpeed's does. ``--nnodes MIN:MAX``
 (torchrun's spelling) makes the job elastic: torch's dynamic c10d rendezvous admits MIN to MAX
 nodes and, with ``--max_restarts``, restarts the workers at the new size when a node dies or
 joins; every agent still gets a distinct ``--node_rank`` (0 hosts the rendezvous store). With a
@@ -19,14 +22,19 @@ imports torch at module level, so ``partita --help`` answers quickly.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import faulthandler
 import importlib
+import ipaddress
 import os
+import shlex
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 # launch.py imports torch only inside its functions, so this import keeps --help fast.
 from partita import env
@@ -37,6 +45,9 @@ from partita.launcher.launch import (
     LaunchOptions,
     launch,
 )
+
+if TYPE_CHECKING:
+    from partita.launcher import backends
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main", "parse_launch_args"]
 
@@ -52,29 +63,28 @@ SUBCOMMANDS: dict[str, str] = {
 
 # DeepSpeed launcher flags partita recognises but does not implement, with what to do instead;
 # a clear refusal beats argparse's "unrecognized arguments" or a silently ignored flag.
-_PER_NODE = (
-    "partita fans out over ssh only (--hostfile), or runs on each node with --num_nodes, "
-    "--node_rank and --master_addr (or under srun/mpirun)"
-)
 _ELASTIC = "use torchrun's spelling --nnodes MIN:MAX (and --max_restarts)"
-_BINDING = "core binding is not supported; wrap the script with numactl or taskset"
-_SLURM = "Slurm launcher option; run partita under srun instead"
+_SLURM = "Slurm launcher option; pass srun's own flag in --launcher_args"
 _UNSUPPORTED: dict[tuple[str, ...], str] = {
-    ("--launcher",): _PER_NODE,
-    ("--launcher_args",): _PER_NODE,
-    ("--force_multi",): _PER_NODE,
-    ("--no_ssh_check",): _PER_NODE,
-    ("--ssh_port",): _PER_NODE,
+    ("--ssh_port",): "put the port in ~/.ssh/config, or --launcher_args '-p PORT' (ssh fan-out)",
     ("--autotuning",): "partita has no autotuner",
     ("--elastic_training",): _ELASTIC,
     ("--min_elastic_nodes",): _ELASTIC,
     ("--max_elastic_nodes",): _ELASTIC,
-    ("--bind_cores_to_rank",): _BINDING,
-    ("--bind_core_list",): _BINDING,
-    ("--save_pid",): "use the pid of the partita process itself",
-    ("--enable_each_rank_log",): "workers write to partita's stdout/stderr; redirect those",
     ("--comment",): _SLURM,
     ("--account",): _SLURM,
+}
+
+#: Where ``--save_pid`` writes ``<pid>.deepspeed``: DeepSpeed's fixed place, where programs
+#: written for DeepSpeed look.
+PID_FILE_DIR = "/tmp"
+
+#: ``--launcher`` values: partita's own ssh fan-out, and the schedulers' tools
+#: (`partita.launcher.backends`). DeepSpeed's others are refused with a reason.
+LAUNCHERS = ("ssh", "pdsh", "openmpi", "mpich", "slurm")
+_REFUSED_LAUNCHERS = {
+    "mvapich": "use --launcher mpich (MVAPICH's mpirun takes MPICH's flags) or openmpi",
+    "impi": "use --launcher mpich (Intel MPI's mpirun takes MPICH's flags)",
 }
 
 
@@ -254,6 +264,57 @@ def _add_hostfile_flags(parser: argparse.ArgumentParser) -> None:
     filters.add_argument(
         "-e", "--exclude", metavar="SPEC", help="use all but these hosts/slots (same syntax)"
     )
+    hosts.add_argument(
+        "--launcher",
+        type=str.lower,
+        metavar="NAME",
+        help="how the hosts are started: ssh (default: partita's own fan-out), pdsh, openmpi "
+        "(mpirun), mpich (mpirun), slurm (srun)",
+    )
+    hosts.add_argument(
+        "--launcher_args",
+        default="",
+        metavar="'ARGS'",
+        help="extra arguments for the launcher's command (ssh, pdsh, mpirun, srun), one quoted "
+        "string split as a shell would",
+    )
+    hosts.add_argument(
+        "--force_multi",
+        action="store_true",
+        help="start a hostfile job through the launcher even when it selects one host (which "
+        "otherwise runs here, as DeepSpeed's does)",
+    )
+    hosts.add_argument(
+        "--no_ssh_check",
+        action="store_true",
+        help="accepted: partita does not probe ssh first (ssh runs with BatchMode=yes)",
+    )
+
+
+def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    workers = parser.add_argument_group("workers")
+    workers.add_argument(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="run each worker on its own share of the node's cores (one per physical core, "
+        "split evenly in local-rank order), OMP_NUM_THREADS that share's size",
+    )
+    workers.add_argument(
+        "--bind_core_list",
+        metavar="LIST",
+        help="the cores --bind_cores_to_rank shares out, e.g. 0-3,8,10-11",
+    )
+    workers.add_argument(
+        "--enable_each_rank_log",
+        metavar="DIR",
+        help="write each worker's stdout and stderr to DIR/<YYYYmmddHHMMSS>_rank<R>.log",
+    )
+    workers.add_argument(
+        "--save_pid",
+        action="store_true",
+        help="write this process's pid to /tmp/<pid>.deepspeed while the job runs (what a "
+        "program that started partita signals to stop the job)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_node_flags(parser)
     _add_hostfile_flags(parser)
     _add_job_flags(parser)
+    _add_worker_flags(parser)
     parser.add_argument(
         "--module", action="store_true", help="run the script as a module, like 'python -m'"
     )
@@ -300,8 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no_ssh",
         action="store_true",
-        help="DeepSpeed's per-node mode (a scheduler starts partita on every node with "
-        "--node_rank K); accepted, as it is what partita does without --hostfile",
+        help="DeepSpeed's per-node mode: run only this node's part of the job (--node_rank K), "
+        "a scheduler or you starting partita on every node; with --hostfile the file gives "
+        "the world (hosts in node-rank order, their slots as workers)",
     )
     for names, reason in _UNSUPPORTED.items():
         # Listed once in the epilog: a help line each would bury the flags that work.
@@ -351,14 +414,9 @@ def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
         low, ns.num_nodes = ns.nnodes
         if low != ns.num_nodes:
             ns.min_nodes = low
+    _check_launcher(parser, ns)
     if ns.hostfile is not None:
-        given = [
-            f"--{f}" for f in ("node_rank", "node_addr", "bind_addr", "no_ssh") if getattr(ns, f)
-        ]
-        if given:
-            parser.error(
-                f"{given[0]} cannot be used with --hostfile (the fan-out sets it per node)"
-            )
+        _check_hostfile_job(parser, ns)
         return
     if ns.include is not None or ns.exclude is not None:
         parser.error("--include/--exclude select hosts of a --hostfile; give one")
@@ -373,6 +431,68 @@ def _check_nodes(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
         parser.error(
             f"--node_rank must be in [0, {ns.num_nodes}) for --num_nodes {ns.num_nodes}, got {node_rank}"
         )
+
+
+def _check_launcher(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """``--launcher`` and the flags that only mean something with a hostfile job."""
+    if ns.launcher is not None:
+        if ns.launcher in _REFUSED_LAUNCHERS:
+            parser.error(
+                f"--launcher {ns.launcher} is not supported by partita: "
+                f"{_REFUSED_LAUNCHERS[ns.launcher]}"
+            )
+        if ns.launcher not in LAUNCHERS:
+            parser.error(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {ns.launcher!r}")
+    try:
+        ns.launcher_argv = tuple(shlex.split(ns.launcher_args))
+    except ValueError as err:
+        parser.error(f"--launcher_args {ns.launcher_args!r}: {err}")
+    if ns.bind_core_list is not None and not ns.bind_cores_to_rank:
+        parser.error("--bind_core_list lists the cores for --bind_cores_to_rank; give that too")
+    started_here = ns.hostfile is None or ns.no_ssh
+    given = [
+        flag
+        for flag, value in (
+            ("--launcher", ns.launcher),
+            ("--launcher_args", ns.launcher_argv),
+            ("--force_multi", ns.force_multi),
+        )
+        if value
+    ]
+    if given and started_here:
+        why = "--no_ssh runs this node only" if ns.hostfile else "no --hostfile"
+        parser.error(f"{given[0]} chooses how the hosts of a --hostfile are started ({why})")
+
+
+def _check_hostfile_job(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    if ns.no_ssh:
+        if ns.node_rank is None:
+            parser.error(
+                "--hostfile with --no_ssh starts this node's part of the job: give its "
+                "--node_rank (its host's index in the hostfile, after any filters)"
+            )
+        if ns.min_nodes is not None:
+            parser.error(
+                "--nnodes MIN:MAX cannot be used with --hostfile --no_ssh (the hostfile fixes "
+                "the nodes); start each node with --nnodes and no --hostfile"
+            )
+        return
+    given = [f"--{f}" for f in ("node_rank", "node_addr", "bind_addr") if getattr(ns, f)]
+    if given:
+        parser.error(
+            f"{given[0]} cannot be used with --hostfile unless --no_ssh (the fan-out sets it "
+            "per node)"
+        )
+    launcher = ns.launcher or "ssh"
+    if ns.min_nodes is not None and launcher != "ssh":
+        parser.error(f"--nnodes MIN:MAX (elastic) runs through the ssh fan-out, not {launcher}")
+    if launcher in ("openmpi", "mpich", "slurm"):
+        for flag in ("bind_cores_to_rank", "enable_each_rank_log"):
+            if getattr(ns, flag):
+                parser.error(
+                    f"--{flag} cannot be used with --launcher {launcher}: its ranks are the "
+                    f"tool's (pass its own binding or output flags in --launcher_args)"
+                )
 
 
 def parse_launch_args(argv: Sequence[str]) -> LaunchOptions:
@@ -407,6 +527,9 @@ def _options(ns: argparse.Namespace) -> LaunchOptions:
         node_addr=ns.node_addr,
         min_nodes=ns.min_nodes,
         rdzv_conf=ns.rdzv_conf,
+        bind_cores_to_rank=ns.bind_cores_to_rank,
+        bind_core_list=ns.bind_core_list,
+        rank_log_dir=ns.enable_each_rank_log,
     )
 
 
@@ -418,7 +541,8 @@ def _run_subcommand(name: str, argv: list[str]) -> int:
 
 
 def _launch_hostfile(ns: argparse.Namespace) -> int:
-    """Resolves the hosts (every refusal before anything starts), then fans out over ssh."""
+    """Resolves the hosts (every refusal before anything starts), then runs this node's part
+    (``--no_ssh``, or a job of one host), or starts every host: ssh fan-out or ``--launcher``."""
     from partita.launcher import hostfile, multinode
 
     try:
@@ -431,9 +555,24 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
     resources = hostfile.resolve_resources(
         pool, ns.include, ns.exclude, ns.num_nodes, per_node, flag, ns.min_nodes
     )
-    ssh = multinode.find_ssh(os.environ)
     cwd = os.getcwd()
+    job = None
+    if ns.launcher not in (None, "ssh"):
+        # Asked before choosing to run here: a filter the tool cannot express is refused even
+        # when it leaves one host (DeepSpeed's runner asks its backend at the same point).
+        job = _backend_job(ns, pool, resources, cwd)
+    if ns.no_ssh:
+        return _launch_node_of(ns, resources, ns.node_rank)
+    if len(resources) == 1 and not ns.force_multi and ns.min_nodes is None:
+        return _launch_node_of(ns, resources, 0)  # as DeepSpeed: one host runs here
+    if job is not None:
+        from partita.launcher import backends
+
+        backends.find_tools(job.launcher, os.environ)
+        argv, extra_env = backends.build_command(job, os.environ)
+        return backends.run(argv, extra_env)
     exports = multinode.exported_env(os.environ, multinode.deepspeed_env_files(os.environ, cwd))
+    ssh = multinode.find_ssh(os.environ)
     plan = multinode.fanout_plan(
         resources,
         _options(ns),
@@ -442,8 +581,99 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
         master_addr=ns.master_addr,
         ssh=ssh,
         gpus=ns.num_procs is None,
+        ssh_args=ns.launcher_argv,
     )
     return multinode.run_fanout(plan, elastic=ns.min_nodes is not None)
+
+
+def _launch_node_of(ns: argparse.Namespace, resources: dict[str, list[int]], rank: int) -> int:
+    """Node ``rank`` of the hostfile job, here: its slots as workers (GPUs: those ids, in
+    ``CUDA_VISIBLE_DEVICES``; CPU processes under ``--num_procs``, without a GPU, or with
+    ``PARTITA_ACCELERATOR``/``DS_ACCELERATOR`` ``cpu``), node 0
+    (or ``--master_addr``) hosting the rendezvous, as DeepSpeed's per-node launch does."""
+    from partita.launcher import launch as launch_module
+
+    hosts = list(resources)
+    if not 0 <= rank < len(hosts):
+        raise LaunchError(
+            f"--node_rank {rank} is not a node of this job: the hostfile selects {len(hosts)} "
+            f"host(s) ({', '.join(hosts)}), node ranks 0..{len(hosts) - 1}"
+        )
+    host, slots = hosts[rank], resources[hosts[rank]]
+    num_gpus: int | None = None
+    num_procs: int | None = len(slots)
+    cpu = env.forced_accelerator() == "cpu"  # PARTITA_ACCELERATOR or DS_ACCELERATOR
+    if ns.num_procs is None and (
+        ns.num_gpus is not None or (not cpu and launch_module.visible_gpu_count() > 0)
+    ):
+        num_gpus, num_procs = len(slots), None
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    node_addr = ns.node_addr
+    if node_addr is None and len(hosts) > 1 and _is_ip(host):
+        node_addr = host  # its workers' sockets go on the interface the hostfile named
+    master_addr = ns.master_addr or (hosts[0] if len(hosts) > 1 else "127.0.0.1")
+    options = dataclasses.replace(
+        _options(ns),
+        num_gpus=num_gpus,
+        num_procs=num_procs,
+        num_nodes=len(hosts),
+        node_rank=rank,
+        master_addr=master_addr,
+        node_addr=node_addr,
+    )
+    return launch(options)
+
+
+def _backend_job(
+    ns: argparse.Namespace, pool: dict[str, int], resources: dict[str, list[int]], cwd: str
+) -> backends.Job:
+    """The ``--launcher`` job, checked (`backends.check_request`)."""
+    from partita.launcher import backends, multinode
+
+    exports = multinode.exported_env(os.environ, multinode.deepspeed_env_files(os.environ, cwd))
+    job = backends.Job(
+        launcher=ns.launcher,
+        hostfile=ns.hostfile,
+        pool=pool,
+        resources=resources,
+        options=_options(ns),
+        master_addr=ns.master_addr or next(iter(resources)),
+        master_port=ns.master_port or DEFAULT_MASTER_PORT,
+        launcher_args=ns.launcher_argv,
+        exports=exports,
+        cwd=cwd,
+        filtered=ns.include is not None or ns.exclude is not None,
+        num_nodes=ns.num_nodes,
+        per_node=ns.num_procs if ns.num_procs is not None else ns.num_gpus,
+        gpus=ns.num_procs is None,
+    )
+    backends.check_request(job)
+    return job
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _pid_file(save: bool) -> Iterator[None]:
+    """``--save_pid``: ``/tmp/<pid>.deepspeed`` holds this process's pid while the job runs
+    (DeepSpeed's file, named by the pid of the process its caller started: this one)."""
+    if not save:
+        yield
+        return
+    path = Path(PID_FILE_DIR) / f"{os.getpid()}.deepspeed"
+    part = path.with_suffix(".deepspeed.part")
+    part.write_text(str(os.getpid()))
+    part.replace(path)  # a reader never sees half a pid
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -457,11 +687,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_subcommand(args[0], args[1:])
     ns = _parse(args)
     try:
-        if ns.hostfile is not None:
-            return _launch_hostfile(ns)
-        if ns.lifeline_fd is not None:
-            lifeline.watch(ns.lifeline_fd)
-        return launch(_options(ns))
+        with _pid_file(ns.save_pid):
+            if ns.hostfile is not None:
+                return _launch_hostfile(ns)
+            if ns.lifeline_fd is not None:
+                lifeline.watch(ns.lifeline_fd)
+            return launch(_options(ns))
     except LaunchError as err:
         print(f"partita: error: {err}", file=sys.stderr)
         return 2

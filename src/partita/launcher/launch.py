@@ -45,7 +45,8 @@ import os
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -66,12 +67,14 @@ __all__ = [
     "LaunchError",
     "LaunchOptions",
     "WorkerPlan",
+    "bound_cores",
     "build_launch_config",
     "find_free_port",
     "launch",
     "listen_socket",
     "loopback_env",
     "plan_workers",
+    "rank_setup_args",
     "store_bind_address",
     "visible_gpu_count",
     "with_parent_death_signal",
@@ -128,6 +131,11 @@ class LaunchOptions:
             ``num_nodes`` nodes through torch's dynamic c10d rendezvous (``None``: static).
         rdzv_conf: extra rendezvous settings (``last_call_timeout``, ``keep_alive_interval``...
             as torchrun's ``--rdzv-conf`` takes them).
+        bind_cores_to_rank: run each worker on its own share of this node's cores, with
+            ``OMP_NUM_THREADS`` that share's size (`partita.launcher.rank_setup`).
+        bind_core_list: the cores to share out (``1,3-5``; ``None``: one per physical core).
+        rank_log_dir: write each worker's stdout and stderr to
+            ``<dir>/<YYYYmmddHHMMSS>_rank<R>.log`` instead of the launcher's (``None``: don't).
     """
 
     script: str
@@ -148,6 +156,9 @@ class LaunchOptions:
     node_addr: str | None = None
     min_nodes: int | None = None
     rdzv_conf: tuple[tuple[str, str], ...] = ()
+    bind_cores_to_rank: bool = False
+    bind_core_list: str | None = None
+    rank_log_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -215,15 +226,79 @@ def worker_command(options: LaunchOptions) -> tuple[str, list[str]]:
     return sys.executable, ["-u", *module, _escape_macro(options.script), *_script_args(options)]
 
 
-def worker_entry(options: LaunchOptions) -> tuple[str, list[str]]:
+def worker_entry(options: LaunchOptions, setup: Sequence[str] = ()) -> tuple[str, list[str]]:
     """What the agent starts for each worker: `worker_command` through
     `partita.launcher.worker_exec`, which ties the worker's life to the launcher's and, for a
-    Python script, runs it in its own interpreter so that it can report how it failed."""
+    Python script, runs it in its own interpreter so that it can report how it failed. With
+    ``setup`` (`rank_setup_args`) `partita.launcher.rank_setup` runs first, in the worker."""
     if options.no_python:
-        return with_parent_death_signal(*worker_command(options))
-    mode = RUN_MODULE if options.module else RUN_PATH
-    shim = ["-u", "-m", "partita.launcher.worker_exec", mode, _escape_macro(options.script)]
-    return sys.executable, [*shim, *_script_args(options)]
+        exec_argv = [_escape_macro(options.script), *_script_args(options)]
+    else:
+        mode = RUN_MODULE if options.module else RUN_PATH
+        exec_argv = [mode, _escape_macro(options.script), *_script_args(options)]
+    if setup:
+        shim = ["-u", "-m", "partita.launcher.rank_setup", *map(_escape_macro, setup), "--"]
+        return sys.executable, [*shim, *exec_argv]
+    if options.no_python:
+        return sys.executable, ["-m", "partita.launcher.worker_exec", *exec_argv]
+    return sys.executable, ["-u", "-m", "partita.launcher.worker_exec", *exec_argv]
+
+
+def bound_cores(bind_core_list: str | None, ranks: int) -> list[int]:
+    """The cores ``--bind_cores_to_rank`` shares out over ``ranks`` workers of this node:
+    ``bind_core_list``'s, else one per physical core (`rank_setup.physical_cores`).
+
+    Raises ``LaunchError`` for a bad list, a core this process may not run on, fewer cores
+    than ranks, or ``KMP_AFFINITY`` set (Intel OpenMP would re-pin the threads; DeepSpeed
+    refuses it too)."""
+    from partita.launcher import rank_setup
+
+    if "KMP_AFFINITY" in os.environ:
+        raise LaunchError(
+            "--bind_cores_to_rank: unset KMP_AFFINITY, which would override each rank's cores"
+        )
+    allowed = sorted(os.sched_getaffinity(0))
+    if bind_core_list is None:
+        cores = rank_setup.physical_cores()
+    else:
+        try:
+            cores = rank_setup.parse_core_list(bind_core_list)
+        except ValueError as err:
+            raise LaunchError(f"--bind_core_list: {err}") from None
+        foreign = [core for core in cores if core not in allowed]
+        if foreign:
+            raise LaunchError(
+                f"--bind_core_list names core(s) {rank_setup.format_core_list(foreign)} this "
+                f"process may not run on (allowed: {rank_setup.format_core_list(allowed)})"
+            )
+    try:
+        rank_setup.cores_for_rank(cores, ranks, 0)
+    except ValueError as err:
+        raise LaunchError(f"--bind_cores_to_rank: {err}") from None
+    return cores
+
+
+def rank_setup_args(options: LaunchOptions, ranks: int) -> list[str]:
+    """`partita.launcher.rank_setup`'s flags for ``options`` on a node of ``ranks`` workers
+    (empty when nothing is to be set up); creates the ``rank_log_dir``. Raises ``LaunchError``
+    before anything starts when the cores cannot be shared out or the directory made."""
+    from partita.launcher import rank_setup
+
+    args: list[str] = []
+    if options.bind_cores_to_rank:
+        cores = bound_cores(options.bind_core_list, ranks)
+        args += ["--cores", rank_setup.format_core_list(cores)]
+    if options.rank_log_dir is not None:
+        folder = Path(options.rank_log_dir)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise LaunchError(
+                f"--enable_each_rank_log {options.rank_log_dir!r}: cannot make the directory "
+                f"({err.strerror or err})"
+            ) from None
+        args += ["--log", str(folder.resolve() / time.strftime("%Y%m%d%H%M%S"))]
+    return args
 
 
 def _usable_cpus() -> int:
@@ -501,6 +576,7 @@ def launch(options: LaunchOptions) -> int:
     """
     plan = plan_workers(options.num_gpus, options.num_procs, visible_gpu_count())
     hang_timeout = _hang_timeout(options)
+    setup = rank_setup_args(options, plan.nproc_per_node)
     listener, bind_addr = None, None
     master_port = options.master_port or DEFAULT_MASTER_PORT
     if options.node_rank == 0:
@@ -508,7 +584,7 @@ def launch(options: LaunchOptions) -> int:
         default_port = 0 if options.num_nodes == 1 else DEFAULT_MASTER_PORT
         listener = listen_socket(bind_addr, options.master_port or default_port)
         master_port = int(listener.getsockname()[1])
-    entrypoint, args = worker_entry(options)
+    entrypoint, args = worker_entry(options, setup)
     with tempfile.TemporaryDirectory(prefix="partita_launch_") as log_dir:
         _prepare_environment(options, plan, bind_addr, Path(log_dir) / _FAILURE_DIR)
         watchdog = _start_watchdog(Path(log_dir) / "heartbeat", hang_timeout)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import shlex
 import shutil
 import subprocess
@@ -41,6 +42,7 @@ __all__ = [
     "EXPORT_PREFIXES",
     "LIFELINE_FD",
     "NodeCommand",
+    "agent_flags",
     "deepspeed_env_files",
     "exported_env",
     "fanout_plan",
@@ -127,13 +129,22 @@ def _membership_args(options: LaunchOptions, num_hosts: int) -> list[str]:
 
 def _agent_args(options: LaunchOptions, slots: list[int], gpus: bool) -> list[str]:
     """The per-node ``partita`` flags that do not depend on the node."""
-    args = ["--num_gpus" if gpus else "--num_procs", str(len(slots))]
-    args += ["--max_restarts", str(options.max_restarts)]
+    return ["--num_gpus" if gpus else "--num_procs", str(len(slots)), *agent_flags(options)]
+
+
+def agent_flags(options: LaunchOptions) -> list[str]:
+    """The flags of ``options`` that every node's agent takes as given (restarts, the hang
+    bound, how to run the script, core binding, per-rank logs)."""
+    args = ["--max_restarts", str(options.max_restarts)]
     if options.hang_timeout is not None:
         args += ["--hang_timeout", repr(options.hang_timeout)]
-    for flag in ("module", "no_python", "no_local_rank"):
+    for flag in ("module", "no_python", "no_local_rank", "bind_cores_to_rank"):
         if getattr(options, flag):
             args.append(f"--{flag}")
+    if options.bind_core_list is not None:
+        args += ["--bind_core_list", options.bind_core_list]
+    if options.rank_log_dir is not None:
+        args += ["--enable_each_rank_log", os.path.abspath(options.rank_log_dir)]
     return args
 
 
@@ -159,6 +170,7 @@ def fanout_plan(
     ssh: str = "ssh",
     python: str = sys.executable,
     gpus: bool = True,
+    ssh_args: Sequence[str] = (),
 ) -> list[NodeCommand]:
     """One `NodeCommand` per host of ``resources``, node ranks in hostfile order.
 
@@ -166,7 +178,8 @@ def fanout_plan(
     ``options.master_port`` or 29500. GPU slots become ``CUDA_VISIBLE_DEVICES`` on their
     node (``gpus``); CPU slots (``--num_procs``) only count processes. An elastic job
     (``options.min_nodes``) gives every agent ``--nnodes MIN:MAX``: node 0 hosts the dynamic
-    rendezvous, as in a job started node by node.
+    rendezvous, as in a job started node by node. ``ssh_args`` (``--launcher_args``) go to
+    every ssh before the host.
     """
     hosts = list(resources)
     master = hosts[0] if master_addr is None else master_addr
@@ -184,7 +197,7 @@ def fanout_plan(
             command += ["--node_addr", host]
         command += _agent_args(options, slots, gpus)
         command += [options.script, *options.script_args]
-        argv = (ssh, *_SSH_OPTIONS, host, "bash -s")
+        argv = (ssh, *_SSH_OPTIONS, *ssh_args, host, "bash -s")
         plan.append(NodeCommand(host, rank, argv, node_script(node_env, cwd, command)))
     return plan
 
