@@ -1,7 +1,8 @@
 """Two "nodes" on this machine (issue 18): two partita agents with distinct node ranks on
-127.0.0.1 and 127.0.0.2, started by hand (``--no_ssh --node_rank K``) or by the hostfile
-fan-out through a stand-in for ssh, train ZeRO stages 0-3 as one node of the same world size
-does; a node killed with SIGKILL ends the job naming it, or, under ``--nnodes 1:2
+127.0.0.1 and 127.0.0.2, started by hand (``--no_ssh --node_rank K``), by the hostfile fan-out
+through a stand-in for ssh, or DeepSpeed's per-node way (``--hostfile H --no_ssh --node_rank K``,
+the hostfile giving the world), train ZeRO stages 0-3 as one node of the same world size does;
+a node killed with SIGKILL ends the job naming it, or, under ``--nnodes 1:2
 --max_restarts 1`` through the fan-out, the other node resumes from ``latest`` at world size 1
 (the per-node elastic command the fan-out runs is checked in test_launcher_multinode.py).
 
@@ -111,6 +112,34 @@ def test_two_agents_train_like_one_node_and_listen_only_where_named(
     sockets = [addr for found in listeners.values() for addr in found]
     assert len([pid for pid, found in listeners.items() if found]) >= 3, listeners
     assert all(_ip(ip) in NODES for ip, _ in sockets), listeners
+
+
+def test_deepspeed_per_node_form_with_a_hostfile_trains_like_one_node(
+    tmp_path: Path, one_node_losses: dict[str, list[float]]
+) -> None:
+    # DeepSpeed's per-node command line, unchanged: the hostfile gives the world (two hosts
+    # that are this machine, a slot each), each command starts its node's slots as ranks.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(find_free_port())
+    per_node = ["--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1"]
+    script = ["--master_port", port, str(SCRIPT), str(out), "stages"]
+    node1 = start_launcher([*per_node, "--node_rank", "1", *script], env=THREADS)
+    node0 = start_launcher([*per_node, "--node_rank", "0", *script], env=THREADS)
+    try:
+        outputs = [finish(node, guard_s=GUARD_S) for node in (node0, node1)]
+    finally:
+        kill_all([node0.pid, node1.pid])
+    for node, (stdout, stderr) in zip((node0, node1), outputs, strict=True):
+        assert node.returncode == 0, stdout + stderr
+    records = [json.loads((out / f"rank{r}_restart0.json").read_text()) for r in (0, 1)]
+    assert sorted((r["node_rank"], r["world"]) for r in records) == [(0, 2), (1, 2)]
+    losses = json.loads((out / "losses.json").read_text())
+    assert losses.keys() == one_node_losses.keys()
+    for stage, want in one_node_losses.items():
+        assert losses[stage] == pytest.approx(want, rel=1e-6, abs=0), stage
 
 
 _SSH_STAND_IN = """#!/bin/bash
