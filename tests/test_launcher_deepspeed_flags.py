@@ -94,10 +94,11 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[object]:
             dict(num_nodes=2, node_rank=1, num_procs=3, num_gpus=None),
             None,
         ),
-        # One host selected, no --force_multi: it runs here, as DeepSpeed's runner does.
+        # One host selected, no --force_multi: it runs here, as DeepSpeed's runner does
+        # (--no_ssh_check is accepted: partita never probes ssh).
         (
             "solo slots=2\n",
-            [],
+            ["--no_ssh_check"],
             0,
             dict(num_nodes=1, node_rank=0, num_procs=2, master_addr="127.0.0.1"),
             None,
