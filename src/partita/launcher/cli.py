@@ -246,13 +246,14 @@ def _add_node_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_hostfile_flags(parser: argparse.ArgumentParser) -> None:
-    hosts = parser.add_argument_group("multi-node over ssh (partita starts every node)")
+    hosts = parser.add_argument_group("multi-node from a hostfile")
     hosts.add_argument(
         "-H",
         "--hostfile",
         metavar="FILE",
-        help="hosts to run on, one 'HOST slots=N' line each (DeepSpeed's format); partita runs "
-        "its per-node command on each over ssh, node ranks in file order",
+        help="hosts to run on, one 'HOST slots=N' line each (DeepSpeed's format), node ranks "
+        "in file order; partita starts each (--launcher), or with --no_ssh runs host "
+        "--node_rank's slots here",
     )
     filters = hosts.add_mutually_exclusive_group()
     filters.add_argument(
