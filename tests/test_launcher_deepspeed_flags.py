@@ -11,6 +11,7 @@ the per-node way with the one-node losses: tests/test_launcher_two_nodes.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -152,6 +153,8 @@ def test_hostfile_node_runs_its_slots_here(
         ("a slots=2\nb slots=2\n", ["--launcher", "slurm", "-i", "a:1@b"], "select slots 1 of"),
         ("a slots=2\nb slots=1\n", ["--launcher", "pdsh"], "same slots on every host"),
         (TWO_HOSTS, ["--launcher", "slurm", "--bind_cores_to_rank"], "its ranks are the tool's"),
+        (TWO_HOSTS, ["--launcher", "mpich", "--ssh_port", "22"], "--ssh_port is for ssh and"),
+        (None, ["--ssh_port", "22"], "--ssh_port chooses how the hosts"),
         (TWO_HOSTS, ["--launcher", "openmpi", "--nnodes", "1:2"], "runs through the ssh fan"),
         (None, ["--bind_core_list", "0"], "--bind_core_list lists the cores for --bind_cores_to"),
     ],
@@ -221,7 +224,7 @@ def test_force_multi_and_launcher_args_go_to_the_ssh_fan_out(
 ) -> None:
     monkeypatch.setattr(multinode, "find_ssh", lambda environ: "/usr/bin/ssh")
     hostfile = _hostfile(tmp_path, "solo slots=2\n")
-    flags = ["--force_multi", "--launcher_args", "-p 2222 -o 'ConnectTimeout=5'"]
+    flags = ["--force_multi", "--ssh_port", "2222", "--launcher_args", "-o 'ConnectTimeout=5'"]
     assert cli.main(["--hostfile", hostfile, "--num_procs", "2", *flags, _script(tmp_path)]) == 0
     [[node]] = started  # one host, yet fanned out over ssh
     assert isinstance(node, multinode.NodeCommand)
@@ -306,10 +309,12 @@ def test_rank_command_modes() -> None:
 def test_pdsh_command_runs_the_per_node_agent_with_pdsh_node_rank() -> None:
     options = LaunchOptions("train.py", ("a b",), bind_cores_to_rank=True, bind_core_list="0-3")
     job = _job("pdsh", options=options, exports={"NCCL_DEBUG": "a b"}, launcher_args=("-u", "9"))
-    argv, extra = backends.build_command(job, {"PYTHONPATH": "/lib"}, python="/py")
+    job = dataclasses.replace(job, ssh_port=2200)
+    environ = {"PYTHONPATH": "/lib", "PDSH_SSH_ARGS_APPEND": "-q"}
+    argv, extra = backends.build_command(job, environ, python="/py")
     assert argv[:9] == ["pdsh", "-S", "-f", "1024", "-w", "n1,n2", "-u", "9", argv[8]]
     assert len(argv) == 9
-    assert extra == {"PDSH_RCMD_TYPE": "ssh"}
+    assert extra == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-q -p 2200"}
     remote = argv[8]
     assert remote.startswith("export NCCL_DEBUG='a b'; export PYTHONPATH=/w:/lib; cd /w; exec ")
     agent = shlex.split(remote.split("; exec ", 1)[1].replace("%n", "1"))

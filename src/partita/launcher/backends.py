@@ -16,7 +16,8 @@ starts the processes on the hosts:
 - ``pdsh``: ``pdsh -S -f 1024 -w H1,H2 [--launcher_args] 'export ...; cd CWD; exec python -u
   -m partita.launcher --num_nodes K --node_rank %n ...'``: a partita agent per host, as the
   ssh fan-out starts (pdsh replaces ``%n`` by the host's index); every host needs the same
-  slots, the first N (each agent takes ``--num_gpus N``).
+  slots, the first N (each agent takes ``--num_gpus N``); ``--ssh_port`` goes to ssh through
+  ``PDSH_SSH_ARGS_APPEND``.
 
 ``RANK_COMMAND`` is ``python -u -m partita.launcher.rank_setup [--local_rank] -- --run-path
 SCRIPT ARGS``: each rank maps the scheduler's variables to torch's (``RANK``, ``WORLD_SIZE``,
@@ -90,6 +91,7 @@ class Job:
         num_nodes: ``--num_nodes`` as given.
         per_node: ``--num_gpus``/``--num_procs`` as given.
         gpus: the slots are GPUs (not ``--num_procs``).
+        ssh_port: ``--ssh_port`` (pdsh passes it to ssh).
     """
 
     launcher: str
@@ -106,6 +108,7 @@ class Job:
     num_nodes: int | None = None
     per_node: int | None = None
     gpus: bool = True
+    ssh_port: int | None = None
 
 
 def check_request(job: Job) -> None:
@@ -247,7 +250,11 @@ def build_command(
         # pdsh's %n is the node rank only with its ssh module; the agent sets up its workers.
         del exports[env_vars.AS_DEEPSPEED.name], exports["MASTER_ADDR"], exports["MASTER_PORT"]
         exports.pop(env_vars.ACCELERATOR.name, None)
-        return _pdsh(job, exports, python), {"PDSH_RCMD_TYPE": "ssh"}
+        extra = {"PDSH_RCMD_TYPE": "ssh"}
+        if job.ssh_port is not None:
+            before = environ.get("PDSH_SSH_ARGS_APPEND", "")
+            extra["PDSH_SSH_ARGS_APPEND"] = f"{before} -p {job.ssh_port}".strip()
+        return _pdsh(job, exports, python), extra
     build = {"openmpi": _openmpi, "mpich": _mpich, "slurm": _slurm}[job.launcher]
     return [*build(job, exports), *rank_command(job.options, python)], {}
 

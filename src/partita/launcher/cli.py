@@ -66,7 +66,6 @@ SUBCOMMANDS: dict[str, str] = {
 _ELASTIC = "use torchrun's spelling --nnodes MIN:MAX (and --max_restarts)"
 _SLURM = "Slurm launcher option; pass srun's own flag in --launcher_args"
 _UNSUPPORTED: dict[tuple[str, ...], str] = {
-    ("--ssh_port",): "put the port in ~/.ssh/config, or --launcher_args '-p PORT' (ssh fan-out)",
     ("--autotuning",): "partita has no autotuner",
     ("--elastic_training",): _ELASTIC,
     ("--min_elastic_nodes",): _ELASTIC,
@@ -286,6 +285,12 @@ def _add_hostfile_flags(parser: argparse.ArgumentParser) -> None:
         "otherwise runs here, as DeepSpeed's does)",
     )
     hosts.add_argument(
+        "--ssh_port",
+        type=_port,
+        metavar="PORT",
+        help="port of the hosts' sshd (ssh fan-out and pdsh)",
+    )
+    hosts.add_argument(
         "--no_ssh_check",
         action="store_true",
         help="accepted: partita does not probe ssh first (ssh runs with BatchMode=yes)",
@@ -457,6 +462,7 @@ def _check_launcher(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> 
             ("--launcher", ns.launcher),
             ("--launcher_args", ns.launcher_argv),
             ("--force_multi", ns.force_multi),
+            ("--ssh_port", ns.ssh_port),
         )
         if value
     ]
@@ -488,6 +494,11 @@ def _check_hostfile_job(parser: argparse.ArgumentParser, ns: argparse.Namespace)
     if ns.min_nodes is not None and launcher != "ssh":
         parser.error(f"--nnodes MIN:MAX (elastic) runs through the ssh fan-out, not {launcher}")
     if launcher in ("openmpi", "mpich", "slurm"):
+        if ns.ssh_port is not None:
+            parser.error(
+                f"--ssh_port is for ssh and pdsh; --launcher {launcher} reaches the hosts its "
+                "own way (its flags go in --launcher_args)"
+            )
         for flag in ("bind_cores_to_rank", "enable_each_rank_log"):
             if getattr(ns, flag):
                 parser.error(
@@ -582,9 +593,13 @@ def _launch_hostfile(ns: argparse.Namespace) -> int:
         master_addr=ns.master_addr,
         ssh=ssh,
         gpus=ns.num_procs is None,
-        ssh_args=ns.launcher_argv,
+        ssh_args=_ssh_port_args(ns) + ns.launcher_argv,
     )
     return multinode.run_fanout(plan, elastic=ns.min_nodes is not None)
+
+
+def _ssh_port_args(ns: argparse.Namespace) -> tuple[str, ...]:
+    return () if ns.ssh_port is None else ("-p", str(ns.ssh_port))
 
 
 def _launch_node_of(ns: argparse.Namespace, resources: dict[str, list[int]], rank: int) -> int:
@@ -641,6 +656,7 @@ def _backend_job(
         master_addr=ns.master_addr or next(iter(resources)),
         master_port=ns.master_port or DEFAULT_MASTER_PORT,
         launcher_args=ns.launcher_argv,
+        ssh_port=ns.ssh_port,
         exports=exports,
         cwd=cwd,
         filtered=ns.include is not None or ns.exclude is not None,
