@@ -3,9 +3,9 @@ up: the ordered shutdown of `partita.shutdown` and the pins of `partita.comm.pin
 exit abort] there).
 
 The abort this guards against is a race at interpreter exit (a gloo worker releasing a
-finished collective's tensors while the interpreter finalizes), so the test runs several
-two-rank jobs (processes started directly on a FileStore: a launcher start costs more than
-the whole test on a loaded machine), each rank with the launcher's heartbeat thread running,
+finished collective's tensors while the interpreter finalizes), so the test runs two-rank
+jobs (processes started directly on a FileStore: a launcher start costs more than the whole
+test on a loaded machine), each rank with the launcher's heartbeat thread running,
 a loop of collectives on temporaries, then a queue of collectives over a group of its own
 that gloo's workers finish while the interpreter exits, and no ``destroy_process_group``.
 """
@@ -23,10 +23,11 @@ from launch_helpers import write_script
 from partita import shutdown
 
 JOBS = 1
-"""Two-rank jobs, one after the other (one: a start costs ~50 s here). Against the code before the fix the test failed every
-time on the heartbeat files (nothing stopped the thread at exit); the abort itself is a race
-it makes likelier, not certain: 0 of 8 rank exits with 4 jobs, where the same queue in one
-process aborted 2 of 6 exits and a two-rank launcher job of the waited loop 1 of 3."""
+"""Two-rank jobs, one after the other (one: a start costs ~50 s on 2 loaded cores). Against
+the code before the fix the test failed every time on the heartbeat files (nothing stopped
+the thread at exit); the abort itself is a race it makes likelier, not certain: 0 of 8 rank
+exits with 4 jobs, where the same queue in one process aborted 2 of 6 exits and a two-rank
+launcher job of the waited loop 1 of 3."""
 
 RANK = """
     import os, sys

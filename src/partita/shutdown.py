@@ -11,7 +11,8 @@ a process group installs one handler here, and each subsystem registers a stoppe
 
 1. ``THREADS``: partita's own threads stop and are joined (the heartbeat of the launcher's
    hang watchdog, which also removes its file: a rank that has finished is not hung);
-2. ``WORK``: outstanding asynchronous work is waited for;
+2. ``WORK``: outstanding asynchronous work is waited for (no stopper yet: the work partita
+   runs on threads is on non-daemon ones, already joined);
 3. ``DEVICE``: the device is synchronized (CUDA; nothing on the CPU);
 4. ``PROCESS_GROUP``: the default process group is destroyed if it still exists (a script
    that destroyed it itself is left alone).
