@@ -9,7 +9,9 @@ available between the boundary backward and `engine.step()`, as in DeepSpeed.
 
 from __future__ import annotations
 
+import enum
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +47,91 @@ def _owner(param: torch.Tensor) -> ParamStates:
     raise ValueError(
         f"parameter of shape {tuple(param.shape)} is not trained by any partita engine "
         "(frozen, or initialize() was not called with it)"
+    )
+
+
+class Presence(enum.Enum):
+    """Where a ZeRO-3 parameter's full value is, seen from this rank."""
+
+    PRESENT = "present"
+    """Gathered, persistent, or materialized inside `GatheredParameters`."""
+    ARRIVING = "arriving"
+    """Its unit's all-gather is in flight."""
+    ABSENT = "absent"
+    """Only this rank's shard is here; the module holds a placeholder."""
+
+
+@dataclass(frozen=True)
+class ZeroParamView:
+    """What ZeRO-3 knows of one parameter it manages, for read-only views of it (the
+    DeepSpeed compatibility layer's ``ds_*`` attributes); a snapshot taken when asked."""
+
+    ident: int
+    """Given when ZeRO-3 first managed it, in build order: the same on every rank."""
+    presence: Presence
+    numel: int
+    shape: torch.Size
+    persistent: bool
+    """Kept gathered between uses (below ``stage3_param_persistence_threshold``)."""
+    local: torch.Tensor
+    """This rank's elements of it, flattened, in the module's dtype (possibly empty)."""
+
+
+def _unit_view(param: torch.Tensor, ident: int) -> ZeroParamView | None:
+    from partita.zero.stage3.unit import UnitState
+
+    states = find(param, sharded=True)
+    unit = None if states is None or states.gatherer is None else states.gatherer.unit_of(param)
+    if unit is None:
+        return None
+    index = next(i for i, p in enumerate(unit.params) if p is param)
+    pieces = [pc for pc in unit.layout.shard_pieces(unit.rank) if pc.index == index]
+    if unit.shard_swap is not None:  # the shard lives in a swap file: read a copy
+        was_resident = unit.shard_swap.resident
+        unit.ensure_shard()
+        local = torch.cat(
+            [unit.flat_shard[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
+            or [unit.flat_shard[:0]]
+        ).clone()
+        if not was_resident:  # leave it as found: a resident shard is in use
+            unit.evict_shard()
+    else:  # one rank's elements of a parameter are one run of its shard (FlatLayout)
+        parts = [unit.flat_shard[pc.shard_offset : pc.shard_offset + pc.length] for pc in pieces]
+        local = parts[0] if len(parts) == 1 else torch.cat(parts or [unit.flat_shard[:0]])
+    return ZeroParamView(
+        ident=ident,
+        presence={UnitState.SHARDED: Presence.ABSENT, UnitState.UNSHARDING: Presence.ARRIVING}.get(
+            unit.state, Presence.PRESENT
+        ),
+        numel=param.numel(),
+        shape=param.shape,
+        persistent=bool(unit.persistent),
+        local=local.detach(),
+    )
+
+
+def zero3_view(param: torch.Tensor) -> ZeroParamView | None:
+    """The view of a parameter a live stage-3 engine holds or ``zero.Init`` built, else None
+    (stages 0-2, plain parameters, a destroyed engine's persistent parameters)."""
+    from partita.zero.init import PRE_SHARDED
+    from partita.zero.placeholder import zero_param_id
+
+    ident = zero_param_id(param)
+    if ident is None:
+        return None
+    view = _unit_view(param, ident)
+    if view is not None:
+        return view
+    shard = PRE_SHARDED.get(param)
+    if shard is None:
+        return None
+    return ZeroParamView(
+        ident=ident,
+        presence=Presence.PRESENT if shard.gathered else Presence.ABSENT,
+        numel=shard.numel,
+        shape=param.shape,
+        persistent=False,
+        local=shard.value().detach(),
     )
 
 
@@ -116,6 +203,8 @@ def safe_set_local_optimizer_state(
 
 
 __all__ = [
+    "Presence",
+    "ZeroParamView",
     "find",
     "register",
     "safe_get_full_fp32_param",
@@ -131,4 +220,5 @@ __all__ = [
     "safe_set_local_grad",
     "safe_set_local_optimizer_state",
     "unregister",
+    "zero3_view",
 ]

@@ -33,7 +33,12 @@ from partita import comm
 from partita.accelerator import configure_host_allocator
 from partita.config import config_error, load_config
 from partita.offload import SwappedTensor, SwapSpace, unique_run_id
-from partita.zero.placeholder import mark_gathered, nan_placeholder
+from partita.zero.placeholder import (
+    COPY_PRE_SHARDED,
+    mark_gathered,
+    mark_managed,
+    nan_placeholder,
+)
 
 
 @dataclass
@@ -50,6 +55,8 @@ class PreShard:
     its size."""
     target: tuple[torch.device, torch.dtype] | None = None
     """Device and dtype the engine wants (applied when gathered; see `prepare_pre_sharded`)."""
+    gathered: bool = False
+    """True inside `materialized` (the parameter holds its full value)."""
 
     def value(self) -> torch.Tensor:
         """The chunk's values, in memory and converted to `target` (a copy when converted or
@@ -121,6 +128,25 @@ def shard_param(
         shard.swap.evict()
     PRE_SHARDED[param] = shard
     param.data = nan_placeholder(param)
+    mark_managed(param)
+
+
+def _copy_pre_sharded(param: torch.Tensor) -> torch.Tensor | None:
+    """A deep copy of a parameter built under `Init` (see `ZeroParameter.__deepcopy__`): a new
+    parameter holding a copy of this rank's chunk, so every rank's copy stands for the same full
+    value with no collective; None for a parameter `Init` does not hold (or holds gathered)."""
+    shard = PRE_SHARDED.get(param)
+    if shard is None or shard.gathered:
+        return None
+    value = shard.value()
+    chunk = value.clone() if value is shard.chunk else value
+    copy = torch.nn.Parameter(nan_placeholder(param), param.requires_grad)
+    PRE_SHARDED[copy] = PreShard(chunk, shard.numel, shard.world, group=shard.group)
+    mark_managed(copy)
+    return copy
+
+
+COPY_PRE_SHARDED.append(_copy_pre_sharded)
 
 
 @torch.no_grad()
@@ -313,11 +339,13 @@ def materialized(params: Sequence[torch.Tensor], modifier_rank: int | None) -> I
     values at exit become every rank's new chunks."""
     for p in params:
         p.data = gather_pre_sharded(p)
+        PRE_SHARDED[p].gathered = True
     try:
         yield
     finally:
         with torch.no_grad():
             for p in params:
+                PRE_SHARDED[p].gathered = False
                 if modifier_rank is not None:
                     # modifier_rank is a rank of the parameter's data-parallel group
                     shard = PRE_SHARDED[p]

@@ -4,8 +4,9 @@ stand in (see `partita.compat.alias`).
 Thin adapters over partita's own API for the names Hugging Face Transformers, Accelerate and PEFT
 use (and common DeepSpeed training scripts): `initialize` returns partita's engine, `zero.Init`
 and `zero.GatheredParameters` are partita's, and so on. No algorithm lives here. A DeepSpeed
-module partita does not implement fails to import with a message naming the feature; a missing
-attribute of this package raises `NotInPartita` (an AttributeError) naming it.
+module partita does not implement resolves to a stub (`partita.compat.deepspeed._stubs`) whose
+names raise naming the feature and what partita offers instead; a missing attribute of this
+package raises `NotInPartita` (an AttributeError) naming it.
 
 Importing this package is cheap (no CUDA, no compiled ops): Accelerate imports
 ``deepspeed.DeepSpeedEngine`` on every ``unwrap_model`` once DeepSpeed looks installed.
@@ -18,6 +19,7 @@ from typing import Any
 from partita import __version__ as _partita_version
 from partita.compat.alias import API_LEVEL
 from partita.compat.deepspeed import (
+    _stubs,
     accelerator,
     checkpoint,
     comm,
@@ -32,6 +34,8 @@ from partita.compat.deepspeed.api import add_config_arguments, init_distributed,
 from partita.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from partita.config import ConfigError as DeepSpeedConfigError
 from partita.config import DeepSpeedConfig
+
+_stubs.install()
 
 __version__ = f"{API_LEVEL}+partita.{_partita_version}"
 version = __version__

@@ -28,6 +28,10 @@ from partita.config import DeepSpeedConfig
 from partita.profiling.comms import COMMS_LOGGER as comms_logger
 from partita.profiling.comms import log_summary  # noqa: F401  (re-exported)
 
+# DeepSpeed's comm is a package (deepspeed.comm.comm, .reduce_op...): a search path makes this
+# module one for the import system, so those paths reach the stub finder (see _stubs).
+__path__: list[str] = []
+
 
 def is_available() -> bool:
     """True: torch.distributed is what partita communicates with."""

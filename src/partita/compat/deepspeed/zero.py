@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from partita.compat.deepspeed._missing import module_getattr
 from partita.compat.deepspeed.runtime.zero import (
     GatheredParameters,
     Init,
@@ -9,6 +10,8 @@ from partita.compat.deepspeed.runtime.zero import (
     register_external_parameter,
     unregister_external_parameter,
 )
+
+__getattr__ = module_getattr("deepspeed.zero")
 
 __all__ = [
     "GatheredParameters",

@@ -258,9 +258,13 @@ class UnitScheduler:
             self._release(unit, unit.in_use == 0, backward=True)
 
     def end_backward(self) -> None:
-        """Finishes units whose post-backward never ran and releases everything."""
+        """Finishes units whose post-backward never ran and releases everything. A unit whose
+        module never ran but whose parameters got gradients (read directly inside
+        `GatheredParameters`, as TRL's fused LM-head loss reads ``lm_head.weight``) is reduced
+        too: its gradients would otherwise be lost."""
         for unit in self.units:
-            if not unit.reduced and (unit.forward_calls > 0 or unit.persistent):
+            used = unit.forward_calls > 0 or unit.grad_buffer is not None
+            if not unit.reduced and (used or unit.persistent):
                 self.on_post_backward(unit)
         self.reset()
         for unit in self.units:

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from partita.compat.deepspeed._missing import module_getattr
+
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
     """Copies every tensor in `item` (nested lists, tuples and dicts) to `device`, detached and
@@ -23,5 +25,7 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
 
+
+__getattr__ = module_getattr("deepspeed.checkpoint.utils")
 
 __all__ = ["clone_tensors_for_torch_save"]

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 
+from partita.compat.deepspeed._missing import module_getattr
+
 DEEPSPEED_ENVIRONMENT_NAME = os.getenv("DS_ENV_FILE", ".deepspeed_env")
+
+__getattr__ = module_getattr("deepspeed.launcher.runner")
 
 __all__ = ["DEEPSPEED_ENVIRONMENT_NAME"]

@@ -62,6 +62,56 @@ def _flag(
     return found
 
 
+def set_z3_leaf_modules_by_name(
+    model: torch.nn.Module,
+    module_names: list[str],
+    flag: bool = True,
+    raise_if_not_found: bool = True,
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """Sets the leaf flag of the modules named `module_names` (names of
+    ``model.named_modules()``); returns them and the names that matched nothing (an error
+    naming them with `raise_if_not_found`)."""
+    by_name = dict(model.named_modules())
+    found = [by_name[n] for n in module_names if n in by_name]
+    missing = [n for n in module_names if n not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"set_z3_leaf_modules_by_name: no module named {missing} in the model")
+    for m in found:
+        m._z3_leaf = flag
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: torch.nn.Module,
+    module_name_suffixes: list[str],
+    flag: bool = True,
+    raise_if_not_found: bool = True,
+) -> tuple[list[torch.nn.Module], list[str]]:
+    """Sets the leaf flag of every module whose ``named_modules()`` name ends with one of
+    `module_name_suffixes` (at a dot or whole); returns them and the suffixes that matched
+    nothing (an error naming them with `raise_if_not_found`)."""
+    found: dict[int, torch.nn.Module] = {}
+    missing = []
+    for suffix in module_name_suffixes:
+        hits = [m for n, m in model.named_modules() if n == suffix or n.endswith("." + suffix)]
+        if not hits:
+            missing.append(suffix)
+        found.update((id(m), m) for m in hits)
+    if missing and raise_if_not_found:
+        raise ValueError(
+            f"set_z3_leaf_modules_by_suffix: no module name ends with {missing} in the model"
+        )
+    for m in found.values():
+        m._z3_leaf = flag  # type: ignore[assignment]
+    return list(found.values()), missing
+
+
+def z3_leaf_parameter(model: torch.nn.Parameter) -> bool:
+    """Whether `model` (a parameter) is flagged as a leaf's (DeepSpeed sets ``ds_z3_leaf_module``
+    on parameters; partita flags modules only, so a parameter never is)."""
+    return bool(getattr(model, "ds_z3_leaf_module", False))
+
+
 def set_z3_leaf_module(model: torch.nn.Module, flag: bool) -> None:
     """Sets or clears the leaf flag of one module instance."""
     model._z3_leaf = flag  # type: ignore[assignment]
@@ -90,6 +140,9 @@ __all__ = [
     "logger",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
+    "z3_leaf_parameter",
 ]

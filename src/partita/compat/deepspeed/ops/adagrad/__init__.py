@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from partita.compat.deepspeed._missing import module_getattr
+
 
 class DeepSpeedCPUAdagrad:
     """``DeepSpeedCPUAdagrad(model_params, lr, eps, weight_decay, amsgrad,
@@ -24,5 +26,7 @@ class DeepSpeedCPUAdagrad:
         del amsgrad, fp32_optimizer_states
         return torch.optim.Adagrad(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
 
+
+__getattr__ = module_getattr("deepspeed.ops.adagrad")
 
 __all__ = ["DeepSpeedCPUAdagrad"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from partita.compat.deepspeed._missing import module_getattr
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW
 
 
@@ -82,5 +83,7 @@ class FusedAdam:
             raise ValueError("FusedAdam(bias_correction=False) is not supported by partita")
         return _adam(params, lr, betas, eps, weight_decay, adam_w_mode, amsgrad, cpu=False)
 
+
+__getattr__ = module_getattr("deepspeed.ops.adam")
 
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]

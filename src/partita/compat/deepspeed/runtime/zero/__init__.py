@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 
+from partita.compat.deepspeed._missing import module_getattr
+from partita.compat.deepspeed.runtime.zero.param_attrs import ZeroParamStatus
 from partita.zero import GatheredParameters
 from partita.zero.init import Init as _PartitaInit
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's parameter states, for code that names them (partita keeps no such flag on
-    parameters: its units own the state)."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 class Init(_PartitaInit):
@@ -65,6 +57,8 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
 
 # Imported last: it re-exports the names above.
 from partita.compat.deepspeed.runtime.zero import partition_parameters  # noqa: E402
+
+__getattr__ = module_getattr("deepspeed.runtime.zero")
 
 __all__ = [
     "GatheredParameters",

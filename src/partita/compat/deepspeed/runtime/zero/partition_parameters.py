@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
+from partita.compat.deepspeed._missing import module_getattr
 from partita.compat.deepspeed.accelerator import get_accelerator
-from partita.compat.deepspeed.runtime.zero import GatheredParameters, Init
+from partita.compat.deepspeed.runtime.zero import GatheredParameters, Init, ZeroParamStatus
 
 _orig_torch_arange = torch.arange
 
@@ -34,9 +35,12 @@ def zero_wrapper_for_fp_tensor_constructor(
     return wrapped
 
 
+__getattr__ = module_getattr("deepspeed.runtime.zero.partition_parameters")
+
 __all__ = [
     "GatheredParameters",
     "Init",
+    "ZeroParamStatus",
     "_orig_torch_arange",
     "get_accelerator",
     "zero_wrapper_for_fp_tensor_constructor",
