@@ -128,14 +128,14 @@ SCRIPT = textwrap.dedent(
         except Exception as e:
             failed.append(f"{path}: {type(e).__name__}: {e}")
     out["paths"] = [len(module_paths()), failed]
-    import deepspeed.moe.layer as layer
-    out["stub_hasattr"] = hasattr(layer, "MoE")
+    import deepspeed.moe.sharded_moe as layer
+    out["stub_hasattr"] = hasattr(layer, "TopKGate")
     try:
-        layer.MoE
+        layer.TopKGate
     except AttributeError as e:
         out["stub_getattr"] = str(e)
     try:
-        from deepspeed.moe.layer import MoE
+        from deepspeed.moe.sharded_moe import TopKGate
     except ImportError as e:
         out["stub_from"] = str(e)
     try:
@@ -195,7 +195,10 @@ def test_every_deepspeed_module_path_resolves_and_missing_names_say_so(
     assert count > 700 and failed == []
     assert out["stub_hasattr"] is False
     for key in ("stub_getattr", "stub_from"):
-        assert "deepspeed.moe.layer.MoE" in out[key] and "MoE expert parallelism" in out[key]
+        assert (
+            "deepspeed.moe.sharded_moe.TopKGate" in out[key]
+            and "MoE expert parallelism" in out[key]
+        )
     assert "deepspeed.runtime.engine.NoSuchName" in out["real_from"]
     assert "partita offers" in out["real_from"] and "DeepSpeedEngine" in out["real_from"]
     assert "deepspeed.runtime.zero.no_such_module" in out["typo"]
@@ -333,3 +336,203 @@ def test_zero3_parameters_carry_deepspeed_attributes_as_views(tmp_path: Path) ->
     ]
     assert ranks[0]["nvme"][2] + ranks[1]["nvme"][2] == 36
     assert ranks[0]["ids"] == ranks[1]["ids"] and len(set(ranks[0]["ids"])) == 3
+
+
+# ---- names DeepSpeed's own unit-test helpers import (checked in-process, no alias needed) ----
+
+CD = "partita.compat.deepspeed"
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "words"),
+    [
+        ("pipe", "PipelineModule", "pipeline parallelism"),
+        ("pipe", "LayerSpec", "pipeline parallelism"),
+        ("pipe", "TiedLayerSpec", "pipeline parallelism"),
+        ("pipe", "DualPipeVModule", "pipeline parallelism"),
+        ("runtime.pipe", "PipelineModule", "pipeline parallelism"),
+        ("moe.layer", "MoE", "expert parallelism"),
+        ("runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", '"fp16" config section'),
+        ("runtime.zero.partition_parameters", "CUDAQuantizer", "zero_quantized_weights"),
+    ],
+)
+def test_placeholder_classes_import_and_refuse_on_construction(
+    module: str, name: str, words: str
+) -> None:
+    """DeepSpeed classes partita lacks import (so DeepSpeed's simple_model.py and scripts
+    naming them load) and raise on construction naming the class and the feature."""
+    import importlib
+
+    from partita.compat.deepspeed._placeholder import FeatureNotInPartita
+
+    cls = getattr(importlib.import_module(f"{CD}.{module}"), name)
+    with pytest.raises(FeatureNotInPartita, match="is not in partita") as caught:
+        cls(torch.nn.Linear(2, 2), num_stages=2)
+    assert name in str(caught.value) and words in str(caught.value)
+    assert isinstance(caught.value, NotImplementedError)
+
+
+def test_placeholder_classes_keep_deepspeed_shapes() -> None:
+    """PipelineModule and MoE are nn.Module subclasses and TiedLayerSpec a LayerSpec, as in
+    DeepSpeed, so isinstance checks read the same; other pipe names still raise by name."""
+    from partita.compat.deepspeed import pipe
+    from partita.compat.deepspeed._missing import NotInPartita
+    from partita.compat.deepspeed.moe.layer import MoE
+
+    assert issubclass(pipe.PipelineModule, torch.nn.Module) and issubclass(MoE, torch.nn.Module)
+    assert issubclass(pipe.TiedLayerSpec, pipe.LayerSpec)
+    assert not isinstance(torch.nn.Linear(2, 2), pipe.PipelineModule)
+    with pytest.raises(NotInPartita, match="pipeline parallelism"):
+        pipe.PipeModelDataParallelTopology  # noqa: B018
+
+
+def test_is_current_accelerator_supported() -> None:
+    from partita.compat.deepspeed.accelerator import (
+        SUPPORTED_ACCELERATOR_LIST,
+        get_accelerator,
+        is_current_accelerator_supported,
+    )
+
+    assert is_current_accelerator_supported() is True
+    assert get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+
+
+def test_warmup_schedules_fall_back_to_log_on_unknown_warmup_type(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DeepSpeed's WarmupLR / WarmupCosineLR warn on an unknown warmup_type and use 'log'."""
+    from partita.optim.errors import SchedulerConfigError
+    from partita.optim.schedulers import WarmupCosineLR, WarmupLR, build_scheduler
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with caplog.at_level("WARNING", logger="partita.optim.schedulers"):
+        cosine = WarmupCosineLR(opt, total_num_steps=10, warmup_num_steps=4, warmup_type="cosine")
+    assert cosine.warmup_type == "log"
+    assert "unknown warmup_type: 'cosine'" in caplog.text
+    reference = WarmupCosineLR(
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+        total_num_steps=10,
+        warmup_num_steps=4,
+        warmup_type="log",
+    )
+    for _ in range(3):
+        cosine.step()
+        reference.step()
+    assert cosine.get_last_lr() == reference.get_last_lr()
+    assert WarmupLR(opt, warmup_type="lineer").warmup_type == "log"
+    # A config file's typo is still refused, naming the key.
+    with pytest.raises(SchedulerConfigError, match=r"scheduler\.params\.warmup_type"):
+        build_scheduler("WarmupLR", {"warmup_type": "lineer"}, opt)
+
+
+def test_required_torch_version() -> None:
+    """Compared as versions (``2.10`` after ``2.9``), inclusive bounds, one bound needed."""
+    from partita.compat.deepspeed.utils.torch import required_torch_version
+
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert required_torch_version(min_version=1.8)
+    assert not required_torch_version(max_version=1.8)
+    assert required_torch_version(min_version=f"{major}.{minor}")
+    assert not required_torch_version(min_version=f"{major}.{minor + 1}")
+    assert required_torch_version(min_version="1.0", max_version=f"{major + 1}.0")
+    assert not required_torch_version(min_version=f"{major + 1}.0", max_version=f"{major + 2}.0")
+    with pytest.raises(ValueError, match="min_version or max_version"):
+        required_torch_version()
+
+
+def test_bfloat16_config_and_optimizer_names() -> None:
+    from partita.compat.deepspeed.runtime import config as ds_config
+    from partita.compat.deepspeed.runtime.precision_config import (
+        get_bfloat16_config,
+        get_float16_config,
+    )
+
+    assert get_bfloat16_config({"bf16": {"enabled": True}}).enabled is True
+    assert get_bfloat16_config({"bfloat16": {"enabled": True}}).enabled is True
+    assert get_bfloat16_config({}).enabled is False
+    assert get_float16_config({"fp16": {"enabled": True}}).initial_scale_power == 16
+    assert ds_config.ADAM_OPTIMIZER == "adam" and ds_config.ADAMW_OPTIMIZER == "adamw"
+    assert "lion" in ds_config.DEEPSPEED_OPTIMIZERS
+
+
+def test_deepspeed_config_model_base(caplog: pytest.LogCaptureFixture) -> None:
+    """Extra keys refused, aliases and names accepted, "auto" dropped unless strict, a
+    deprecated field forwarded to its replacement (both given: an AssertionError)."""
+    from pydantic import Field, ValidationError
+
+    from partita.compat.deepspeed.runtime.config_utils import (
+        DeepSpeedConfigModel,
+        DeprecatedFieldConflict,
+        get_config_default,
+    )
+
+    class Conf(DeepSpeedConfigModel):
+        param_1: int = 0
+        param_2_old: str | None = Field(
+            None,
+            json_schema_extra={
+                "deprecated": True,
+                "new_param": "param_2",
+                "new_param_fn": lambda x: [x],
+            },
+        )
+        param_2: list[str] | None = None
+        param_3: int = Field(0, alias="param_3_alias")
+
+    assert Conf(param_1=42).param_1 == 42
+    with caplog.at_level("WARNING"):
+        assert Conf(param_2_old="DS").param_2 == ["DS"]
+    assert "param_2_old is deprecated, use param_2 instead" in caplog.text
+    assert Conf(param_3=10).param_3 == 10 and Conf(param_3_alias=10).param_3 == 10
+    assert Conf(param_1="auto").param_1 == 0
+    for bad in ({"param_1": "DS"}, {"param_2": "DS"}, {"param_1_typo": 0}):
+        with pytest.raises(ValidationError):
+            Conf(**bad)
+    with pytest.raises(ValidationError):
+        Conf(strict=True, param_1="auto")
+    with pytest.raises(AssertionError, match="together"):
+        Conf(param_2=["DS"], param_2_old="DS")
+    assert issubclass(DeprecatedFieldConflict, ValueError)
+    assert get_config_default(Conf, "param_1") == 0
+
+
+def test_zero_config_names() -> None:
+    from partita.compat.deepspeed.runtime.zero.config import (
+        DeepSpeedZeroConfig,
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+    from partita.compat.deepspeed.runtime.zero.leaf_module_config import (
+        DEFAULT_LEAF_MODULE_CLASSES,
+        DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+        DEFAULT_LEAF_MODULE_NAMES,
+    )
+
+    config = DeepSpeedZeroConfig(offload_param={}, offload_optimizer={})
+    assert isinstance(config.offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert isinstance(config.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig)
+    assert DeepSpeedZeroOffloadOptimizerConfig().pipeline is False
+    assert DeepSpeedZeroOffloadOptimizerConfig(pipeline_write=True).pipeline is True
+    assert DeepSpeedZeroConfig().leaf_module.classes == DEFAULT_LEAF_MODULE_CLASSES
+    assert DEFAULT_LEAF_MODULE_NAMES == [] and DEFAULT_LEAF_MODULE_NAME_SUFFIXES == []
+
+
+def test_partition_parameters_names() -> None:
+    """MultipleAllGatherHandles waits on each handle by keyword; the partitioned-data shape,
+    which partita does not have (shapes are kept), raises naming the difference on use."""
+    from partita.compat.deepspeed._placeholder import FeatureNotInPartita
+    from partita.compat.deepspeed.runtime.zero.partition_parameters import (
+        MultipleAllGatherHandles,
+        partitioned_param_data_shape,
+    )
+
+    seen: list[Any] = []
+
+    class Handle:
+        def wait(self, *, handle_dependency: bool = True) -> None:
+            seen.append(handle_dependency)
+
+    MultipleAllGatherHandles([Handle(), Handle()]).wait(handle_dependency=False)
+    assert seen == [False, False]
+    with pytest.raises(FeatureNotInPartita, match="keep their full shape"):
+        torch.Size(partitioned_param_data_shape)

@@ -14,8 +14,9 @@ writes the value for the new counter. The engine calls ``step()`` after each opt
 the k-th optimizer step (k from 0) runs with the value for ``last_batch_iteration = k - 1``.
 
 Departures from DeepSpeed, each deliberate:
-- Invalid arguments (an unknown ``warmup_type``, a per-group list of the wrong length, a
-  non-numeric value) raise ``SchedulerConfigError`` instead of warning or failing later.
+- Invalid arguments (a per-group list of the wrong length, a non-numeric value) raise
+  ``SchedulerConfigError`` instead of failing later. An unknown ``warmup_type`` passed to a
+  class warns and falls back to "log", as DeepSpeed does; in a config file it is refused.
 - ``load_state_dict`` also writes the restored step's value into the optimizer (DeepSpeed
   waits for the next ``step()``), so a resume that skips optimizer state still trains with
   the right learning rate; with optimizer state restored both agree.
@@ -539,11 +540,18 @@ def _per_group(value: Any, key: str, n_groups: int) -> list[float]:
 
 
 def _warmup_type(value: Any) -> str:
+    """`value` when it is a known warmup type; else "log", with a warning naming the value (as
+    DeepSpeed's WarmupLR and WarmupCosineLR do; a config file's unknown value is refused earlier,
+    by the config's validation)."""
     if value not in WARMUP_TYPES:
         hint = did_you_mean(value, WARMUP_TYPES) if isinstance(value, str) else ""
-        raise SchedulerConfigError(
-            f"warmup_type: expected 'log' or 'linear', got {value!r}{hint}", key="warmup_type"
+        logger.warning(
+            "Using unknown warmup_type: %r%s. The increasing function is set to the default "
+            "'log' (expected 'log' or 'linear').",
+            value,
+            hint,
         )
+        return "log"
     return str(value)
 
 
@@ -630,7 +638,19 @@ def _checked_class(sched_type: str, kwargs: dict[str, Any]) -> Any:
             key="scheduler.type",
         )
     check_call_params(cls, kwargs, prefix=_PREFIX, skip=1, error=SchedulerConfigError)
+    if name in _DEEPSPEED_SCHEDULES and "warmup_type" in kwargs:
+        _config_warmup_type(kwargs["warmup_type"])
     return cls
+
+
+def _config_warmup_type(value: Any) -> None:
+    """Refuses a config's unknown ``warmup_type`` (the classes themselves warn and use "log")."""
+    if value not in WARMUP_TYPES:
+        hint = did_you_mean(value, WARMUP_TYPES) if isinstance(value, str) else ""
+        raise SchedulerConfigError(
+            f"{_PREFIX}.warmup_type: expected 'log' or 'linear', got {value!r}{hint}",
+            key=f"{_PREFIX}.warmup_type",
+        )
 
 
 def _torch_schedulers() -> dict[str, type]:

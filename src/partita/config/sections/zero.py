@@ -91,6 +91,12 @@ class OffloadOptimizerConfig(Section):
     fast_init: Bool = Field(
         default=False, description="Faster optimizer state initialisation when offloading to NVMe."
     )
+
+    @property
+    def pipeline(self) -> bool:
+        """Whether NVMe reads or writes are pipelined (DeepSpeed's derived ``pipeline``)."""
+        return bool(self.pipeline_read or self.pipeline_write)
+
     ratio: Float = Field(
         default=1.0,
         ge=0.0,

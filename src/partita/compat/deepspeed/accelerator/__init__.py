@@ -85,4 +85,19 @@ def get_accelerator() -> DeepSpeedAccelerator:
     return _ACCELERATOR
 
 
-__all__ = ["DeepSpeedAccelerator", "get_accelerator"]
+# The device names partita's accelerator reports (DeepSpeed's list also has xpu, npu, mps, ...).
+SUPPORTED_ACCELERATOR_LIST = ["cuda", "cpu"]
+
+
+def is_current_accelerator_supported() -> bool:
+    """Whether the current accelerator's device name is one partita supports (always true:
+    partita runs on CUDA or the CPU)."""
+    return get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
+
+
+__all__ = [
+    "SUPPORTED_ACCELERATOR_LIST",
+    "DeepSpeedAccelerator",
+    "get_accelerator",
+    "is_current_accelerator_supported",
+]

@@ -31,6 +31,50 @@ class DeepSpeedConfig:
         return load_config(config, world_size=world)
 
 
+# DeepSpeed's optimizer names (the config's ``optimizer.type``, matched ignoring case). The list
+# is DeepSpeed's; partita refuses lamb, muadam, muadamw, musgd and muon by name, saying why
+# (`partita.optim.optimizers`).
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+MUADAM_OPTIMIZER = "muadam"
+MUADAMW_OPTIMIZER = "muadamw"
+MUSGD_OPTIMIZER = "musgd"
+LION_OPTIMIZER = "lion"
+MUON_OPTIMIZER = "muon"
+DEEPSPEED_OPTIMIZERS = [
+    ADAGRAD_OPTIMIZER,
+    ADAM_OPTIMIZER,
+    ADAMW_OPTIMIZER,
+    LAMB_OPTIMIZER,
+    MUADAM_OPTIMIZER,
+    MUADAMW_OPTIMIZER,
+    MUSGD_OPTIMIZER,
+    LION_OPTIMIZER,
+    MUON_OPTIMIZER,
+]
+# Extra ``optimizer.params`` keys of adam/adamw.
+TORCH_ADAM_PARAM = "torch_adam"
+ADAM_W_MODE = "adam_w_mode"
+ADAM_W_MODE_DEFAULT = True
+
 __getattr__ = module_getattr("deepspeed.runtime.config")
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = [
+    "ADAGRAD_OPTIMIZER",
+    "ADAMW_OPTIMIZER",
+    "ADAM_OPTIMIZER",
+    "ADAM_W_MODE",
+    "ADAM_W_MODE_DEFAULT",
+    "DEEPSPEED_OPTIMIZERS",
+    "LAMB_OPTIMIZER",
+    "LION_OPTIMIZER",
+    "MUADAMW_OPTIMIZER",
+    "MUADAM_OPTIMIZER",
+    "MUON_OPTIMIZER",
+    "MUSGD_OPTIMIZER",
+    "TORCH_ADAM_PARAM",
+    "DeepSpeedConfig",
+    "DeepSpeedConfigError",
+]

@@ -1,12 +1,16 @@
 """``deepspeed.runtime.zero.config``: the ``zero_optimization`` section's model
 (``DeepSpeedZeroConfig``: partita's `ZeroConfig`, validated as partita validates it, unknown
-keys named) and ``ZeroStageEnum``."""
+keys named), ``ZeroStageEnum`` and the offload sections' models."""
 
 from __future__ import annotations
 
 import enum
 
 from partita.compat.deepspeed._missing import module_getattr
+from partita.compat.deepspeed.runtime.zero.offload_config import (
+    DeepSpeedZeroOffloadOptimizerConfig,
+    DeepSpeedZeroOffloadParamConfig,
+)
 from partita.config.sections.zero import ZeroConfig as DeepSpeedZeroConfig
 
 
@@ -22,4 +26,9 @@ class ZeroStageEnum(enum.IntEnum):
 
 __getattr__ = module_getattr("deepspeed.runtime.zero.config")
 
-__all__ = ["DeepSpeedZeroConfig", "ZeroStageEnum"]
+__all__ = [
+    "DeepSpeedZeroConfig",
+    "DeepSpeedZeroOffloadOptimizerConfig",
+    "DeepSpeedZeroOffloadParamConfig",
+    "ZeroStageEnum",
+]
