@@ -536,3 +536,20 @@ def test_partition_parameters_names() -> None:
     assert seen == [False, False]
     with pytest.raises(FeatureNotInPartita, match="keep their full shape"):
         torch.Size(partitioned_param_data_shape)
+
+
+def test_zero_config_reads_deepspeed_unprefixed_names_and_no_op_is_compatible() -> None:
+    """``config.prefetch_bucket_size`` etc. read the ``stage3_`` fields, as DeepSpeed's model
+    names them; ``deepspeed.ops.__compatible_ops__`` answers False for any op."""
+    from partita.compat.deepspeed import ops
+    from partita.compat.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    config = DeepSpeedZeroConfig(
+        stage3_prefetch_bucket_size=12345, stage3_gather_fp16_weights_on_model_save=True
+    )
+    assert config.prefetch_bucket_size == 12345  # type: ignore[attr-defined]
+    assert config.gather_16bit_weights_on_model_save is True  # type: ignore[attr-defined]
+    assert "prefetch_bucket_size" not in config.model_dump()
+    assert (
+        ops.__compatible_ops__["fused_adam"] is False and "cpu_adam" not in ops.__compatible_ops__
+    )

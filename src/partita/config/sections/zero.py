@@ -357,3 +357,17 @@ class ZeroConfig(Section):
         if out.get("overlap_comm") is None:
             out["overlap_comm"] = out.get("stage", 0) == 3
         return out
+
+
+def _read_as(field: str) -> property:
+    """A read-only view of `field` under another name."""
+    return property(lambda self: getattr(self, field), doc=f"The value of ``{field}``.")
+
+
+# DeepSpeed's model names its stage-3 fields without the "stage3_" prefix
+# (``config.prefetch_bucket_size``); the prefixed JSON keys stay partita's fields, and the
+# unprefixed names read them.
+for _name, _field in ZeroConfig.renamed_keys.items():
+    if not _name.startswith("stage3_"):
+        setattr(ZeroConfig, _name, _read_as(_field))
+del _name, _field
