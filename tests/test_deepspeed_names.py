@@ -553,3 +553,15 @@ def test_zero_config_reads_deepspeed_unprefixed_names_and_no_op_is_compatible() 
     assert (
         ops.__compatible_ops__["fused_adam"] is False and "cpu_adam" not in ops.__compatible_ops__
     )
+
+
+def test_disabled_zero_init_leaves_module_classes_alone() -> None:
+    """``zero.Init(enabled=False)`` (DeepSpeed's tests pass ``enabled=zero_stage == 3``) exits
+    without touching torch.nn.Module (it raised AttributeError deleting a hook it never set)."""
+    import partita
+
+    before = torch.nn.Module.__dict__.get("__init_subclass__")
+    with partita.zero.Init(enabled=False):
+        layer = torch.nn.Linear(2, 2)
+    assert type(layer.weight) is torch.nn.Parameter
+    assert torch.nn.Module.__dict__.get("__init_subclass__") is before

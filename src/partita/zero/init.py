@@ -287,6 +287,8 @@ class Init:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if not self.enabled:  # __enter__ changed nothing (an enabled outer context stays)
+            return
         _state.current = None
         for cls, original in reversed(self._patched):
             setattr(cls, "__init__", original)  # noqa: B010
