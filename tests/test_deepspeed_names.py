@@ -68,6 +68,10 @@ RESOLVE = [
     ("deepspeed.git_version_info", "version"),
     ("deepspeed.utils", "get_z3_leaf_modules"),
     ("deepspeed.utils", "z3_leaf_module"),
+    ("deepspeed.runtime.zero.utils", "ZeRORuntimeException"),
+    ("deepspeed.pipe", "PipelineModule"),
+    ("deepspeed.moe.layer", "MoE"),
+    ("deepspeed.accelerator", "is_current_accelerator_supported"),
 ]
 # Names that exist but refuse on use, with a word of what partita offers instead.
 REFUSE_ON_USE = [
