@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import faulthandler
 import importlib
-import ipaddress
 import os
 import shlex
 import shutil
@@ -608,6 +607,7 @@ def _launch_node_of(ns: argparse.Namespace, resources: dict[str, list[int]], ran
     ``PARTITA_ACCELERATOR``/``DS_ACCELERATOR`` ``cpu``), node 0
     (or ``--master_addr``) hosting the rendezvous, as DeepSpeed's per-node launch does."""
     from partita.launcher import launch as launch_module
+    from partita.launcher.multinode import is_ip
 
     hosts = list(resources)
     if not 0 <= rank < len(hosts):
@@ -625,7 +625,7 @@ def _launch_node_of(ns: argparse.Namespace, resources: dict[str, list[int]], ran
         num_gpus, num_procs = len(slots), None
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     node_addr = ns.node_addr
-    if node_addr is None and len(hosts) > 1 and _is_ip(host):
+    if node_addr is None and len(hosts) > 1 and is_ip(host):
         node_addr = host  # its workers' sockets go on the interface the hostfile named
     master_addr = ns.master_addr or (hosts[0] if len(hosts) > 1 else "127.0.0.1")
     options = dataclasses.replace(
@@ -666,14 +666,6 @@ def _backend_job(
     )
     backends.check_request(job)
     return job
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 @contextlib.contextmanager

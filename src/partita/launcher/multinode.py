@@ -193,7 +193,7 @@ def fanout_plan(
         command = [python, "-u", "-m", "partita.launcher", "--lifeline_fd", str(LIFELINE_FD)]
         command += [*_membership_args(options, len(hosts)), "--node_rank", str(rank)]
         command += ["--master_addr", master, "--master_port", str(port)]
-        if _is_ip(host):  # its workers' sockets go on the interface the hostfile named
+        if is_ip(host):  # its workers' sockets go on the interface the hostfile named
             command += ["--node_addr", host]
         command += _agent_args(options, slots, gpus)
         command += [options.script, *options.script_args]
@@ -202,7 +202,8 @@ def fanout_plan(
     return plan
 
 
-def _is_ip(host: str) -> bool:
+def is_ip(host: str) -> bool:
+    """Whether `host` is an IP address (not a name)."""
     try:
         ipaddress.ip_address(host)
     except ValueError:
