@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 import torch
 
+from partita.launcher.launch import find_free_port
+
 TESTS = Path(__file__).parent
 TRAINER = TESTS / "hf_trainer_script.py"
 ACCEL = TESTS / "hf_accelerate_script.py"
@@ -37,6 +39,12 @@ def _run(cmd: list[str], env: dict[str, str] | None = None) -> None:
     start = time.perf_counter()
     full = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
     full.pop("PARTITA_AS_DEEPSPEED", None)  # each launch says what it wants
+    # An earlier test's in-process group leaves MASTER_ADDR/PORT in this process's environment
+    # while its store still listens there; a one-process run (Accelerate's PartialState) would
+    # inherit the port and fail with EADDRINUSE. Launched runs get theirs from the launcher.
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        full.pop(name, None)
+    full["MASTER_PORT"] = str(find_free_port())
     full.update(env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=GUARD_S)
     if proc.returncode != 0:

@@ -245,6 +245,9 @@ def test_run_python_runs_a_script_as_main_and_reports_its_failure(
     )
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
+    # Each in-process init_process_group of earlier tests wraps sys.excepthook with torch's
+    # "[rank0]: " prefix (the full suite saw it three times); this test wants Python's own.
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     monkeypatch.delenv("PARTITA_FAILURE_DIR", raising=False)
     assert run_python(str(script), ["--x=1"], module=False) == 1
     out, err = capsys.readouterr()
