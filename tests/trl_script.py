@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from hf_trainer_script import _reset_accelerate
+from hf_trainer_script import ds_config as trainer_ds_config
+
 WORDS = [f"w{i}" for i in range(60)]
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 VOCAB = len(SPECIAL) + len(WORDS)
@@ -90,28 +93,12 @@ def dpo_dataset(n: int) -> Any:
 
 
 def ds_config(stage: int) -> dict[str, Any]:
-    """Hugging Face's documented all-``"auto"`` config for `stage` (the trainer's own AdamW and
-    schedule)."""
-    cfg: dict[str, Any] = {
-        "fp16": {"enabled": "auto"},
-        "bf16": {"enabled": "auto"},
-        "zero_optimization": {
-            "stage": stage,
-            "overlap_comm": True,
-            "contiguous_gradients": True,
-            "reduce_bucket_size": "auto",
-        },
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-    }
+    """Hugging Face's documented all-``"auto"`` config for `stage` with the trainer's own AdamW
+    and schedule (hf_trainer_script's), saving gathered 16-bit weights at stage 3 so that
+    ``save_model`` writes the full model."""
+    cfg = trainer_ds_config(stage, blocks=False)
     if stage == 3:
-        cfg["zero_optimization"].update(
-            stage3_prefetch_bucket_size="auto",
-            stage3_param_persistence_threshold="auto",
-            stage3_gather_16bit_weights_on_model_save=True,
-        )
+        cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     return cfg
 
 
@@ -183,14 +170,6 @@ def ds_attributes(model: torch.nn.Module) -> dict[str, Any]:
             "persist": p.ds_persist,
         }
     return out
-
-
-def _reset_accelerate() -> None:
-    """Forget the previous run's Accelerator (a new script would start without one)."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
