@@ -1,0 +1,47 @@
+"""``deepspeed.runtime.pipe.schedule``: DeepSpeed's pipeline instruction generator
+(`partita.parallel.pipe_schedule`). The schedules yield the same instruction sequences as
+DeepSpeed's; nothing in partita executes them yet (pipeline parallelism is not implemented),
+and ``DualPipeVSchedule`` is not here."""
+
+from partita.compat.deepspeed._missing import module_getattr
+from partita.parallel.pipe_schedule import (
+    BackwardPass,
+    BufferOpInstruction,
+    CommitP2P,
+    DataParallelSchedule,
+    ForwardPass,
+    InferenceSchedule,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    PipeSchedule,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+    TrainSchedule,
+)
+
+__getattr__ = module_getattr("deepspeed.runtime.pipe.schedule")
+
+__all__ = [
+    "BackwardPass",
+    "BufferOpInstruction",
+    "CommitP2P",
+    "DataParallelSchedule",
+    "ForwardPass",
+    "InferenceSchedule",
+    "LoadMicroBatch",
+    "OptimizerStep",
+    "PipeInstruction",
+    "PipeSchedule",
+    "RecvActivation",
+    "RecvGrad",
+    "ReduceGrads",
+    "ReduceTiedGrads",
+    "SendActivation",
+    "SendGrad",
+    "TrainSchedule",
+]
