@@ -401,6 +401,19 @@ def test_is_current_accelerator_supported() -> None:
     assert get_accelerator().device_name() in SUPPORTED_ACCELERATOR_LIST
 
 
+def test_cpu_device_count_reads_local_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's CPU accelerator counts the node's ranks from LOCAL_SIZE (its tests skip
+    4-rank cases when device_count() is below 4); without it, one device."""
+    from partita.compat.deepspeed.accelerator import get_accelerator
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert get_accelerator().device_count() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert get_accelerator().device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "not-a-number")
+    assert get_accelerator().device_count() == 1
+
+
 def test_warmup_schedules_fall_back_to_log_on_unknown_warmup_type(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -3,6 +3,7 @@ Transformers and Accelerate call, over partita's `partita.accelerator`."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -37,8 +38,15 @@ class DeepSpeedAccelerator:
         return torch.device(self.device_name(device_index))
 
     def device_count(self) -> int:
-        """Number of devices (1 on CPU)."""
-        return torch.cuda.device_count() if self._impl.is_cuda else 1
+        """Number of devices: CUDA's count; on CPU, ``LOCAL_SIZE`` when the launcher set it
+        (the ranks of this node, as DeepSpeed's CPU accelerator reads it), else 1."""
+        if self._impl.is_cuda:
+            return torch.cuda.device_count()
+        try:
+            local = int(os.environ.get("LOCAL_SIZE", "0"))
+        except ValueError:
+            local = 0
+        return local if local > 0 else 1
 
     def is_available(self) -> bool:
         """True: CUDA when present, else the CPU."""
