@@ -18,6 +18,7 @@ from partita.optim.optimizers import check_optimizer_config
 from partita.optim.schedulers import check_scheduler_config
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
 from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.shard_step import TensorParallelNorm
 from partita.zero.sharded import Sharded
 from partita.zero.stage0 import DataParallel
 from partita.zero.stage3 import FullySharded
@@ -296,28 +297,50 @@ def strategy(
     make_optimizer: OptimizerFactory,
     dims: comm.ParallelDims,
 ) -> Strategy:
-    """The ZeRO stage the config asks for, over the data-parallel group of `dims`."""
+    """The ZeRO stage the config asks for, over the data-parallel group of `dims` (its norm
+    also over the tensor group, when there is one)."""
     zero = config.zero_optimization
     group = dims.dp_group
     scaling = ReduceScaling(
         dims.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
     )
+    tensor = tensor_parallel_norm(module, dims)
     if zero.stage == 0:
-        return DataParallel(groups, policy, make_optimizer, bucket_numel(zero), scaling, group)
+        return DataParallel(
+            groups, policy, make_optimizer, bucket_numel(zero), scaling, group, tensor=tensor
+        )
     if zero.stage == 3:
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling, group=group,
-            placement=offload_placement(config),
+            placement=offload_placement(config), tensor=tensor,
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(
             zero.stage, groups, policy, make_optimizer, bucket_numel(zero), scaling, group,
             placement=offload_placement(config).optimizer,
-            sub_group_numel=int(zero.sub_group_size),
+            sub_group_numel=int(zero.sub_group_size), tensor=tensor,
         )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"
     )
+
+
+def tensor_parallel_norm(
+    module: torch.nn.Module, dims: comm.ParallelDims
+) -> TensorParallelNorm | None:
+    """What the gradient norm needs when `dims` split the model over tensor ranks (None
+    otherwise): the tensor group, and the parameters every tensor rank holds whole. Those are
+    the ones without a true ``tensor_model_parallel`` or ``model_parallel`` attribute, the
+    attributes Megatron sets and DeepSpeed's ``is_model_parallel_parameter`` reads; read once
+    here, so that the algorithm never looks at attributes on parameters."""
+    if dims.tp_world_size == 1:
+        return None
+    replicated = tuple(
+        p
+        for p in module.parameters()
+        if not (getattr(p, "tensor_model_parallel", False) or getattr(p, "model_parallel", False))
+    )
+    return TensorParallelNorm(dims.tp_group, dims.tp_rank == 0, replicated)
 
 
 def attach_tools(engine: Any, config: DeepSpeedConfig) -> None:

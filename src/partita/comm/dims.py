@@ -6,12 +6,17 @@ engine is created, holds that group with this rank's place in it; whatever commu
 it (or its group) and names the group in every collective, and shards by data-parallel rank.
 Without a model-parallel unit the data-parallel group is the world (``dp_group`` None). With
 one (DeepSpeed's ``mpu``), the world is cut into replicas: data-parallel groups of equal size
-that train side by side and never exchange data with each other. Tensor and sequence groups
-will be further fields of the same object.
+that train side by side and never exchange data with each other. When the mpu also splits the
+model over tensor-parallel ranks (Megatron's ``get_tensor_model_parallel_*``), its tensor
+group is kept too: each replica is then one tensor group's worth of ranks, holding different
+slices of one model, and whatever sums over the whole model (the gradient norm, the overflow
+check) sums over the data-parallel group and then over the tensor group. Sequence groups will
+be further fields of the same object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +45,9 @@ class ParallelDims:
     dp_ranks: tuple[int, ...]
     """Global ranks of the data-parallel group, in data-parallel rank order."""
     tp_group: ProcessGroup | None = None
-    """The tensor-parallel group (inference); None with `tp_ranks` empty: no tensor
-    parallelism, None with `tp_ranks` the world: the default group."""
+    """The tensor-parallel group (inference, or training with an mpu that splits the model);
+    None with `tp_ranks` empty: no tensor parallelism, None with `tp_ranks` the world: the
+    default group."""
     tp_ranks: tuple[int, ...] = ()
     """Global ranks of the tensor-parallel group, in tensor-parallel rank order."""
 
@@ -160,7 +166,8 @@ class ParallelDims:
     def from_mpu(cls, mpu: Any) -> ParallelDims:
         """From DeepSpeed's model-parallel unit: an object with ``get_data_parallel_group()``,
         ``get_data_parallel_world_size()`` and ``get_data_parallel_rank()`` (Megatron's
-        ``parallel_state`` module is one). Raises, naming the getter, when they disagree."""
+        ``parallel_state`` module is one), and optionally the tensor-parallel getters (see
+        `_tensor_getters`). Raises, naming the getter, when they disagree."""
         missing = [
             name
             for name in (
@@ -185,7 +192,55 @@ class ParallelDims:
                 f"get_data_parallel_rank()={rank}, but its group {list(dims.dp_ranks)} gives "
                 f"{dims.dp_world_size} and {dims.dp_rank}"
             )
-        return dims
+        return dims._with_tensor_group(mpu)
+
+    def _with_tensor_group(self, mpu: Any) -> ParallelDims:
+        """These dims with the mpu's tensor-parallel group, if it splits the model (more than
+        one tensor rank); otherwise unchanged."""
+        prefix = _tensor_getters(mpu)
+        if prefix is None or int(getattr(mpu, f"{prefix}_world_size")()) == 1:
+            return self
+        size, rank = getattr(mpu, f"{prefix}_world_size")(), getattr(mpu, f"{prefix}_rank")()
+        group = getattr(mpu, f"{prefix}_group")()
+        if group is None:  # DeepSpeed's convention: None is the default group
+            ranks = tuple(range(self.world_size))
+        else:
+            n = len(dist.get_process_group_ranks(group))
+            ranks = tuple(dist.get_global_rank(group, i) for i in range(n))
+        where = f"rank {self.rank}: mpu.{prefix}"
+        if (size, rank) != (len(ranks), ranks.index(self.rank) if self.rank in ranks else None):
+            raise ValueError(
+                f"{where}_world_size()={size} and {prefix}_rank()={rank}, but its group "
+                f"{list(ranks)} does not agree"
+            )
+        # Pipeline stages would hold further pieces of the model, which the norm would miss;
+        # partita's engine has none, so the two groups must cover the job.
+        if set(ranks) & set(self.dp_ranks) != {self.rank} or size * self.dp_world_size != (
+            self.world_size
+        ):
+            raise ValueError(
+                f"{where}_group() {list(ranks)} and the data-parallel group "
+                f"{list(self.dp_ranks)} must cross in this rank only and cover the "
+                f"{self.world_size} ranks (partita's engine has no pipeline stages)"
+            )
+        return dataclasses.replace(self, tp_group=group, tp_ranks=ranks)
+
+
+_TENSOR_GETTERS = ("get_tensor_model_parallel", "get_slice_parallel", "get_model_parallel")
+"""Where an mpu says how the model is split over ranks, most specific first: Megatron's
+``parallel_state``, DeepSpeed's ``PipelineParallelGrid`` (its tensor slices), and the older
+mpu interface DeepSpeed itself reads (``get_model_parallel_*``)."""
+
+
+def _tensor_getters(mpu: Any) -> str | None:
+    """The first prefix of `_TENSOR_GETTERS` for which the mpu has ``_group``,
+    ``_world_size`` and ``_rank``; None when it has none (data parallelism only)."""
+    for prefix in _TENSOR_GETTERS:
+        if all(
+            callable(getattr(mpu, f"{prefix}_{s}", None)) for s in ("group", "world_size", "rank")
+        ):
+            return prefix
+    return None
 
 
 __all__ = ["ParallelDims"]

@@ -3,13 +3,28 @@
 Each rank holds fp32 master shards with their gradient shards. The global gradient norm is the
 square root of the sum over ranks of each rank's sum of squares (one scalar all-reduce, so
 every rank reaches the same overflow and clipping decision).
+
+[Note: norms over tensor ranks]
+With tensor parallelism (an mpu whose model is split over tensor ranks, see
+`partita.comm.ParallelDims`) a data-parallel group holds only one tensor rank's slices, so its
+sum of squares is part of the model's: it is all-reduced over the data-parallel group, then
+over the tensor-parallel group (DeepSpeed's ``clip_grad_norm_`` does the same over its
+``mpu.get_model_parallel_group()``). Parameters that every tensor rank holds whole (LayerNorms,
+the bias after a row-parallel layer: those without a true ``tensor_model_parallel`` or
+``model_parallel`` attribute) have the same gradient on every tensor rank and count once, on
+tensor rank 0, as DeepSpeed counts them. Elsewhere their squares are multiplied by zero rather
+than left out, so that an inf or nan among them still reaches the sum (inf * 0 is nan) and
+every rank of every tensor and data group skips the step. `TensorParallelNorm` carries the
+group and which elements of each stepped tensor are replicated; without tensor parallelism it
+is None and the norm is computed exactly as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -17,6 +32,7 @@ from torch.profiler import record_function
 from partita import comm
 from partita.offload.copy_back import CopyBack
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice, copy_after_step
+from partita.zero.state_access import StateLayout
 from partita.zero.strategy import StepOutcome
 
 COPY_SLICE_NUMEL = 1 << 22
@@ -25,11 +41,75 @@ COPY_SLICE_NUMEL = 1 << 22
 so copying one slice to the device overlaps stepping the next even with the default."""
 
 
-def global_norm(
-    norms: Sequence[torch.Tensor], group: comm.ProcessGroup | None, comm_device: torch.device
-) -> tuple[torch.Tensor, float]:
-    """The global norm from this rank's per-tensor norms: one scalar all-reduce of the sum of
-    squares. Returns it as a tensor (for clipping) and as a float (inf/nan: overflow)."""
+@dataclass(frozen=True, eq=False)
+class TensorParallelNorm:
+    """What the global gradient norm needs besides the data-parallel group when the model is
+    split over tensor-parallel ranks ([Note: norms over tensor ranks])."""
+
+    group: comm.ProcessGroup | None
+    """The tensor-parallel group (None: every rank)."""
+    counts_replicated: bool
+    """True on tensor rank 0, the one rank whose replicated parameters' squares count."""
+    replicated: tuple[torch.Tensor, ...]
+    """The module's parameters that every tensor rank holds whole."""
+    runs: Mapping[torch.Tensor, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    """Made by `bind`: per tensor the optimizer steps, the (offset, length) runs of its
+    flattened elements that belong to replicated parameters, ascending."""
+
+    def bind(self, layout: StateLayout) -> TensorParallelNorm:
+        """This norm with the runs of a strategy's state layout (where each parameter's
+        elements sit in the tensors it steps); built once, with the strategy."""
+        runs: dict[torch.Tensor, list[tuple[int, int]]] = {}
+        for p in self.replicated:
+            slot = layout.slot(p)
+            if slot is not None and slot.stepped is not None:
+                runs.setdefault(slot.stepped, []).extend((at, n) for _, at, n in slot.ranges)
+        return dataclasses.replace(self, runs={t: tuple(sorted(r)) for t, r in runs.items()})
+
+    def cut(
+        self, stepped: torch.Tensor, grad: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`grad` (the gradient of `stepped`) as 1-D views: the elements of tensor-parallel
+        parameters (and padding), then those of replicated parameters."""
+        flat = grad.reshape(-1)
+        split: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        at = 0
+        for start, length in self.runs.get(stepped, ()):
+            if start > at:
+                split.append(flat[at:start])
+            replicated.append(flat[start : start + length])
+            at = start + length
+        if at < flat.numel():
+            split.append(flat[at:])
+        return split, replicated
+
+    def split(
+        self, stepped: Iterable[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`cut` of every tensor's ``.grad`` (those with one), concatenated."""
+        split: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
+        for t in stepped:
+            if t.grad is not None:
+                a, b = self.cut(t, t.grad)
+                split += a
+                replicated += b
+        return split, replicated
+
+    def squares(self, split: torch.Tensor, replicated: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the model's sum of squares, from those of its split and its
+        replicated elements (see the Note for the product with zero)."""
+        return split + replicated * (1.0 if self.counts_replicated else 0.0)
+
+
+def tensor_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's 2-norm (one fused kernel); none for none."""
+    return list(torch._foreach_norm(tensors, 2.0)) if tensors else []
+
+
+def sum_of_squares(norms: Sequence[torch.Tensor], comm_device: torch.device) -> torch.Tensor:
+    """The sum of the squares of `norms`, on `comm_device` (zero for none)."""
     # The sum of squares is taken where the shards live (the CPU under offload; both places
     # under partial offload) and reduced where the backend can reach (NCCL needs a device
     # tensor).
@@ -37,12 +117,31 @@ def global_norm(
     for n in norms:
         by_device.setdefault(n.device, []).append(n)
     parts = [torch.stack(ns).square().sum().to(comm_device) for ns in by_device.values()]
-    sq = (
+    return (
         torch.stack(parts).sum()
         if len(parts) > 1
         else (parts[0] if parts else torch.zeros((), device=comm_device))
     )
+
+
+def global_norm(
+    norms: Sequence[torch.Tensor],
+    group: comm.ProcessGroup | None,
+    comm_device: torch.device,
+    tensor: TensorParallelNorm | None = None,
+    replicated: Sequence[torch.Tensor] = (),
+) -> tuple[torch.Tensor, float]:
+    """The global norm from this rank's per-tensor norms: one scalar all-reduce of the sum of
+    squares over the data-parallel `group`. With `tensor`, `norms` are those of the split
+    elements and `replicated` those of the replicated ones, and a second all-reduce runs over
+    the tensor group ([Note: norms over tensor ranks]). Returns the norm as a tensor (for
+    clipping) and as a float (inf/nan: overflow)."""
+    sq = sum_of_squares(norms, comm_device)
+    if tensor is not None:
+        sq = tensor.squares(sq, sum_of_squares(replicated, comm_device))
     comm.all_reduce(sq, group=group, tag="norm")
+    if tensor is not None:
+        comm.all_reduce(sq, group=tensor.group, tag="norm")
     norm = sq.sqrt()
     return norm, float(norm)
 
@@ -56,16 +155,21 @@ def sharded_step(
     group: comm.ProcessGroup | None,
     comm_device: torch.device,
     run: Callable[[], None] | None = None,
+    tensor: TensorParallelNorm | None = None,
 ) -> StepOutcome:
-    """Unscale, global norm, overflow check, clip and step (the caller refreshes weights);
-    ``run`` replaces ``optimizer.step()`` (e.g. `step_with_copy_back`). A ``partita::step``
-    range in a torch profiler trace."""
+    """Unscale, global norm (also over the tensor ranks with `tensor`), overflow check, clip
+    and step (the caller refreshes weights); ``run`` replaces ``optimizer.step()`` (e.g.
+    `step_with_copy_back`). A ``partita::step`` range in a torch profiler trace."""
     grads: list[torch.Tensor] = [m.grad for m in masters if m.grad is not None]
     if loss_scale != 1.0 and grads:
         torch._foreach_mul_(grads, 1.0 / loss_scale)
-    norm, norm_value = global_norm(
-        list(torch._foreach_norm(grads, 2.0)) if grads else [], group, comm_device
-    )
+    if tensor is None:
+        norm, norm_value = global_norm(tensor_norms(grads), group, comm_device)
+    else:
+        split, replicated = tensor.split(masters)
+        norm, norm_value = global_norm(
+            tensor_norms(split), group, comm_device, tensor, tensor_norms(replicated)
+        )
     if not math.isfinite(norm_value):
         return StepOutcome(applied=False, grad_norm=norm_value)
     if clip > 0.0:

@@ -19,7 +19,13 @@ from partita.partition import FlatLayout, plan_buckets, segment_views
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.released_grads import ensure_grad, held_bytes
-from partita.zero.shard_step import COPY_SLICE_NUMEL, HostStep, host_step, sharded_step
+from partita.zero.shard_step import (
+    COPY_SLICE_NUMEL,
+    HostStep,
+    TensorParallelNorm,
+    host_step,
+    sharded_step,
+)
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
@@ -128,6 +134,7 @@ class Sharded:
         group: comm.ProcessGroup | None = None,
         placement: Placement | None = None,
         sub_group_numel: int = COPY_SLICE_NUMEL,
+        tensor: TensorParallelNorm | None = None,
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
@@ -150,6 +157,8 @@ class Sharded:
         self.optimizer = make_optimizer([[g.master] for g in self.groups])
         self.state = ParamStates(FlatShardLayout(self))
         """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
+        self.tensor = None if tensor is None else tensor.bind(self.state.layout)
+        """With tensor parallelism, the norm's tensor group ([Note: norms over tensor ranks])."""
         # Masters on the host (optimizer offload, CPU training): the step writes the updated
         # weights slice by slice (see `step_with_copy_back`).
         self._host_step: HostStep | None = None
@@ -173,8 +182,9 @@ class Sharded:
         masters = [g.master for g in self.groups]
         run = self._host_step
         outcome = sharded_step(
-            masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device, run
-        )
+            masters, self.optimizer, clip, loss_scale, self.process_group, self.comm_device, run,
+            tensor=self.tensor,
+        )  # fmt: skip
         if not outcome.applied:
             return outcome
         self._all_gather(cast=run is None)

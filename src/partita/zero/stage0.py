@@ -17,6 +17,7 @@ from partita import comm
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
 from partita.zero.master import MasterWeights
+from partita.zero.shard_step import TensorParallelNorm, sum_of_squares, tensor_norms
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
     OptimizerFactory,
@@ -37,6 +38,7 @@ class DataParallel:
         bucket_numel: int,
         scaling: ReduceScaling,
         group: comm.ProcessGroup | None = None,
+        tensor: TensorParallelNorm | None = None,
     ) -> None:
         self.params = [p for g in groups for p in g]
         self.buckets = GradientBuckets(
@@ -52,6 +54,8 @@ class DataParallel:
             self.optimizer = make_optimizer([list(g) for g in groups])
         self.state = ParamStates(ReplicatedLayout(self.params, self.master, self.optimizer))
         """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
+        self.tensor = None if tensor is None else tensor.bind(self.state.layout)
+        """With tensor parallelism, the norm's tensor group ([Note: norms over tensor ranks])."""
 
     def begin_backward(self, sync: bool) -> None:
         """Arms the all-reduce hooks for the boundary backward."""
@@ -76,9 +80,12 @@ class DataParallel:
         grads: list[torch.Tensor] = [p.grad for p in stepped]  # type: ignore[misc]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        # The reduced gradients are identical on every rank, so the norm (and with it the
-        # overflow decision) is too: no collective is needed to agree on skipping.
-        norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        if self.tensor is None:
+            # The reduced gradients are identical on every rank, so the norm (and with it the
+            # overflow decision) is too: no collective is needed to agree on skipping.
+            norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
+        else:
+            norm = self._tensor_parallel_norm(stepped)
         norm_value = float(norm)
         if not math.isfinite(norm_value):
             return StepOutcome(applied=False, grad_norm=norm_value)
@@ -88,6 +95,20 @@ class DataParallel:
         if self.master is not None:
             self.master.copy_to_model()
         return StepOutcome(applied=True, grad_norm=norm_value)
+
+    def _tensor_parallel_norm(self, stepped: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The model's gradient norm over the tensor ranks ([Note: norms over tensor ranks]):
+        the gradients are identical on the data-parallel ranks already, so only the tensor
+        group sums."""
+        assert self.tensor is not None
+        split, replicated = self.tensor.split(stepped)
+        device = stepped[0].device if stepped else torch.device("cpu")
+        sq = self.tensor.squares(
+            sum_of_squares(tensor_norms(split), device),
+            sum_of_squares(tensor_norms(replicated), device),
+        )
+        comm.all_reduce(sq, group=self.tensor.group, tag="norm")
+        return sq.sqrt()
 
     def zero_grad(self) -> None:
         """Releases the gradient buckets and the masters' gradients ([Note: released

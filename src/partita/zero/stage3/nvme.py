@@ -48,7 +48,7 @@ from torch.profiler import record_function
 from partita import comm
 from partita.accelerator import add_into
 from partita.offload import SwapSpace, has_storage, release_storage, restore_storage
-from partita.zero.shard_step import global_norm
+from partita.zero.shard_step import TensorParallelNorm, global_norm, tensor_norms
 from partita.zero.stage3.unit import trace
 from partita.zero.strategy import StepOutcome
 
@@ -239,14 +239,21 @@ class SwappedOptimizerState:
             f.result()
 
     # --- the step -------------------------------------------------------------------------------
-    def _norms(self, loss_scale: float) -> list[torch.Tensor]:
+    def _norms(
+        self, loss_scale: float, tensor: TensorParallelNorm | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each sub-group's unscaled gradient norm (pipelined reads), as `sharded_step` takes
-        them: the same kernel per tensor, so the global norm is bitwise the same."""
+        them: the same kernel per tensor, so the global norm is bitwise the same. With
+        `tensor`, the norms of the split and of the replicated elements, apart ([Note: norms
+        over tensor ranks]); otherwise the second list is empty."""
         n = len(self.masters)
         norms: list[torch.Tensor] = []
+        replicated: list[torch.Tensor] = []
         pending: list[Future[int]] = []
         for i in range(n):
-            if loss_scale == 1.0 and (self.grad_zero[i] or i in self.grad_norms):
+            # A norm stored whole serves unless the sub-group holds replicated elements.
+            whole = tensor is None or not tensor.runs.get(self.masters[i])
+            if loss_scale == 1.0 and (self.grad_zero[i] or (whole and i in self.grad_norms)):
                 # Zero or stored with its norm: the same value the read would give, no I/O.
                 for f in pending:
                     f.result()
@@ -259,9 +266,14 @@ class SwappedOptimizerState:
             grad = self.masters[i].grad
             assert grad is not None
             unscaled = grad if loss_scale == 1.0 else grad * (1.0 / loss_scale)
-            norms.append(torch._foreach_norm([unscaled], 2.0)[0])
+            if tensor is None:
+                norms.append(torch._foreach_norm([unscaled], 2.0)[0])
+            else:
+                split, shared = tensor.cut(self.masters[i], unscaled)
+                norms += tensor_norms(split)
+                replicated += tensor_norms(shared)
             self.drop_grad(i)
-        return norms
+        return norms, replicated
 
     def _known_norm(self, i: int) -> torch.Tensor:
         """Sub-group i's gradient norm without reading its file (zero, or taken when stored);
@@ -282,11 +294,13 @@ class SwappedOptimizerState:
         loss_scale: float,
         group: comm.ProcessGroup | None,
         comm_device: torch.device,
+        tensor: TensorParallelNorm | None = None,
     ) -> StepOutcome:
         """The sharded step (`partita.zero.shard_step.sharded_step`) over swapped sub-groups: global
-        norm, overflow check, then `step_one(i)` per sub-group with it resident and its
-        gradient unscaled and clipped, pipelining the I/O."""
-        norm, norm_value = global_norm(self._norms(loss_scale), group, comm_device)
+        norm (also over the tensor ranks with `tensor`), overflow check, then `step_one(i)` per
+        sub-group with it resident and its gradient unscaled and clipped, pipelining the I/O."""
+        norms, replicated = self._norms(loss_scale, tensor)
+        norm, norm_value = global_norm(norms, group, comm_device, tensor, replicated)
         if not math.isfinite(norm_value):
             return StepOutcome(applied=False, grad_norm=norm_value)
         n = len(self.masters)

@@ -24,7 +24,7 @@ from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.released_grads import ensure_grad, held_bytes, release_grads
-from partita.zero.shard_step import HostStep, host_step, sharded_step
+from partita.zero.shard_step import HostStep, TensorParallelNorm, host_step, sharded_step
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
 from partita.zero.stage3.leaves import declared_leaves, leaf_groups
@@ -202,6 +202,7 @@ class FullySharded:
         unit_modules: Sequence[torch.nn.Module] | None = None,
         group: comm.ProcessGroup | None = None,
         placement: OffloadPlacement | None = None,
+        tensor: TensorParallelNorm | None = None,
     ) -> None:
         self.process_group = group
         self.placement = placement = placement or OffloadPlacement()
@@ -261,6 +262,8 @@ class FullySharded:
         )  # fmt: skip
         self.state = ParamStates(self._state_layout, gatherer=self)
         """State access for accessors and checkpoints (see `partita.zero.state_access`)."""
+        self.tensor = None if tensor is None else tensor.bind(self._state_layout)
+        """With tensor parallelism, the norm's tensor group ([Note: norms over tensor ranks])."""
 
     def _check_divergence(self, group: comm.ProcessGroup | None, enabled: bool) -> DivergenceCheck:
         """The cross-rank identity check every unit's collectives go through."""
@@ -399,11 +402,11 @@ class FullySharded:
         if swapped is None:
             self._run_step = lambda clip, scale: sharded_step(
                 self._masters(), self.optimizer, clip, scale, self.process_group,
-                self.comm_device, self._host_step,
+                self.comm_device, self._host_step, tensor=self.tensor,
             )  # fmt: skip
         else:
             self._run_step = lambda clip, scale: swapped.step(
-                self._step_one, clip, scale, self.process_group, self.comm_device
+                self._step_one, clip, scale, self.process_group, self.comm_device, self.tensor
             )
         copied = swapped is not None or self._host_step is not None
         self._after_step = self._regather_persistent if copied else self.refresh_params
