@@ -18,7 +18,14 @@ python="$root/.venv/bin/python"
 if [ "$#" -gt 0 ]; then
   exec "$python" -m pytest -q "$@"
 fi
-"$python" -m pytest -q
+# Test files run two at a time (pytest-xdist, one worker per file: a module's fixtures and the
+# grids it spawns stay in one process). On two cores the serial suite kept the CPUs 107-160%
+# busy, waiting on collectives and start-ups; a subset of 48 tests took 793 s serially and 622 s
+# with two workers (2026-12-07). PARTITA_TEST_WORKERS sets the count (0: serial).
+workers="${PARTITA_TEST_WORKERS:-2}"
+parallel=()
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
+"$python" -m pytest -q "${parallel[@]}"
 # On a CPU without AVX-512 the run above already used AVX2 kernels (torch, oneDNN and MKL pick
 # the widest ISA the CPU has), so the forced run would repeat it exactly: skip it there.
 capability="$("$python" -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"
@@ -32,4 +39,4 @@ select=(-m parity -k "4]")
 [ "${AVX2_PARITY:-}" = all ] && select=(-m parity)
 echo "== parity tests again, dispatch held to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS): ${select[*]} =="
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
-  exec "$python" -m pytest -q "${select[@]}"
+  exec "$python" -m pytest -q "${parallel[@]}" "${select[@]}"
