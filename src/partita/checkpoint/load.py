@@ -21,6 +21,7 @@ from partita.checkpoint.locate import PARTITA, locate, open_source
 from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
 from partita.checkpoint.rendezvous import WHOLE_JOB, Arrival, arrive, gather_agreed
+from partita.checkpoint.slices import check_degree, saved_degree
 from partita.checkpoint.state import (
     Entry,
     inventory,
@@ -61,9 +62,27 @@ def load_checkpoint(
         logger.warning("load_checkpoint: no checkpoint in %s; nothing loaded", load_dir)
         return None, None
     folder, kind, manifest = found
-    source = _run_all(lambda: open_source(folder, kind, trust_pickle, manifest))
+    dims = engine.dims
+    # A tensor-parallel engine reads its own slice's files, and checks them with the other
+    # ranks of its data-parallel group; degree 1 reads the whole model, every rank checking
+    # a share of all files (see [Note: tensor-parallel slices]).
+    tp_rank = dims.tp_rank if dims.tp_world_size > 1 else None
+    share = (dims.dp_rank, dims.dp_world_size) if tp_rank is not None else (rank, world)
+
+    def open_checked() -> StateSource:
+        if kind != PARTITA and dims.tp_world_size > 1:
+            # The DeepSpeed reader reads mp_rank_00's files: every slice would get rank 0's.
+            raise CheckpointError(
+                f"{folder}: a DeepSpeed checkpoint loads into an engine without tensor "
+                f"parallelism only; this one runs at tensor-parallel degree "
+                f"{dims.tp_world_size}"
+            )
+        check_degree(manifest or {}, folder, dims.tp_world_size)
+        return open_source(folder, kind, trust_pickle, manifest, tp_rank)
+
+    source = _run_all(open_checked)
     try:
-        gather_agreed(lambda: source.verify(rank, world), WHOLE_JOB)
+        gather_agreed(lambda: source.verify(*share), WHOLE_JOB)
         load_opt = load_optimizer_states and not load_module_only
         gather_agreed(
             lambda: _load_tensors(engine, source, load_module_strict, load_opt), WHOLE_JOB
@@ -80,10 +99,11 @@ def load_checkpoint(
         )
     if rank == 0:
         logger.info(
-            "loaded checkpoint %s (saved at world size %s, stage %s)",
+            "loaded checkpoint %s (saved at world size %s, stage %s, tensor-parallel degree %s)",
             folder,
             source.meta["world_size"],
             source.meta["zero_stage"],
+            saved_degree(source.meta),
         )
     return folder, dict(source.meta.get("client_state") or {})
 

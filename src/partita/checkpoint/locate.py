@@ -15,6 +15,7 @@ from partita.checkpoint.manifest import (
     tag_folder,
 )
 from partita.checkpoint.reader import PartitaSource, StateSource
+from partita.checkpoint.slices import WholeModelSource, saved_degree, slice_meta
 
 PARTITA = "partita"
 DEEPSPEED = "deepspeed"
@@ -53,12 +54,23 @@ def locate(load_dir: str, tag: str | None) -> tuple[str, str] | None:
 
 
 def open_source(
-    folder: str, kind: str, trust_pickle: bool = False, manifest: dict[str, Any] | None = None
+    folder: str,
+    kind: str,
+    trust_pickle: bool = False,
+    manifest: dict[str, Any] | None = None,
+    tp_rank: int | None = None,
 ) -> StateSource:
-    """A reader for the checkpoint in `folder` (`manifest`: an already parsed one)."""
+    """A reader for the checkpoint in `folder` (`manifest`: an already parsed one). A
+    tensor-parallel checkpoint is read as tensor slice `tp_rank`'s, or with None as the whole
+    model (see [Note: tensor-parallel slices])."""
     if kind == DEEPSPEED:
         return DeepSpeedSource(folder, trust_pickle)
-    return PartitaSource(folder, manifest if manifest is not None else read_manifest(folder))
+    meta = manifest if manifest is not None else read_manifest(folder)
+    if saved_degree(meta) == 1:
+        return PartitaSource(folder, meta)
+    if tp_rank is None:
+        return WholeModelSource(folder, meta)
+    return PartitaSource(folder, slice_meta(meta, tp_rank))
 
 
 __all__ = ["DEEPSPEED", "PARTITA", "locate", "open_source"]

@@ -15,7 +15,9 @@ buffer / alias), for every shard file its rank, size, digest (``{algorithm: hex}
 older manifests) and the (offset, length) ranges of each flattened parameter it holds (padding
 never stored), the optimizer state keys and group
 hyperparameters, counters, loss-scaler and scheduler state, per-rank RNG and data loader
-states, the config and the client state.
+states, the config and the client state. A tensor-parallel checkpoint has one set of shard
+files per slice, and records the degree and how each tensor is split (see [Note:
+tensor-parallel slices] in `partita.checkpoint.slices`).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def _check_structure(data: dict[str, Any], path: str) -> None:
     files = data["files"]
     if not isinstance(files, dict):
         raise _fail(path, "'files'", files, "a mapping")
+    _check_slices(data, path)
     for fname, info in files.items():
         check_file_name(fname, path)
         where = f"'files'[{fname!r}]"
@@ -129,6 +132,43 @@ def _check_structure(data: dict[str, Any], path: str) -> None:
             if not ok:
                 raise _fail(path, f"{where}['ranges'][{name!r}]", pairs,
                             "a list of [offset, length] pairs of non-negative integers")  # fmt: skip
+
+
+def _check_slices(data: dict[str, Any], path: str) -> None:
+    """The tensor-parallel entries (see [Note: tensor-parallel slices] in
+    `partita.checkpoint.slices`): the degree, each file's slice, each split tensor's shapes."""
+    degree = data.get("tp_world_size", 1)
+    if not _is_int(degree, 1):
+        raise _fail(path, "'tp_world_size'", degree, "a positive integer")
+    if degree == 1:
+        return
+    states = data.get("tp_rank_state", [{}] * degree)
+    if not (isinstance(states, list) and len(states) == degree
+            and all(isinstance(s, dict) for s in states)):  # fmt: skip
+        raise _fail(path, "'tp_rank_state'", states, f"one mapping per tensor rank ({degree})")
+    for fname, info in data["files"].items():
+        tp = info.get("tp_rank") if isinstance(info, dict) else None
+        if not _is_int(tp) or tp >= degree:
+            raise _fail(path, f"'files'[{fname!r}]['tp_rank']", tp, f"an integer below {degree}")
+    for name, info in data["tensors"].items():
+        layout = info.get("tp")
+        if layout is None or layout == {"layout": "replicated"}:
+            continue
+        dim, shapes = layout.get("partition_dim"), layout.get("shapes")
+        ok = (
+            isinstance(layout, dict)
+            and layout.get("layout") == "sliced"
+            and (dim is None or _is_int(dim))
+            and _is_int(layout.get("partition_stride"), 1)
+            and isinstance(shapes, list)
+            and len(shapes) == degree
+            and all(isinstance(s, list) and all(_is_int(n) for n in s) for s in shapes)
+            and (dim is None or all(dim < len(s) for s in shapes))
+        )
+        if not ok:
+            raise _fail(path, f"'tensors'[{name!r}]['tp']", layout,
+                        "replicated, or sliced with partition_dim, partition_stride and one "
+                        f"shape per tensor rank ({degree})")  # fmt: skip
 
 
 def check_file_name(name: Any, manifest_path: str) -> str:

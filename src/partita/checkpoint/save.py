@@ -15,12 +15,14 @@ Phases (each ends in a collective that fails every rank if one failed, see `rend
 A save that fails or is killed at any point leaves ``save_dir/tag`` as it was.
 
 [Note: checkpoints of replicas]
-A checkpoint holds one data-parallel group's state: shard files are named and cut by
-data-parallel rank, and the manifest's ``world_size`` is the data-parallel world size. When the
-world is several replicas (`partita.comm.ParallelDims`), every rank takes part in every phase
-(all must call save), but only the replica holding global rank 0 writes; every replica loads
-the same checkpoint. That is right while replicas hold the same model (replicated data
-parallelism); model-parallel slices will need one set of files per slice.
+A checkpoint holds one data-parallel group's state per model slice: shard files are named and
+cut by data-parallel rank, and the manifest's ``world_size`` is the data-parallel world size.
+When the world is several replicas (`partita.comm.ParallelDims`), every rank takes part in every
+phase (all must call save). Replicas of the same model (replicated data parallelism): only the
+replica holding global rank 0 writes, and every replica loads the same files. Replicas holding
+different slices (a tensor-parallel mpu): every slice's data-parallel group writes its own set
+of files, and loads read their own slice's (see [Note: tensor-parallel slices] in
+`partita.checkpoint.slices`); before that, only tensor rank 0's slices were saved.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from partita.checkpoint.rendezvous import (
     job_member,
     remove_stale_markers,
 )
+from partita.checkpoint.slices import slice_file_name, tensor_layout
 from partita.checkpoint.state import (
     Entry,
     check_client_state,
@@ -178,7 +181,9 @@ def _write_and_commit(snap: _Snapshot, staging: Staging, group: Any, start: floa
     are removed whatever happens."""
     try:
         written = gather_agreed(lambda: _write_shard(snap), group)
-        reports = sorted((r for r in written if r is not None), key=lambda r: r["rank"])
+        reports = sorted(
+            (r for r in written if r is not None), key=lambda r: (r.get("tp_rank", 0), r["rank"])
+        )
         gather_agreed(
             lambda: _commit(staging, snap.manifest, reports) if snap.rank == 0 else None, group
         )
@@ -325,16 +330,25 @@ def _shard_state(
     engine: CheckpointSubject, exclude_frozen: bool, borrow: bool
 ) -> tuple[_Shard | None, dict[str, Any] | None]:
     """This rank's shard (specs and producers) and report (without the file's name, size and
-    checksum) on the ranks of the first replica; (None, None) on the others (see [Note:
-    checkpoints of replicas]). With `borrow` (a synchronous save) the producers give views
+    checksum) on the ranks of the first replica, or of every replica when each holds a tensor
+    slice; (None, None) on the others (see [Note: checkpoints of replicas]). With `borrow` (a synchronous save) the producers give views
     of the engine's state where no copy is needed (see `_local_state`)."""
     dims = engine.dims
-    if not dims.first_replica:
+    if dims.tp_world_size == 1 and not dims.first_replica:
         return None, None
     rank = dims.dp_rank
-    specs, producers, ranges = _shard_tensors(engine, inventory(engine), exclude_frozen, borrow)
+    entries = inventory(engine)
+    specs, producers, ranges = _shard_tensors(engine, entries, exclude_frozen, borrow)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "digest": None}
     report["world"] = dims.dp_world_size
+    if dims.tp_world_size > 1:
+        report["tp"] = (dims.tp_rank, dims.tp_world_size)
+        # This slice's shapes of the split tensors (slices may differ in size).
+        report["slice_shapes"] = {
+            e.name: list(e.tensor.shape)
+            for e in entries
+            if e.kind != "alias" and tensor_layout(e.tensor) != {"layout": "replicated"}
+        }
     report["ranges"] = ranges
     report["scalar_keys"] = sorted(
         {k.partition("::")[0] for k, _, shape in specs if shape == () and "::" in k
@@ -375,8 +389,15 @@ def _write_shard(snap: _Snapshot) -> dict[str, Any] | None:
     report = dict(snap.report)
     shard, snap.shard = snap.shard, None  # freed once written
     rank, world = report["rank"], report.pop("world")
+    tp = report.pop("tp", None)
+    if tp is not None:
+        report["tp_rank"] = tp[0]
     if shard.specs:
-        name = shard_file_name(rank, world)
+        name = (
+            shard_file_name(rank, world)
+            if tp is None
+            else slice_file_name(tp[0], tp[1], rank, world)
+        )
         path = os.path.join(snap.folder, name)
         produce = _one_use(shard.producers)
         try:
@@ -397,7 +418,9 @@ def _one_use(producers: dict[str, Producer]) -> Callable[[str], torch.Tensor]:
 
 def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, dict[str, Any]]:
     """Every tensor's kind, shape and dtype (`_complete_manifest` adds each trainable one's
-    stored state dtype when the stored masters do not share one dtype)."""
+    stored state dtype when the stored masters do not share one dtype); with tensor
+    parallelism how it is split (the shapes are tensor rank 0's)."""
+    sliced = engine.dims.tp_world_size > 1
     table = {}
     for e in inventory(engine):
         info: dict[str, Any] = {
@@ -409,6 +432,8 @@ def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, 
             info["alias_of"] = e.alias_of
         if e.kind == "frozen" and exclude_frozen:
             info["stored"] = False
+        if sliced and e.kind != "alias":
+            info["tp"] = tensor_layout(e.tensor)
         table[e.name] = info
     return table
 
@@ -434,6 +459,7 @@ def _manifest(
         "saved_at": time.time(),
         "save_latest": save_latest,
         "world_size": engine.dims.dp_world_size,
+        **({"tp_world_size": engine.dims.tp_world_size} if engine.dims.tp_world_size > 1 else {}),
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.param_states.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),
@@ -475,12 +501,37 @@ def _complete_manifest(base: dict[str, Any], reports: list[dict[str, Any]]) -> d
     manifest["scalar_state_keys"] = sorted({k for r in reports for k in r["scalar_keys"]})
     manifest["files"] = {
         r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "digest": r["digest"],
-                    "ranges": r["ranges"]}
+                    "ranges": r["ranges"], **({"tp_rank": r["tp_rank"]} if "tp_rank" in r
+                                              else {})}
         for r in reports
         if r["file"]
     }  # fmt: skip
+    if "tp_world_size" in manifest:
+        return _complete_slices(manifest, reports)
     manifest["rng"] = [r["rng"] for r in reports]
     manifest["data_loader"] = [r["data_loader"] for r in reports]
+    return manifest
+
+
+def _complete_slices(manifest: dict[str, Any], reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """A tensor-parallel manifest's per-slice parts (see [Note: tensor-parallel slices]):
+    the split tensors' shapes on every tensor rank, and the ranks' states per slice (reports
+    come sorted by tensor rank, then data-parallel rank)."""
+    degree = manifest["tp_world_size"]
+    per_slice = [[r for r in reports if r["tp_rank"] == t] for t in range(degree)]
+    shapes = [next(r["slice_shapes"] for r in rs if r["rank"] == 0) for rs in per_slice]
+    manifest["tensors"] = {
+        name: {**info, "tp": {**info["tp"], "shapes": [s[name] for s in shapes]}}
+        if info.get("tp", {}).get("layout") == "sliced"
+        else info
+        for name, info in manifest["tensors"].items()
+    }
+    states = [
+        {"rng": [r["rng"] for r in rs], "data_loader": [r["data_loader"] for r in rs]}
+        for rs in per_slice
+    ]
+    manifest["tp_rank_state"] = states
+    manifest["rng"], manifest["data_loader"] = states[0]["rng"], states[0]["data_loader"]
     return manifest
 
 
