@@ -113,10 +113,13 @@ def initialize(
         else load_config(source, world_size=_world_size(dims))
     )
     engine_setup.check_supported(cfg)
+    shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))  # before collectives
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
+    if shard is not None:
+        dims = comm.ParallelDims.hybrid_shard(shard)
     dims = dims or comm.ParallelDims.world()
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)

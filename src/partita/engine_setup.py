@@ -210,6 +210,27 @@ def _optim_problems(config: DeepSpeedConfig) -> list[Problem]:
     return problems
 
 
+def hybrid_shard_size(config: DeepSpeedConfig, mpu: Any, world: int) -> int | None:
+    """The shard size of hybrid sharding (``zero_optimization.mics_shard_size``; None when off:
+    -1 or absent), checked against the data-parallel `world` before any collective, so a bad
+    size fails every rank alike ([Note: hybrid sharding] in `partita.comm.dims`)."""
+    size = int(config.zero_optimization.mics_shard_size)
+    if size == -1:
+        return None
+    key = "zero_optimization.mics_shard_size"
+    if mpu is not None:
+        raise config_error(
+            key,
+            f"{size}: hybrid sharding together with an mpu (model parallelism) is not "
+            "supported by partita; use -1 or drop mpu=",
+        )
+    try:
+        comm.check_shard_size(size, world)
+    except ValueError as error:
+        raise config_error(key, str(error).removeprefix(f"{key}: ")) from None
+    return size
+
+
 def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     """Module, master and communication dtypes from the config."""
     return PrecisionPolicy.from_flags(
@@ -300,15 +321,19 @@ def strategy(
     """The ZeRO stage the config asks for, over the data-parallel group of `dims` (its norm
     also over the tensor group, when there is one)."""
     zero = config.zero_optimization
-    group = dims.dp_group
+    # Hybrid sharding: shards over the shard group, gradient shards summed across replicas;
+    # the average stays over every data-parallel rank ([Note: hybrid sharding]).
+    group = dims.zero_group
+    replicas = dims.replicate_group if dims.hybrid else None
     scaling = ReduceScaling(
         dims.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
     )
     tensor = tensor_parallel_norm(module, dims)
     if zero.stage == 0:
         return DataParallel(
-            groups, policy, make_optimizer, bucket_numel(zero), scaling, group, tensor=tensor
-        )
+            groups, policy, make_optimizer, bucket_numel(zero), scaling, dims.dp_group,
+            tensor=tensor,
+        )  # fmt: skip
     if zero.stage == 3:
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling, group=group,
@@ -319,6 +344,7 @@ def strategy(
             zero.stage, groups, policy, make_optimizer, bucket_numel(zero), scaling, group,
             placement=offload_placement(config).optimizer,
             sub_group_numel=int(zero.sub_group_size), tensor=tensor,
+            replicas=replicas,
         )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"

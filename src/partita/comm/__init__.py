@@ -17,7 +17,7 @@ from partita.comm.collectives import (
     reduce_scatter,
 )
 from partita.comm.counters import COUNTERS, CommCounters
-from partita.comm.dims import ParallelDims
+from partita.comm.dims import ParallelDims, check_shard_size
 from partita.comm.process_group import (
     DEFAULT_TIMEOUT,
     ProcessGroup,
@@ -46,6 +46,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "check_shard_size",
     "destroy_process_group",
     "get_backend",
     "get_global_rank",

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from partita import env
-from partita.comm.counters import COUNTERS
+from partita.comm.counters import COUNTERS, group_name
 from partita.comm.heartbeat import LAST_COLLECTIVE
 from partita.comm.pairwise import pair_all_gather, pair_all_reduce, pair_reduce_scatter
 from partita.comm.pins import hold as _pin
@@ -33,8 +33,9 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _record(op: str, tag: str, tensor: torch.Tensor) -> None:
-    COUNTERS.record(op, tag, tensor.numel() * tensor.element_size(), tensor.numel())
+def _record(op: str, tag: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    COUNTERS.record(op, tag, nbytes, tensor.numel(), group_name(group))
 
 
 def _single_process(group: ProcessGroup | None) -> bool:
@@ -166,7 +167,7 @@ def all_reduce(
     tag: str = "",
 ) -> Work | None:
     """In-place all-reduce of `tensor` over `group`."""
-    _record("all_reduce", tag, tensor)
+    _record("all_reduce", tag, tensor, group)
     if _single_process(group):
         return None
     (t,), back = _staged(group, tensor)
@@ -200,7 +201,7 @@ def reduce_scatter(
     """Reduces `input` (world_size x output.numel() elements) and leaves this rank's chunk in
     `output`."""
     if _single_process(group):
-        _record("reduce_scatter", tag, input)
+        _record("reduce_scatter", tag, input, group)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
     (out, inp), back = _staged(group, output, input)
@@ -221,10 +222,10 @@ def _reduce_scatter(
 ) -> Work | None:
     mode = _gloo_mode(group)
     if mode == "pair" and op == ReduceOp.SUM:  # see [Note: gloo collectives]
-        _record("reduce_scatter", tag, input)
+        _record("reduce_scatter", tag, input, group)
         return pair_reduce_scatter(output, input, group, async_op)  # type: ignore[return-value]
     if mode != "native":  # see [Note: gloo collectives]; `input` is overwritten
-        _record("all_reduce", tag, input)
+        _record("all_reduce", tag, input, group)
         chunk = input.view(-1)[dist.get_rank(group) * output.numel() :][: output.numel()]
         work = dist.all_reduce(input, op=op, group=group, async_op=True)
 
@@ -237,7 +238,7 @@ def _reduce_scatter(
             done.wait()
             return None
         return done  # type: ignore[return-value]
-    _record("reduce_scatter", tag, input)
+    _record("reduce_scatter", tag, input, group)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
@@ -250,7 +251,7 @@ def all_gather(
 ) -> Work | None:
     """Gathers every rank's `input` into `output` (world_size x input.numel()), in rank order."""
     if _single_process(group):
-        _record("all_gather", tag, output)
+        _record("all_gather", tag, output, group)
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
@@ -269,10 +270,10 @@ def _all_gather(
 ) -> Work | None:
     mode = _gloo_mode(group)
     if mode == "pair":  # see [Note: gloo collectives]
-        _record("all_gather", tag, output)
+        _record("all_gather", tag, output, group)
         return pair_all_gather(output, input, group, async_op)  # type: ignore[return-value]
     if mode != "native":  # see [Note: gloo collectives]
-        _record("all_reduce", tag, output)
+        _record("all_reduce", tag, output, group)
         flat, n = output.view(-1), input.numel()
         start = dist.get_rank(group) * n
         if flat[start:].data_ptr() != input.data_ptr():
@@ -281,7 +282,7 @@ def _all_gather(
         flat[start + n :].zero_()
         work = dist.all_reduce(output, group=group, async_op=async_op)
         return work if async_op else None
-    _record("all_gather", tag, output)
+    _record("all_gather", tag, output, group)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
@@ -293,7 +294,7 @@ def broadcast(
     tag: str = "",
 ) -> Work | None:
     """Broadcasts `tensor` from global rank `src` to every rank of `group`."""
-    _record("broadcast", tag, tensor)
+    _record("broadcast", tag, tensor, group)
     if _single_process(group):
         return None
     (t,), back = _staged(group, tensor)

@@ -9,13 +9,17 @@ its full (unsharded) input; all_gather counts its full (gathered) output. So ZeR
 reduce-scatter + all-gather of Ψ elements reads as 2Ψ, and a data-parallel all-reduce of Ψ
 elements reads as Ψ; `volume_elements` converts both to the same "elements moved per rank"
 measure (an all-reduce is a reduce-scatter followed by an all-gather, so it counts twice).
+
+Each record also names the group it ran on, when the group was named with `name_group` (the
+hybrid layout names its groups ``"dp_shard"`` and ``"dp_replicate"``; others read as ``""``):
+``bytes(group="dp_replicate")`` is the traffic between replicas, the one that crosses nodes.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 _ALL_REDUCE_FACTOR = 2
 
@@ -39,12 +43,21 @@ class CommCounters:
     total_calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     step_bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     step_elements: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    total_group_bytes: dict[tuple[str, str, str], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
+    """Bytes by (group name, op, tag): the per-group view of `total_bytes`."""
+    step_group_bytes: dict[tuple[str, str, str], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
     observer: CommObserver | None = None
     """Told of every record and completion when set (the comms logger); None costs one test."""
 
-    def record(self, op: str, tag: str, nbytes: int, numel: int) -> None:
-        """Adds one collective's payload to the totals."""
+    def record(self, op: str, tag: str, nbytes: int, numel: int, group: str = "") -> None:
+        """Adds one collective's payload to the totals (`group`: its group's name)."""
         key = (op, tag)
+        self.total_group_bytes[(group, op, tag)] += nbytes
+        self.step_group_bytes[(group, op, tag)] += nbytes
         self.total_bytes[key] += nbytes
         self.total_calls[key] += 1
         self.step_bytes[key] += nbytes
@@ -61,15 +74,29 @@ class CommCounters:
         """Starts a new per-step window (the engine calls it after each optimizer step)."""
         self.step_bytes = defaultdict(int)
         self.step_elements = defaultdict(int)
+        self.step_group_bytes = defaultdict(int)
 
     def reset(self) -> None:
         """Clears every total."""
         self.total_bytes = defaultdict(int)
         self.total_calls = defaultdict(int)
+        self.total_group_bytes = defaultdict(int)
         self.begin_step()
 
-    def bytes(self, op: str | None = None, tag: str | None = None, *, step: bool = False) -> int:
-        """Sum of payload bytes matching `op` and `tag` (None matches any)."""
+    def bytes(
+        self,
+        op: str | None = None,
+        tag: str | None = None,
+        *,
+        step: bool = False,
+        group: str | None = None,
+    ) -> int:
+        """Sum of payload bytes matching `op`, `tag` and the group's name (None matches any)."""
+        if group is not None:
+            by_group = self.step_group_bytes if step else self.total_group_bytes
+            return sum(
+                v for (g, o, t), v in by_group.items() if g == group and _match(o, t, op, tag)
+            )
         table = self.step_bytes if step else self.total_bytes
         return sum(v for (o, t), v in table.items() if _match(o, t, op, tag))
 
@@ -88,6 +115,22 @@ class CommCounters:
 
 def _match(o: str, t: str, op: str | None, tag: str | None) -> bool:
     return (op is None or o == op) and (tag is None or t == tag)
+
+
+_GROUP_NAMES: dict[int, tuple[Any, str]] = {}
+"""Named groups by id (the group object is kept with its name, so an id is never reused
+while its entry lives)."""
+
+
+def name_group(group: Any, name: str) -> None:
+    """Records `group`'s collectives under `name` in the per-group totals."""
+    _GROUP_NAMES[id(group)] = (group, name)
+
+
+def group_name(group: Any) -> str:
+    """The name `group` was given with `name_group` ("" when none)."""
+    entry = _GROUP_NAMES.get(id(group)) if group is not None else None
+    return entry[1] if entry is not None else ""
 
 
 COUNTERS = CommCounters()

@@ -12,6 +12,19 @@ group is kept too: each replica is then one tensor group's worth of ranks, holdi
 slices of one model, and whatever sums over the whole model (the gradient norm, the overflow
 check) sums over the data-parallel group and then over the tensor group. Sequence groups will
 be further fields of the same object.
+
+[Note: hybrid sharding]
+Hybrid sharding (FSDP2's HSDP, DeepSpeed's MiCS, ``zero_optimization.mics_shard_size``) cuts
+the data-parallel world into a 2-D mesh of named dimensions ("dp_replicate", "dp_shard"),
+torch's `DeviceMesh` of shape (world // shard, shard): consecutive ranks form a shard group
+(ranks 0,1 | 2,3 for 4 ranks and shard 2, so a shard group can sit inside one node), and the
+ranks at the same place of every shard group form a replicate group (0,2 | 1,3). ZeRO cuts its
+shards over the shard group and all-gathers parameters there (`zero_group`); each gradient
+shard is then all-reduced over the replicate group, whose ranks hold the same shard. Data is
+still split over the whole data-parallel group (``dp_group``: every rank reads its own
+micro-batch, losses and gradients average over all of them), so the numbers trained are those
+of plain ZeRO over the world; only which ranks hold which state, and which links carry how
+many bytes, change.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from partita.comm.collectives import all_gather_object
+from partita.comm.counters import name_group
 from partita.comm.process_group import (
     ProcessGroup,
     get_rank,
@@ -50,6 +64,36 @@ class ParallelDims:
     default group."""
     tp_ranks: tuple[int, ...] = ()
     """Global ranks of the tensor-parallel group, in tensor-parallel rank order."""
+    shard_group: ProcessGroup | None = None
+    """Hybrid sharding: the ranks ZeRO cuts its shards over ([Note: hybrid sharding]); None
+    with `shard_ranks` empty: not hybrid (ZeRO shards over the data-parallel group)."""
+    shard_ranks: tuple[int, ...] = ()
+    """Global ranks of the shard group, in shard-rank order (empty: not hybrid)."""
+    replicate_group: ProcessGroup | None = None
+    """Hybrid sharding: the ranks holding the same shard as this one."""
+    replicate_ranks: tuple[int, ...] = ()
+    """Global ranks of the replicate group, in replica order (empty: not hybrid)."""
+
+    @property
+    def hybrid(self) -> bool:
+        """True when ZeRO shards inside a shard group and replicates across groups."""
+        return bool(self.shard_ranks)
+
+    @property
+    def zero_group(self) -> ProcessGroup | None:
+        """The group ZeRO shards over and gathers parameters in: the shard group when hybrid,
+        else the data-parallel group."""
+        return self.shard_group if self.hybrid else self.dp_group
+
+    @property
+    def zero_world_size(self) -> int:
+        """Ranks one shard is cut over (the shard size when hybrid)."""
+        return len(self.shard_ranks) if self.hybrid else self.dp_world_size
+
+    @property
+    def replicate_world_size(self) -> int:
+        """Ranks holding each shard (1 unless hybrid)."""
+        return len(self.replicate_ranks) or 1
 
     @property
     def tp_rank(self) -> int:
@@ -128,6 +172,35 @@ class ParallelDims:
         # Group ranks in group order: dp rank i is global rank ranks[i].
         ordered = tuple(dist.get_global_rank(group, i) for i in range(len(ranks)))
         return cls(rank, world, group, ordered)
+
+    @classmethod
+    def hybrid_shard(cls, shard_size: int) -> ParallelDims:
+        """Data parallelism over every rank with ZeRO's shards cut over groups of `shard_size`
+        consecutive ranks and replicated across them ([Note: hybrid sharding]). Collective
+        over the world (every rank calls it); `check_shard_size` first, so a bad size raises
+        before any collective."""
+        rank, world = get_rank(), get_world_size()
+        check_shard_size(shard_size, world)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        backend = dist.get_backend()
+        device = "cpu" if backend == "gloo" else "cuda"
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device, (world // shard_size, shard_size), mesh_dim_names=names)
+        shard_group, replicate_group = mesh.get_group("dp_shard"), mesh.get_group("dp_replicate")
+        name_group(shard_group, "dp_shard")
+        name_group(replicate_group, "dp_replicate")
+        first = rank - rank % shard_size
+        return cls(
+            rank,
+            world,
+            None,
+            tuple(range(world)),
+            shard_group=shard_group,
+            shard_ranks=tuple(range(first, first + shard_size)),
+            replicate_group=replicate_group,
+            replicate_ranks=tuple(range(rank % shard_size, world, shard_size)),
+        )
 
     @classmethod
     def tensor_parallel(cls, tp_size: int) -> ParallelDims:
@@ -226,6 +299,16 @@ class ParallelDims:
         return dataclasses.replace(self, tp_group=group, tp_ranks=ranks)
 
 
+def check_shard_size(shard_size: int, world: int) -> None:
+    """Raises ValueError naming ``zero_optimization.mics_shard_size`` unless `shard_size`
+    divides the data-parallel `world` (no collective: every rank raises alike)."""
+    if shard_size < 1 or shard_size > world or world % shard_size:
+        raise ValueError(
+            f"zero_optimization.mics_shard_size: {shard_size} must be a positive divisor of "
+            f"the data-parallel world size {world} (shard groups of equal size)"
+        )
+
+
 _TENSOR_GETTERS = ("get_tensor_model_parallel", "get_slice_parallel", "get_model_parallel")
 """Where an mpu says how the model is split over ranks, most specific first: Megatron's
 ``parallel_state``, DeepSpeed's ``PipelineParallelGrid`` (its tensor slices), and the older
@@ -243,4 +326,4 @@ def _tensor_getters(mpu: Any) -> str | None:
     return None
 
 
-__all__ = ["ParallelDims"]
+__all__ = ["ParallelDims", "check_shard_size"]

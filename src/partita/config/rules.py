@@ -58,13 +58,6 @@ _NOT_IMPLEMENTED: tuple[
         "remove the key",
     ),
     (
-        "zero_optimization.mics_shard_size",
-        lambda c: c.zero_optimization.mics_shard_size,
-        lambda v: v > 0,
-        "MiCS sharding",
-        "use -1",
-    ),
-    (
         "zero_optimization.mics_hierarchical_params_gather",
         lambda c: c.zero_optimization.mics_hierarchical_params_gather,
         bool,
@@ -100,6 +93,27 @@ def _not_implemented(cfg: DeepSpeedConfig) -> list[Problem]:
                 Problem(path, f"{feature} is not supported by partita (got {value!r}); {instead}")
             )
     return problems
+
+
+def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
+    """MiCS-style hybrid sharding (``mics_shard_size``) is implemented for stages 1 and 2;
+    whether the size divides the world is checked once the world is known (engine_setup)."""
+    zero = cfg.zero_optimization
+    size = zero.mics_shard_size
+    if size == -1:
+        return []
+    path = "zero_optimization.mics_shard_size"
+    if size < 1:
+        return [Problem(path, f"{size}: use -1 (off) or a positive shard group size")]
+    if zero.stage not in (1, 2):
+        return [
+            Problem(
+                path,
+                f"MiCS hybrid sharding is implemented by partita for zero_optimization.stage 1 "
+                f"and 2 (got stage {zero.stage}); use -1 or stage 1-2",
+            )
+        ]
+    return []
 
 
 def _precision(cfg: DeepSpeedConfig) -> list[Problem]:
@@ -187,4 +201,10 @@ def _batch_identity(cfg: DeepSpeedConfig) -> list[Problem]:
 
 def check_rules(cfg: DeepSpeedConfig) -> list[Problem]:
     """Every cross-field problem of an otherwise well-typed config (empty when fine)."""
-    return _batch_identity(cfg) + _precision(cfg) + _offload(cfg) + _not_implemented(cfg)
+    return (
+        _batch_identity(cfg)
+        + _precision(cfg)
+        + _offload(cfg)
+        + _hybrid_shard(cfg)
+        + _not_implemented(cfg)
+    )

@@ -121,7 +121,13 @@ class ShardedGroup:
 
 
 class Sharded:
-    """Stage 1 (`stage=1`) and stage 2 (`stage=2`) strategy (see `Strategy`)."""
+    """Stage 1 (`stage=1`) and stage 2 (`stage=2`) strategy (see `Strategy`).
+
+    `group` is what the shards are cut over; `replicas`, under hybrid sharding, the ranks that
+    hold the same shards ([Note: hybrid sharding] in `partita.comm.dims`): gradient shards are
+    summed across it after the reduce-scatter, and nothing else crosses it. The norm and the
+    all-gather stay in `group` (replicas hold equal shards: summing across them would count
+    each square once per replica)."""
 
     def __init__(
         self,
@@ -135,6 +141,7 @@ class Sharded:
         placement: Placement | None = None,
         sub_group_numel: int = COPY_SLICE_NUMEL,
         tensor: TensorParallelNorm | None = None,
+        replicas: comm.ProcessGroup | None = None,
     ) -> None:
         self.stage = stage
         world, rank = comm.get_world_size(group), comm.get_rank(group)
@@ -152,6 +159,7 @@ class Sharded:
             reduce_dtype=policy.reduce_dtype,
             rank=rank,
             group=group,
+            replicas=replicas,
         )
         self.process_group = group
         self.optimizer = make_optimizer([[g.master] for g in self.groups])

@@ -76,6 +76,9 @@ class ShardedGradients:
     rank: int
     max_in_flight: int = MAX_IN_FLIGHT
     group: comm.ProcessGroup | None = None
+    replicas: comm.ProcessGroup | None = None
+    """Hybrid sharding: the ranks holding the same shards, across which each reduced chunk is
+    summed before it is scaled (None: no replicas; never the default group)."""
     buckets: list[GradBucket] = field(init=False, default_factory=list)
     armed: bool = field(init=False, default=False)
     peak_transient_bytes: int = field(init=False, default=0)
@@ -233,6 +236,10 @@ class ShardedGradients:
             bucket.handle.wait()
         out = bucket.output
         assert out is not None
+        if self.replicas is not None:
+            # Each replica reduced its own ranks' gradients: the sum over replicas makes the
+            # sum over the whole data-parallel world, scaled below by its size.
+            comm.all_reduce(out, group=self.replicas, tag="grad")
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         seg = bucket.segment
