@@ -34,7 +34,8 @@ LOADS_3 = [("s1", 2), ("s2", 2), ("s3", 3)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("dsckpt"))
-    two = run_distributed(save_and_load, 2, root, LOADS_2, timeout=300, env=ENV)
+    # 600: DeepSpeed compiles its C++ ops on first use in a venv (minutes on two busy cores).
+    two = run_distributed(save_and_load, 2, root, LOADS_2, timeout=600, env=ENV)
     three = run_distributed(partita_load, 3, root, LOADS_3, timeout=200, env=ENV)
     return {"root": root, "ds": two[0]["ds"], "loaded": {2: two, 3: three}}
 
