@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from partita import cluster_env, comm, engine_setup, env
+from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
 from partita.data import DistributedDataLoader
@@ -76,6 +77,20 @@ def _check_same_config_on_every_rank(cfg: DeepSpeedConfig) -> None:
         raise ConfigError(problems)
 
 
+def _engine_class(model: Any, mpu: Any) -> tuple[type[Engine], Any]:
+    """The engine for `model` and the mpu it runs on: a `PipelineModule` gets the pipeline
+    engine and its own grid as the mpu (DeepSpeed refuses another mpu beside it)."""
+    from partita.parallel.pipe_module import PipelineModule
+
+    if not isinstance(model, PipelineModule):
+        return Engine, mpu
+    if mpu is not None and mpu is not model.mpu():
+        raise ValueError("initialize(mpu=...) must be None with a PipelineModule (it is its own)")
+    from partita.parallel.pipe_engine import PipelineEngine
+
+    return PipelineEngine, model.mpu()
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -103,16 +118,20 @@ def initialize(
         raise ValueError("initialize() needs model=")
     if mesh_param is not None:
         raise NotImplementedError("mesh_param (a device mesh) is not supported; pass mpu=")
+    engine_class, mpu = _engine_class(model, mpu)
     # The mpu's groups exist already, so its dimensions are known before the config is read
     # (the batch arithmetic counts data-parallel ranks, not the world).
     dims = None if mpu is None else comm.ParallelDims.from_mpu(mpu)
     source = _config_source(args, config, config_params)
+    # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
+    sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
     cfg: DeepSpeedConfig = (
         source
         if isinstance(source, DeepSpeedConfig)
-        else load_config(source, world_size=_world_size(dims))
+        else load_config(source, world_size=_world_size(dims) // sp)
     )
     engine_setup.check_supported(cfg)
+    engine_setup.check_sequence_parallel(cfg)
     shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))  # before collectives
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
@@ -120,10 +139,13 @@ def initialize(
         comm.init_distributed(distributed_port=distributed_port)
     if shard is not None:
         dims = comm.ParallelDims.hybrid_shard(shard)
+    if sp > 1:
+        dims = comm.ParallelDims.sequence_parallel(sp)
     dims = dims or comm.ParallelDims.world()
+    set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)
-    engine = Engine(
+    engine = engine_class(
         model,
         cfg,
         optimizer=optimizer,

@@ -420,6 +420,12 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
                 f"{what} with zero_optimization.mics_shard_size (hybrid sharding) is not "
                 "supported yet; save_16bit_model() writes the full weights"
             )
+        if self.dims.sp_world_size > 1:
+            raise NotImplementedError(
+                f"{what} with sequence_parallel_size > 1 is not supported yet (ZeRO's shards "
+                "are cut over every rank, the checkpoint names them by data-parallel rank); "
+                "save_16bit_model() writes the full weights"
+            )
 
     def load_checkpoint(
         self,
@@ -465,13 +471,15 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         data-parallel rank 0, as DeepSpeed does (replicas keep their own: under model
         parallelism they hold different slices)."""
         dims = self.dims
-        if dims.dp_world_size == 1:
+        # Under sequence parallelism every rank of the sequence-data-parallel group holds the
+        # same parameters ([Note: sequence parallelism] in `partita.comm.dims`).
+        ranks, group = dims.grad_ranks, dims.grad_group
+        if len(ranks) == 1:
             return
-        src = dims.dp_global_rank(0)
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
                 if t not in zero_init.PRE_SHARDED:  # zero.Init broadcast those already
-                    comm.broadcast(t.data, src=src, group=dims.dp_group, tag="init")
+                    comm.broadcast(t.data, src=ranks[0], group=group, tag="init")
 
 
 class _WallClock:

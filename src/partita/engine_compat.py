@@ -66,8 +66,6 @@ REFUSED: Mapping[str, str] = {
     "print_forward_breakdown": "set wall_clock_breakdown; engine steps log the breakdown",
     "get_wall_clock_timers": "set wall_clock_breakdown; engine steps log the breakdown",
     "load_moe_state_dict": "partita has no mixture-of-experts layers yet",
-    "get_sequence_parallel_group": "partita has no sequence parallelism yet; engine.dims holds "
-    "the process groups it has",
     "set_data_post_process_func": _NO_DATA_EFFICIENCY,
     "set_custom_curriculum_learning_schedule": _NO_DATA_EFFICIENCY,
     "data_efficiency_config": _NO_DATA_EFFICIENCY,
@@ -204,6 +202,16 @@ class DeepSpeedEngineMethods:
     def get_model_parallel_rank(self) -> int:
         """This rank's model-parallel index: its tensor-parallel rank (no pipeline stages)."""
         return int(self.dims.tp_rank)
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The sequence-parallel group (``sequence_parallel_size`` > 1); an AttributeError
+        without sequence parallelism, as DeepSpeed's engine has no such group then."""
+        if self.dims.sp_world_size == 1:
+            raise AttributeError(
+                "get_sequence_parallel_group(): no sequence parallelism (sequence_parallel_size "
+                "is 1)"
+            )
+        return self.dims.sp_group
 
     def deepspeed_io(
         self,

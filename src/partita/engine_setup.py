@@ -4,13 +4,16 @@ scaler and the ZeRO strategy. Composition only; the algorithms live in `partita.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from partita import comm
+from partita.comm.dims import check_sequence_parallel_size
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
+from partita.config.reader import read_config_file
 from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
 from partita.offload.placement import OffloadPlacement, OptimizerPlacement, ParamPlacement
 from partita.optim import OptimConfigError, build_optimizer, build_scheduler
@@ -231,6 +234,55 @@ def hybrid_shard_size(config: DeepSpeedConfig, mpu: Any, world: int) -> int | No
     return size
 
 
+def sequence_parallel_size(source: Any, mpu: Any, world: int) -> int:
+    """The Ulysses degree (``sequence_parallel_size``, 1 when absent) of the config `source`
+    (a dict, a file path or a `DeepSpeedConfig`), read before the config is validated: the
+    batch arithmetic counts data-parallel ranks, ``world / sp``. Checked against the `world`
+    with the key named, before any collective, so a bad size fails every rank alike
+    ([Note: sequence parallelism] in `partita.comm.dims`)."""
+    key = "sequence_parallel_size"
+    raw = _raw_value(source, key)
+    if raw is None or raw == 1 or isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
+        return 1  # absent, off, or of the wrong type: validation names the last
+    if mpu is not None:
+        raise config_error(
+            key,
+            f"{raw}: sequence parallelism together with an mpu (model parallelism) is not "
+            "supported by partita yet; use 1 or drop mpu=",
+        )
+    try:
+        check_sequence_parallel_size(raw, world)
+    except ValueError as error:
+        raise config_error(key, str(error).removeprefix(f"{key}: ")) from None
+    return raw
+
+
+def check_sequence_parallel(config: DeepSpeedConfig) -> None:
+    """Refuses what partita does not compose with sequence parallelism yet, naming the keys."""
+    size = int(config.sequence_parallel_size)
+    if size > 1 and int(config.zero_optimization.mics_shard_size) != -1:
+        raise config_error(
+            "sequence_parallel_size",
+            f"{size}: sequence parallelism together with zero_optimization.mics_shard_size "
+            "(hybrid sharding) is not supported by partita yet",
+        )
+
+
+def _raw_value(source: Any, key: str) -> Any:
+    """`source`'s top-level `key` before validation (None when absent or unreadable: loading
+    the config reports that)."""
+    if isinstance(source, DeepSpeedConfig):
+        return getattr(source, key)
+    if isinstance(source, Mapping):
+        return source.get(key)
+    if isinstance(source, str | os.PathLike) and not str(source).lstrip().startswith("{"):
+        try:
+            return read_config_file(source).get(key)
+        except (OSError, ValueError, ConfigError):
+            return None
+    return None
+
+
 def precision_policy(config: DeepSpeedConfig) -> PrecisionPolicy:
     """Module, master and communication dtypes from the config."""
     return PrecisionPolicy.from_flags(
@@ -322,7 +374,9 @@ def strategy(
     also over the tensor group, when there is one)."""
     zero = config.zero_optimization
     # Hybrid sharding: shards over the shard group, gradient shards summed across replicas;
-    # the average stays over every data-parallel rank ([Note: hybrid sharding]).
+    # the average stays over every data-parallel rank ([Note: hybrid sharding]). Sequence
+    # parallelism: shards over every rank holding the parameters, the sum divided by the
+    # data-parallel size only ([Note: sequence parallelism]).
     group = dims.zero_group
     replicas = dims.replicate_group if dims.hybrid else None
     scaling = ReduceScaling(
@@ -331,7 +385,7 @@ def strategy(
     tensor = tensor_parallel_norm(module, dims)
     if zero.stage == 0:
         return DataParallel(
-            groups, policy, make_optimizer, bucket_numel(zero), scaling, dims.dp_group,
+            groups, policy, make_optimizer, bucket_numel(zero), scaling, dims.grad_group,
             tensor=tensor,
         )  # fmt: skip
     if zero.stage == 3:

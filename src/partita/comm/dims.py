@@ -10,8 +10,8 @@ that train side by side and never exchange data with each other. When the mpu al
 model over tensor-parallel ranks (Megatron's ``get_tensor_model_parallel_*``), its tensor
 group is kept too: each replica is then one tensor group's worth of ranks, holding different
 slices of one model, and whatever sums over the whole model (the gradient norm, the overflow
-check) sums over the data-parallel group and then over the tensor group. Sequence groups will
-be further fields of the same object.
+check) sums over the data-parallel group and then over the tensor group. Sequence groups are
+further fields of the same object ([Note: sequence parallelism]).
 
 [Note: hybrid sharding]
 Hybrid sharding (FSDP2's HSDP, DeepSpeed's MiCS, ``zero_optimization.mics_shard_size``) cuts
@@ -25,6 +25,19 @@ still split over the whole data-parallel group (``dp_group``: every rank reads i
 micro-batch, losses and gradients average over all of them), so the numbers trained are those
 of plain ZeRO over the world; only which ranks hold which state, and which links carry how
 many bytes, change.
+
+[Note: sequence parallelism]
+Ulysses sequence parallelism (``sequence_parallel_size`` = sp, DeepSpeed's mesh
+("data_parallel", "sequence_parallel")) cuts the world into sequence groups of sp consecutive
+ranks (0,1 | 2,3 for 4 ranks and sp 2) and data-parallel groups of the ranks at the same place
+of every sequence group (0,2 | 1,3). The ranks of one sequence group read the same batch, each
+its slice of the sequence, and exchange activations (all-to-all, `partita.parallel.ulysses`);
+the parameters are the same on every rank. So, as in DeepSpeed, ZeRO shards and reduces over
+the sequence-data-parallel group (``seq_dp_group``: every rank holding the same parameters,
+the world without tensor parallelism), and the gradient is summed over it and divided by the
+data-parallel size only: summed over the sequence group (each rank's loss is its slice's share
+of the loss of the whole sequence) and averaged over the ranks that read different batches. The
+batch arithmetic and the data loader count data-parallel ranks (world / sp).
 """
 
 from __future__ import annotations
@@ -73,6 +86,16 @@ class ParallelDims:
     """Hybrid sharding: the ranks holding the same shard as this one."""
     replicate_ranks: tuple[int, ...] = ()
     """Global ranks of the replicate group, in replica order (empty: not hybrid)."""
+    sp_group: ProcessGroup | None = None
+    """The sequence-parallel group ([Note: sequence parallelism]); None with `sp_ranks` empty:
+    no sequence parallelism, None with `sp_ranks` the world: the default group."""
+    sp_ranks: tuple[int, ...] = ()
+    """Global ranks of the sequence-parallel group, in sequence-rank order."""
+    seq_dp_group: ProcessGroup | None = None
+    """Sequence parallelism: the ranks holding the same parameters (data-parallel x sequence
+    groups), which ZeRO shards and reduces over; None: the default group."""
+    seq_dp_ranks: tuple[int, ...] = ()
+    """Global ranks of the sequence-data-parallel group (empty: no sequence parallelism)."""
 
     @property
     def hybrid(self) -> bool:
@@ -82,13 +105,36 @@ class ParallelDims:
     @property
     def zero_group(self) -> ProcessGroup | None:
         """The group ZeRO shards over and gathers parameters in: the shard group when hybrid,
-        else the data-parallel group."""
-        return self.shard_group if self.hybrid else self.dp_group
+        the sequence-data-parallel group under sequence parallelism, else the data-parallel
+        group."""
+        return self.shard_group if self.hybrid else self.grad_group
 
     @property
     def zero_world_size(self) -> int:
         """Ranks one shard is cut over (the shard size when hybrid)."""
-        return len(self.shard_ranks) if self.hybrid else self.dp_world_size
+        return len(self.shard_ranks) if self.hybrid else len(self.grad_ranks)
+
+    @property
+    def grad_group(self) -> ProcessGroup | None:
+        """The ranks holding the same parameters, whose gradients are summed: the
+        sequence-data-parallel group under sequence parallelism, else the data-parallel
+        group."""
+        return self.seq_dp_group if self.seq_dp_ranks else self.dp_group
+
+    @property
+    def grad_ranks(self) -> tuple[int, ...]:
+        """Global ranks of `grad_group`, in its rank order."""
+        return self.seq_dp_ranks or self.dp_ranks
+
+    @property
+    def sp_rank(self) -> int:
+        """Rank within the sequence-parallel group (0 without sequence parallelism)."""
+        return self.sp_ranks.index(self.rank) if self.sp_ranks else 0
+
+    @property
+    def sp_world_size(self) -> int:
+        """Ranks one sequence is split across (1 without sequence parallelism)."""
+        return len(self.sp_ranks) or 1
 
     @property
     def replicate_world_size(self) -> int:
@@ -215,25 +261,34 @@ class ParallelDims:
             )
         if tp_size == 1:
             return cls.world()
-        first = rank - rank % tp_size
-        tp_ranks = tuple(range(first, first + tp_size))
-        dp_ranks = tuple(range(rank % tp_size, world, tp_size))
-        tp_group = dp_group = None
-        # new_group is collective: every rank makes every group, in the same order.
-        if 1 < tp_size < world:
-            for start in range(0, world, tp_size):
-                made = new_group(list(range(start, start + tp_size)))
-                tp_group = made if start == first else tp_group
-            for lane in range(tp_size):
-                made = new_group(list(range(lane, world, tp_size)))
-                dp_group = made if lane == rank % tp_size else dp_group
-        elif tp_size == world > 1:
-            # Each replica is one rank: no data-parallel traffic exists, so each rank's
-            # data-parallel group is itself.
-            for r in range(world):
-                made = new_group([r])
-                dp_group = made if r == rank else dp_group
+        (tp_group, tp_ranks), (dp_group, dp_ranks) = _blocks_and_lanes(tp_size)
         return cls(rank, world, dp_group, dp_ranks, tp_group, tp_ranks)
+
+    @classmethod
+    def sequence_parallel(cls, sp_size: int) -> ParallelDims:
+        """Sequence parallelism over blocks of `sp_size` consecutive ranks; the ranks at the
+        same place of each block form the data-parallel groups, and ZeRO runs over the world
+        ([Note: sequence parallelism]). `check_sequence_parallel_size` first, so a bad size
+        raises on every rank before any collective; collective over the world when groups
+        must be made (every rank calls it)."""
+        rank, world = get_rank(), get_world_size()
+        check_sequence_parallel_size(sp_size, world)
+        if sp_size == 1:
+            return cls.world()
+        (sp_group, sp_ranks), (dp_group, dp_ranks) = _blocks_and_lanes(sp_size)
+        if sp_group is None:  # the world: a group of its own, for what asks for the group
+            sp_group = new_group(list(range(world)))
+        name_group(sp_group, "sp")
+        return cls(
+            rank,
+            world,
+            dp_group,
+            dp_ranks,
+            sp_group=sp_group,
+            sp_ranks=sp_ranks,
+            seq_dp_group=None,
+            seq_dp_ranks=tuple(range(world)),
+        )
 
     @classmethod
     def from_mpu(cls, mpu: Any) -> ParallelDims:
@@ -299,6 +354,62 @@ class ParallelDims:
         return dataclasses.replace(self, tp_group=group, tp_ranks=ranks)
 
 
+_JOB: list[ParallelDims] = []
+"""The dimensions `initialize` built last (what DeepSpeed's ``groups`` getters read)."""
+
+
+def set_job_dims(dims: ParallelDims) -> None:
+    """Records `dims` as the job's (called once per `partita.initialize`)."""
+    _JOB[:] = [dims]
+
+
+def job_dims() -> ParallelDims | None:
+    """The dimensions the last `partita.initialize` built (None before any)."""
+    return _JOB[0] if _JOB else None
+
+
+def _blocks_and_lanes(
+    size: int,
+) -> tuple[
+    tuple[ProcessGroup | None, tuple[int, ...]], tuple[ProcessGroup | None, tuple[int, ...]]
+]:
+    """This rank's block of `size` consecutive ranks and its lane (the ranks at the same place
+    of every block), each as ``(group, global ranks)``; a group that spans the world is None
+    (the default group). A lane of one rank (size == world) is a group of that rank alone.
+    Collective over the world when groups must be made: every rank makes every group, in the
+    same order (new_group is collective)."""
+    rank, world = get_rank(), get_world_size()
+    first = rank - rank % size
+    block_ranks = tuple(range(first, first + size))
+    lane_ranks = tuple(range(rank % size, world, size))
+    block = lane = None
+    if 1 < size < world:
+        for start in range(0, world, size):
+            made = new_group(list(range(start, start + size)))
+            block = made if start == first else block
+        for place in range(size):
+            made = new_group(list(range(place, world, size)))
+            lane = made if place == rank % size else lane
+    elif size == world > 1:
+        # Each lane is one rank: no traffic exists along it, so its group is the rank itself.
+        for r in range(world):
+            made = new_group([r])
+            lane = made if r == rank else lane
+    return (block, block_ranks), (lane, lane_ranks)
+
+
+def check_sequence_parallel_size(sp_size: int, world: int) -> None:
+    """Raises ValueError naming ``sequence_parallel_size`` unless `sp_size` is a positive
+    divisor of the `world` (no collective: every rank raises alike)."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int):
+        raise ValueError(f"sequence_parallel_size: {sp_size!r} must be an integer")
+    if sp_size < 1 or sp_size > world or world % sp_size:
+        raise ValueError(
+            f"sequence_parallel_size: {sp_size} must be a positive divisor of the world size "
+            f"{world} (sequence groups of equal size)"
+        )
+
+
 def check_shard_size(shard_size: int, world: int) -> None:
     """Raises ValueError naming ``zero_optimization.mics_shard_size`` unless `shard_size`
     divides the data-parallel `world` (no collective: every rank raises alike)."""
@@ -326,4 +437,10 @@ def _tensor_getters(mpu: Any) -> str | None:
     return None
 
 
-__all__ = ["ParallelDims", "check_shard_size"]
+__all__ = [
+    "ParallelDims",
+    "check_sequence_parallel_size",
+    "check_shard_size",
+    "job_dims",
+    "set_job_dims",
+]

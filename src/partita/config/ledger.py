@@ -222,6 +222,7 @@ LEDGER: dict[str, Entry] = {
         "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, enforced_by=_RULES
     ),
     "zero_optimization.mics_shard_size": _read(_SETUP),
+    "sequence_parallel_size": _read(_SETUP),
     "zero_optimization.mics_hierarchical_params_gather": _refused("MiCS", True, enforced_by=_RULES),
     "zero_optimization.memory_efficient_linear": _inert(
         "DeepSpeed's stage-3 replacement of F.linear that saves activation memory; partita "

@@ -107,6 +107,11 @@ class DeepSpeedConfig(Section):
     dataloader_drop_last: Bool = Field(
         default=False, description="Drop the last incomplete batch in the engine's data loader."
     )
+    sequence_parallel_size: PositiveInt = Field(
+        default=1,
+        description="Ulysses sequence parallelism: ranks that split each sequence (consecutive "
+        "ranks; a divisor of the world size). The data-parallel size is world / this.",
+    )
     tensorboard: TensorBoardConfig = Field(
         default_factory=TensorBoardConfig, description="TensorBoard monitor."
     )

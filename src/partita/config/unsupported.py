@@ -84,9 +84,10 @@ UNSUPPORTED_KEYS: dict[str, Unsupported] = {
     "use_data_before_expert_parallelism": Unsupported(
         f"{_OFF}: expert parallelism (MoE)", _equals(False)
     ),
-    "sequence_parallel_size": Unsupported(f"{_OFF}: sequence parallelism", _equals(1)),
     "seq_parallel_communication_data_type": Unsupported(
-        f"{_OFF}: sequence parallelism", _equals("fp32")
+        "DeepSpeed's gradient dtype under sequence parallelism; partita reduces gradients in "
+        "communication_data_type (default: the training precision) with or without it",
+        _equals("fp32"),
     ),
     "comet": Unsupported(
         "the Comet monitor is not supported; use tensorboard, csv_monitor or wandb"

@@ -13,8 +13,8 @@ from partita.env import AS_DEEPSPEED
 
 # DeepSpeed modules (dotted, without the leading "deepspeed.") -> the feature they belong to.
 FEATURES: dict[str, str] = {
-    "sequence": "sequence parallelism (Ulysses)",
-    "runtime.sequence_parallel": "sequence parallelism (Ulysses)",
+    "sequence": "sequence parallelism beyond Ulysses attention (FPDT, AutoSP, vocab-parallel loss)",
+    "runtime.sequence_parallel": "Ulysses for Hugging Face models (ALST)",
     "pipe": "pipeline parallelism",
     "runtime.pipe": "pipeline parallelism",
     "moe": "DeepSpeed-MoE expert parallelism",
@@ -45,7 +45,7 @@ FEATURES: dict[str, str] = {
     "ops.transformer.inference": "DeepSpeed inference kernels (kernel injection)",
     "io": "DeepSpeed's fast file writer",
     "datastates": "DataStates checkpointing",
-    "utils.groups": "DeepSpeed's process-group registry (sequence/expert/tensor-parallel groups)",
+    "utils.groups": "DeepSpeed's process-group registry (expert and tensor-parallel groups)",
 }
 
 # DeepSpeed modules -> what partita offers in their place (the longest matching prefix wins).
@@ -70,7 +70,9 @@ INSTEAD: dict[str, str] = {
     "io": 'zero_optimization.offload_* with "device": "nvme"',
     "utils": "deepspeed.utils (the safe_get_* / safe_set_* accessors, set_z3_leaf_modules)",
     "profiling": "deepspeed.profiling.flops_profiler",
-    "utils.groups": "partita.comm (groups over one device mesh)",
+    "sequence": "deepspeed.sequence.layer.DistributedAttention (partita.parallel.ulysses)",
+    "utils.groups": "partita.comm (groups over one device mesh); the data and sequence "
+    "getters are here",
 }
 
 

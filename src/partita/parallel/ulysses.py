@@ -1,0 +1,249 @@
+"""Ulysses sequence parallelism: attention over a sequence split across ranks.
+
+[Note: Ulysses attention]
+Each rank of a sequence group (``sequence_parallel_size`` = sp consecutive ranks, see
+[Note: sequence parallelism] in `partita.comm.dims`) holds 1/sp of every sequence, all heads.
+Attention needs the whole sequence, but each head is independent of the others, so one
+all-to-all over the group trades the split: before the local attention, query, key and value go
+from sequence-sharded ``[b, s/sp, h, d]`` to head-sharded ``[b, s, h/sp, d]`` (each rank sends
+head block j of its slice to rank j and concatenates the slices it receives in rank order);
+after it, the output goes back the other way. The backward of an all-to-all is the inverse
+all-to-all, so autograd needs nothing else. Each all-to-all moves ``b * s * h * d / sp``
+elements per rank (minus the block it keeps).
+
+Grouped-query attention: key and value have ``kv`` heads, fewer than the ``h`` query heads.
+Query head i reads key/value head ``i // (h / kv)``; rank j receives query heads
+``[j h/sp, (j+1) h/sp)``, which read key/value heads ``[j kv/sp, (j+1) kv/sp)`` when sp divides
+kv. When kv < sp and kv divides sp, each key/value head is repeated sp / kv times first (so rank
+j gets the one head its query heads read; the backward sums the copies' gradients); any other
+count is refused. The local attention then sees ``h/sp`` query heads and ``max(kv/sp, 1)``
+key/value heads, and does the grouping itself (as SDPA's ``enable_gqa`` or the model's own
+``repeat_kv`` do).
+
+The loss: each rank's tokens are its slice's share of the sequence, so a rank's loss must be
+that share (for a mean over tokens: its slice's sum divided by the tokens of the whole
+sequence); the engine sums gradients over the sequence group and averages them over the
+data-parallel ranks, as DeepSpeed does. `sequence_loss` gives that share a forward value equal
+to the loss of the whole sequence on every rank of the group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist  # the all-to-all; to move into partita.comm.collectives
+from torch import nn
+
+from partita.comm.counters import COUNTERS, group_name
+from partita.comm.process_group import ProcessGroup, is_initialized
+
+__all__ = [
+    "DistributedAttention",
+    "check_heads",
+    "seq_all_to_all",
+    "sequence_loss",
+    "shard_sequence",
+]
+
+
+def _group_size(group: ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def _group_rank(group: ProcessGroup | None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def _all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None
+) -> torch.Tensor:
+    """Splits `x` into the group's size blocks along `scatter_dim`, sends block j to rank j,
+    and concatenates the blocks received along `gather_dim`, in rank order."""
+    world = _group_size(group)
+    if world == 1:
+        return x
+    blocks = torch.stack(torch.tensor_split(x, world, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(blocks)
+    COUNTERS.record(
+        "all_to_all", "ulysses", blocks.numel() * blocks.element_size(), blocks.numel(),
+        group_name(group),
+    )  # fmt: skip
+    dist.all_to_all_single(received, blocks, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    """`_all_to_all` whose backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: ProcessGroup | None, x: torch.Tensor, scatter_dim: int, gather_dim: int
+    ) -> torch.Tensor:
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scatter_dim, gather_dim = ctx.dims
+        return None, _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None
+
+
+def seq_all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """The differentiable all-to-all of [Note: Ulysses attention]: scatter `scatter_dim`
+    over the group, gather `gather_dim` from it. `scatter_dim` must divide by the group's
+    size (ValueError naming the sizes, before any collective)."""
+    world = _group_size(group)
+    if x.shape[scatter_dim] % world:
+        raise ValueError(
+            f"sequence all-to-all: dimension {scatter_dim} of a {tuple(x.shape)} tensor "
+            f"({x.shape[scatter_dim]}) does not divide by the sequence-parallel size {world}"
+        )
+    return _SeqAllToAll.apply(group, x, scatter_dim, gather_dim)
+
+
+def check_heads(heads: int, kv_heads: int, sp: int) -> int:
+    """How many times each key/value head is repeated before the all-to-all (1: none);
+    ValueError naming the sizes when `heads` query heads and `kv_heads` key/value heads cannot
+    be split over `sp` ranks ([Note: Ulysses attention])."""
+    if heads % sp:
+        raise ValueError(
+            f"Ulysses attention: {heads} query heads do not divide by the sequence-parallel "
+            f"size {sp}; use a sequence_parallel_size that divides the head count"
+        )
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(
+            f"Ulysses attention: {kv_heads} key/value heads do not divide the {heads} query heads"
+        )
+    if kv_heads % sp == 0:
+        return 1
+    if kv_heads < sp and sp % kv_heads == 0:
+        return sp // kv_heads
+    raise ValueError(
+        f"Ulysses attention: {kv_heads} key/value heads cannot be split over the "
+        f"sequence-parallel size {sp} (they must be a multiple of it, or divide it to be "
+        "repeated)"
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the leading ``cos.shape[-1]`` features of `t`."""
+    width = cos.shape[-1]
+    head, rest = t[..., :width], t[..., width:]
+    rotated = head * cos + _rotate_half(head) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+class DistributedAttention(nn.Module):
+    """DeepSpeed's ``deepspeed.sequence.layer.DistributedAttention``: `local_attention` on the
+    whole sequence and 1/sp of the heads, between two all-to-alls over
+    `sequence_process_group` ([Note: Ulysses attention]).
+
+    Args:
+        local_attention: called as ``local_attention(q, k, v, *args, **kwargs)`` on
+            head-sharded tensors of the same layout as the inputs; returns the context in that
+            layout.
+        sequence_process_group: the sequence-parallel group (None: every rank).
+        scatter_idx: the head dimension of the ``[b, s, h, d]`` / ``[s, b, h, d]`` inputs (2).
+        gather_idx: kept for DeepSpeed's signature; the sequence dimension is the one that
+            `forward`'s ``batch_dim_idx`` does not name.
+        sp_stream: DeepSpeed's side stream for overlap; accepted, not used (the all-to-alls run
+            on the current stream).
+        num_kv_heads: key/value heads of the model (read off the key tensor when None).
+    """
+
+    def __init__(
+        self,
+        local_attention: nn.Module | Any,
+        sequence_process_group: ProcessGroup | None,
+        scatter_idx: int = 2,
+        gather_idx: int = 0,
+        sp_stream: Any = None,
+        num_kv_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        if scatter_idx != 2:
+            raise ValueError(
+                f"DistributedAttention: scatter_idx={scatter_idx}; partita's Ulysses attention "
+                "takes sequence-sharded [b, s, h, d] or [s, b, h, d] inputs (heads at 2)"
+            )
+        self.local_attn = local_attention
+        self.spg = sequence_process_group
+        self.scatter_idx = scatter_idx
+        self.gather_idx = gather_idx
+        self.sp_stream = sp_stream
+        self.num_kv_heads = num_kv_heads
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        batch_dim_idx: int = 0,
+        rotary_pos_emb: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Attention of this rank's sequence slice over the whole sequence; inputs and output
+        are ``[b, s/sp, h, d]`` (``batch_dim_idx`` 0) or ``[s/sp, b, h, d]`` (1)."""
+        if batch_dim_idx not in (0, 1):
+            raise ValueError(f"DistributedAttention: batch_dim_idx={batch_dim_idx}, not 0 or 1")
+        seq_dim, heads_dim = 1 - batch_dim_idx, self.scatter_idx
+        sp = _group_size(self.spg)
+        kv_heads = self.num_kv_heads if self.num_kv_heads is not None else key.shape[heads_dim]
+        repeat = check_heads(query.shape[heads_dim], kv_heads, sp)
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=heads_dim)
+            value = value.repeat_interleave(repeat, dim=heads_dim)
+        q, k, v = (seq_all_to_all(t, heads_dim, seq_dim, self.spg) for t in (query, key, value))
+        if rotary_pos_emb is not None:
+            # DeepSpeed's layout: (cos, sin) of [s, b, 1, d], applied on the whole sequence.
+            cos, sin = (f.permute(1, 0, 2, 3) for f in rotary_pos_emb)
+            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        context = self.local_attn(q, k, v, *args, **kwargs)
+        return seq_all_to_all(context, seq_dim, heads_dim, self.spg)
+
+
+def shard_sequence(
+    tensor: torch.Tensor, group: ProcessGroup | None = None, dim: int = 1
+) -> torch.Tensor:
+    """This rank's slice of `tensor` along the sequence dimension `dim` (rank j of the
+    sequence group takes the j-th of sp equal blocks). ValueError naming the length when it
+    does not divide by sp (partita does not pad), before any collective."""
+    sp, rank = _group_size(group), _group_rank(group)
+    length = tensor.shape[dim]
+    if length % sp:
+        raise ValueError(
+            f"sequence length {length} does not divide by the sequence-parallel size {sp}; "
+            f"pad or cut the sequences to a multiple of {sp} (partita does not pad)"
+        )
+    return tensor.narrow(dim, rank * (length // sp), length // sp)
+
+
+class _SumForward(torch.autograd.Function):
+    """Sum over the group in the forward, identity in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        out = x.detach().clone()
+        if _group_size(group) > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None
+
+
+def sequence_loss(share: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
+    """A loss whose value is the sum of the ranks' `share` over the sequence group (the loss
+    of the whole sequence, the same on every rank) and whose gradient is this rank's share's
+    alone: the engine sums the gradients over the group ([Note: Ulysses attention])."""
+    return _SumForward.apply(share, group)

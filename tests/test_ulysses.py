@@ -1,0 +1,140 @@
+"""Ulysses sequence parallelism (``sequence_parallel_size``, `partita.parallel.ulysses`): a tiny
+Llama-like model (grouped-query attention, rotary positions) trained at 4 CPU ranks as sp 2 x
+dp 2 and sp 4 x dp 1, ZeRO stages 0-3, against one process on the same tokens; a rerun bitwise;
+the groups; `DistributedAttention` against plain attention; and the refusals, each naming
+itself before any collective. One spawn runs every 4-rank case ([Note: sequence parallelism]
+in `partita.comm.dims`, [Note: Ulysses attention] in `partita.parallel.ulysses`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import assert_losses, weight_atol_float64
+from partita.parallel.ulysses import check_heads
+from partita.testing import run_distributed_grid
+from ulysses_workers import STEPS, reference, ulysses_grid
+
+WORLD = 4
+STAGES = (0, 1, 2, 3)
+TRAIN = [{"kind": "train", "sp": sp, "stage": stage} for sp in (2, 4) for stage in STAGES]
+RERUN = {"kind": "train", "sp": 2, "stage": 3}
+EXTRA = {  # the norm over every rank (clipping reads it), and float64 weights
+    "clip": {"kind": "train", "sp": 2, "stage": 2, "clip": 0.05},
+    "float64_sp2": {"kind": "train", "sp": 2, "stage": 1, "dtype": "float64"},
+    "float64_sp4": {"kind": "train", "sp": 4, "stage": 3, "dtype": "float64"},
+}
+ATTENTION = [
+    {"kind": "attention", "sp": 2, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads split
+    {"kind": "attention", "sp": 4, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads repeated
+    {"kind": "attention", "sp": 4, "batch_dim_idx": 1, "kv_heads": 4},  # [s, b, h, d]
+]
+REFUSALS = ["sp3", "sp8", "heads", "kv_heads", "seq_len"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
+    cases = [*TRAIN, RERUN, *EXTRA.values(), *ATTENTION, *refusals]
+    per_case = iter(run_distributed_grid(ulysses_grid, WORLD, cases, timeout=300))
+    return {
+        "train": {(c["sp"], c["stage"]): next(per_case) for c in TRAIN},
+        "rerun": next(per_case),
+        "extra": {name: next(per_case) for name in EXTRA},
+        "attention": [next(per_case) for _ in ATTENTION],
+        "refusals": {what: next(per_case) for what in REFUSALS},
+    }
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("sp", [2, 4])
+def test_losses_match_one_process_on_the_same_tokens(results: dict, sp: int) -> None:
+    """Every stage, every rank: the per-step loss of the whole global batch (2 sequences per
+    data-parallel rank) within rtol 1e-6 of one process training on it whole."""
+    want = reference(STEPS, batch=2 * (WORLD // sp), dtype=torch.float32)
+    for stage in STAGES:
+        for rank, got in enumerate(results["train"][(sp, stage)]):
+            assert len(got["losses"]) == STEPS, (stage, rank)
+            assert_losses(got["losses"], want["losses"])
+
+
+@pytest.mark.parity
+def test_clipping_norm_and_float64_weights_match_one_process(results: dict) -> None:
+    """Clipping at 0.05 (every step clips) reads the norm of the whole gradient; float64 runs
+    hold every final weight to the parity suite's bound ([Note: parity bound] in
+    tests/models.py)."""
+    extra = results["extra"]
+    want = reference(STEPS, batch=4, dtype=torch.float32, clip=0.05)
+    for got in extra["clip"]:
+        assert_losses(got["losses"], want["losses"])
+    for name, sp in (("float64_sp2", 2), ("float64_sp4", 4)):
+        want = reference(STEPS, batch=2 * (WORLD // sp), dtype=torch.float64)
+        for got in extra[name]:
+            assert_losses(got["losses"], want["losses"])
+            for a, b in zip(got["params"], want["params"], strict=True):
+                assert a.dtype == torch.float64
+                torch.testing.assert_close(a, b, rtol=0.0, atol=weight_atol_float64(STEPS))
+
+
+def test_rerun_is_bitwise_and_sequence_ranks_hold_the_same_weights(results: dict) -> None:
+    first, again = results["train"][(2, 3)], results["rerun"]
+    for a, b in zip(first, again, strict=True):
+        assert a["losses"] == b["losses"]
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y)
+    for (sp, stage), per_rank in results["train"].items():
+        for other in per_rank[1:]:
+            for x, y in zip(per_rank[0]["params"], other["params"], strict=True):
+                assert torch.equal(x, y), (sp, stage)
+
+
+def test_sequence_groups_are_consecutive_and_zero_spans_the_world(results: dict) -> None:
+    for (sp, _), per_rank in results["train"].items():
+        for rank, got in enumerate(per_rank):
+            first = rank - rank % sp
+            assert got["sp_ranks"] == list(range(first, first + sp))
+            assert got["dp_ranks"] == list(range(rank % sp, WORLD, sp))
+            assert got["dp_world"] == WORLD // sp and got["zero_world"] == WORLD
+            dp_rank = rank // sp
+            assert got["groups"] == [sp, rank % sp, WORLD // sp, dp_rank, WORLD, True]
+
+
+def test_deepspeed_names_resolve_to_partitas() -> None:
+    from partita.compat.deepspeed.sequence.layer import DistributedAttention as FromCompat
+    from partita.parallel.ulysses import DistributedAttention
+
+    assert FromCompat is DistributedAttention
+
+
+def test_distributed_attention_equals_plain_attention(results: dict) -> None:
+    for case, per_rank in zip(ATTENTION, results["attention"], strict=True):
+        for got in per_rank:
+            assert got["out"] <= 1e-6, case
+            assert max(got["grads"]) <= 1e-6, case
+            local = 16 // case["sp"]
+            seq_dim = 1 - case["batch_dim_idx"]
+            assert got["shape"][seq_dim] == local
+
+
+def test_bad_inputs_name_themselves_on_every_rank(results: dict) -> None:
+    errors = results["refusals"]
+    for what in ("sp3", "sp8"):
+        for message in errors[what]:
+            assert message.startswith("ConfigError") and "sequence_parallel_size" in message
+    assert "3" in errors["sp3"][0] and "8" in errors["sp8"][0]
+    for message in errors["heads"]:
+        assert "6 query heads" in message and "sequence-parallel size 4" in message
+    for message in errors["kv_heads"]:
+        assert "3 key/value heads" in message and "4" in message
+    for message in errors["seq_len"]:
+        assert "sequence length 7" in message and "2" in message
+
+
+def test_head_counts_split_or_repeat_or_refuse() -> None:
+    assert check_heads(8, 8, 4) == 1
+    assert check_heads(8, 4, 4) == 1
+    assert check_heads(8, 2, 4) == 2  # GQA: each kv head repeated sp / kv times
+    assert check_heads(8, 1, 8) == 8
+    for heads, kv, sp in ((6, 6, 4), (12, 3, 2), (12, 6, 4)):
+        with pytest.raises(ValueError, match=f"{sp}"):
+            check_heads(heads, kv, sp)

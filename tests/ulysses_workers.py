@@ -1,0 +1,279 @@
+"""Rank-side code of tests/test_ulysses.py: a tiny Llama-like model (RMSNorm, rotary positions,
+grouped-query attention, SwiGLU) whose attention runs through Ulysses' `DistributedAttention`,
+trained by the engine with ``sequence_parallel_size``; DistributedAttention against plain
+attention on the whole sequence; and the refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import partita
+from partita.comm import ParallelDims
+from partita.config import ConfigError
+from partita.parallel.ulysses import DistributedAttention, sequence_loss, shard_sequence
+
+VOCAB, SEQ, DIM, HEADS, KV_HEADS, LAYERS = 64, 16, 32, 4, 2, 2
+HEAD_DIM = DIM // HEADS
+STEPS = 5
+LR = 1e-3
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention on ``[b, s, h, d]`` tensors, key/value heads shared by groups of query
+    heads (written out, so that it runs the same in fp32 and float64 on every CPU)."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = scores.shape[-1]
+    mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def rotary(positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape ``[s, 1, head_dim]`` for the given (global) positions."""
+    inv = 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+    angles = positions.to(torch.float64)[:, None] * inv[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(DIM), RMSNorm(DIM)
+        self.q = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
+        self.k = nn.Linear(DIM, KV_HEADS * HEAD_DIM, bias=False)
+        self.v = nn.Linear(DIM, KV_HEADS * HEAD_DIM, bias=False)
+        self.o = nn.Linear(HEADS * HEAD_DIM, DIM, bias=False)
+        self.gate = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.up = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+        self.attn: DistributedAttention | None = None  # plain attention until set
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = rotate(self.q(h).view(b, s, HEADS, HEAD_DIM), cos, sin)
+        k = rotate(self.k(h).view(b, s, KV_HEADS, HEAD_DIM), cos, sin)
+        v = self.v(h).view(b, s, KV_HEADS, HEAD_DIM)
+        ctx = self.attn(q, k, v, 0) if self.attn is not None else local_attention(q, k, v)
+        x = x + self.o(ctx.reshape(b, s, HEADS * HEAD_DIM))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    """Takes this rank's slice of the sequences (tokens, targets and their global positions)
+    and returns its share of the mean cross-entropy of the whole micro-batch; under sequence
+    parallelism its value is the whole micro-batch's loss on every rank of the group."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.sp_group: Any = None
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = RMSNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.to(dtype)
+
+    def set_sequence_group(self, group: Any) -> None:
+        """Runs attention through Ulysses over `group` (and the loss over it)."""
+        self.sp_group = group
+        for block in self.blocks:
+            block.attn = DistributedAttention(local_attention, group)  # type: ignore[union-attr]
+
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.embed(tokens)
+        cos, sin = rotary(positions, x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm(x)).float().to(x.dtype)
+        total = tokens.shape[0] * SEQ  # tokens of the whole micro-batch, all slices
+        share = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / total
+        return sequence_loss(share, self.sp_group) if self.sp_group is not None else share
+
+
+def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+        out.append((tokens, (tokens * 5 + 1) % VOCAB))
+    return out
+
+
+def reference(steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0) -> dict[str, Any]:
+    """One process, whole sequences, torch's fused AdamW (what the config's AdamW runs)."""
+    model = TinyLlama(dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    losses = []
+    for tokens, targets in batches(steps, batch):
+        loss = model(tokens, targets, torch.arange(SEQ))
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def config(sp: int, stage: int, clip: float = 0.0) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
+        "sequence_parallel_size": sp,
+        "gradient_clipping": clip,  # DeepSpeed's default is 1.0
+        "steps_per_print": 1000,
+    }
+
+
+def train(
+    sp: int, stage: int, steps: int = STEPS, dtype: str = "float32", clip: float = 0.0
+) -> dict[str, Any]:
+    """`steps` engine steps; the losses averaged over the data-parallel ranks (each rank's
+    loss is its micro-batch's), the final weights, and this rank's groups. The model gets its
+    sequence group from the engine (``engine.get_sequence_parallel_group()``)."""
+    model = TinyLlama(dtype=getattr(torch, dtype))
+    engine, _, _, _ = partita.initialize(model=model, config=config(sp, stage, clip))
+    model.set_sequence_group(engine.get_sequence_parallel_group())
+    dims = engine.dims
+    micro, dp = 2, dims.dp_world_size
+    local = SEQ // sp
+    positions = torch.arange(dims.sp_rank * local, (dims.sp_rank + 1) * local)
+    losses = []
+    for tokens, targets in batches(steps, micro * dp):
+        mine = slice(dims.dp_rank * micro, (dims.dp_rank + 1) * micro)
+        tok, tgt = (shard_sequence(t[mine], dims.sp_group) for t in (tokens, targets))
+        loss = engine(tok, tgt, positions)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=dims.dp_group)
+        losses.append((mean / dp).item())
+    out = {
+        "losses": losses,
+        "params": _full_params(engine, stage),
+        "sp_ranks": list(dims.sp_ranks),
+        "dp_ranks": list(dims.dp_ranks),
+        "dp_world": engine.dp_world_size,
+        "zero_world": dist.get_world_size(getattr(engine.strategy, "process_group", None)),
+        "groups": _deepspeed_groups(engine),
+    }
+    engine.destroy()
+    return out
+
+
+def _deepspeed_groups(engine: Any) -> list[Any]:
+    """What DeepSpeed's ``groups`` getters say (the stand-in's module, imported directly)."""
+    from partita.compat.deepspeed.utils import groups
+
+    return [
+        groups._get_sequence_parallel_world_size(),
+        groups._get_sequence_parallel_rank(),
+        groups._get_data_parallel_world_size(),
+        groups._get_data_parallel_rank(),
+        groups._get_sequence_data_parallel_world_size(),
+        groups._get_sequence_parallel_group() is engine.get_sequence_parallel_group(),
+    ]
+
+
+def _full_params(engine: Any, stage: int) -> list[torch.Tensor]:
+    from partita.zero.gather import GatheredParameters
+
+    params = list(engine.module.parameters())
+    with GatheredParameters(params) if stage == 3 else contextlib.nullcontext():
+        return [p.detach().clone() for p in params]
+
+
+def attention_parity(sp: int, batch_dim_idx: int, kv_heads: int) -> dict[str, Any]:
+    """DistributedAttention on this rank's slice against plain attention on the whole
+    sequence: the largest differences of the output slice and of the input gradients."""
+    dims = ParallelDims.sequence_parallel(sp)
+    group = dims.sp_group
+    gen = torch.Generator().manual_seed(3)
+    b, heads, d = 2, 4, 8
+    shape = (b, SEQ) if batch_dim_idx == 0 else (SEQ, b)
+    q = torch.randn(*shape, heads, d, generator=gen, requires_grad=True)
+    k = torch.randn(*shape, kv_heads, d, generator=gen, requires_grad=True)
+    v = torch.randn(*shape, kv_heads, d, generator=gen, requires_grad=True)
+    w = torch.randn(*shape, heads, d, generator=gen)
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if batch_dim_idx == 1:
+            return local_attention(*(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+        return local_attention(q, k, v)
+
+    full = plain(q, k, v)
+    (full * w).sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]  # type: ignore[union-attr]
+    for t in (q, k, v):
+        t.grad = None
+    seq_dim = 1 - batch_dim_idx
+    attn = DistributedAttention(plain, group)
+    sliced = [shard_sequence(t, group, dim=seq_dim) for t in (q, k, v, w, full)]
+    out = attn(*sliced[:3], batch_dim_idx)
+    (out * sliced[3]).sum().backward()
+    mine = [shard_sequence(g, group, dim=seq_dim) for g in want]
+    got = [shard_sequence(t.grad, group, dim=seq_dim) for t in (q, k, v)]  # type: ignore[arg-type]
+    return {
+        "out": (out - sliced[4]).abs().max().item(),
+        "grads": [(a - b).abs().max().item() for a, b in zip(got, mine, strict=True)],
+        "shape": list(out.shape),
+    }
+
+
+def refusal(what: str) -> str:
+    """The error this rank raises for one bad input ("" when none)."""
+    try:
+        if what == "sp3":
+            partita.initialize(model=TinyLlama(), config=config(3, 1))
+        elif what == "sp8":
+            partita.initialize(model=TinyLlama(), config=config(8, 1))
+        elif what == "heads":
+            group = ParallelDims.sequence_parallel(4).sp_group
+            x = torch.zeros(1, 4, 6, 8)  # 6 heads over 4 ranks
+            DistributedAttention(local_attention, group)(x, x, x, 0)
+        elif what == "kv_heads":
+            group = ParallelDims.sequence_parallel(4).sp_group
+            q, kv = torch.zeros(1, 4, 12, 8), torch.zeros(1, 4, 3, 8)  # 3 kv heads, sp 4
+            DistributedAttention(local_attention, group)(q, kv, kv, 0)
+        elif what == "seq_len":
+            group = ParallelDims.sequence_parallel(2).sp_group
+            shard_sequence(torch.zeros(1, 7), group)
+    except (ConfigError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def ulysses_grid(kind: str, **kwargs: Any) -> Any:
+    """One case of the grid: ``train``, ``attention`` or ``refusal`` with its arguments."""
+    return {"train": train, "attention": attention_parity, "refusal": refusal}[kind](**kwargs)
