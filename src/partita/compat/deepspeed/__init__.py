@@ -80,19 +80,23 @@ def init_inference(model: Any, config: Any = None, **kwargs: Any) -> Any:
 # DeepSpeed top-level names partita does not implement, with the feature each belongs to.
 _UNSUPPORTED = {
     "tp_model_init": "AutoTP training (tensor_parallel.autotp_size > 1)",
-    "PipelineModule": "pipeline parallelism",
-    "PipelineEngine": "pipeline parallelism",
     "InferenceEngine": "DeepSpeed inference",
     "DeepSpeedHybridEngine": "the RLHF hybrid engine",
     "moe": "DeepSpeed-MoE expert parallelism",
-    "pipe": "pipeline parallelism",
 }
 
 
 # Submodules DeepSpeed binds on import, imported here on first use (keeps this package cheap).
 _LAZY = {
     "checkpointing": "partita.compat.deepspeed.checkpointing",
+    "pipe": "partita.compat.deepspeed.pipe",
     "profiling": "partita.compat.deepspeed.profiling",
+}
+# Top-level names DeepSpeed binds from its submodules: (module, attribute), imported on first
+# use.
+_LAZY_NAMES = {
+    "PipelineModule": ("partita.compat.deepspeed.pipe", "PipelineModule"),
+    "PipelineEngine": ("partita.compat.deepspeed.runtime.pipe.engine", "PipelineEngine"),
 }
 
 
@@ -101,4 +105,9 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(_LAZY[name])
+    if name in _LAZY_NAMES:
+        import importlib
+
+        module, attribute = _LAZY_NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
     raise missing_attribute("deepspeed", name, _UNSUPPORTED.get(name))

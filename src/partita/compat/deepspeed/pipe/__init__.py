@@ -1,16 +1,15 @@
-"""``deepspeed.pipe``: DeepSpeed's pipeline classes, as placeholders that raise when
-constructed (partita does not implement pipeline parallelism)."""
+"""``deepspeed.pipe``: DeepSpeed's pipeline classes. `PipelineModule`, `LayerSpec` and
+`TiedLayerSpec` are partita's own (`partita.parallel.pipe_module`); ``DualPipeVModule`` is a
+placeholder that raises when constructed (the DualPipeV schedule is not implemented)."""
 
 from partita.compat.deepspeed._missing import module_getattr
-from partita.compat.deepspeed.runtime.pipe.module import (
-    FEATURE,
-    LayerSpec,
-    PipelineModule,
-    TiedLayerSpec,
-)
+from partita.compat.deepspeed._placeholder import NotInPartitaPlaceholder
+from partita.parallel.pipe_module import LayerSpec, PipelineModule, TiedLayerSpec
+
+FEATURE = "the DualPipeV pipeline schedule"
 
 
-class DualPipeVModule(PipelineModule):
+class DualPipeVModule(NotInPartitaPlaceholder, PipelineModule):
     """Placeholder for DeepSpeed's DualPipeV pipeline module; raises when constructed."""
 
     _deepspeed_name = "deepspeed.pipe.DualPipeVModule"

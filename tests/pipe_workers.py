@@ -1,0 +1,169 @@
+"""Rank-side code of tests/test_pipe_engine.py: a GPT-ish stack of layers as a `PipelineModule`
+(embedding, residual blocks, norm, head; optionally the head tied to the embedding), trained
+with `train_batch`, and the one-process reference that runs the same layers on the same
+micro-batches with torch.optim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import partita
+from models import SEQ, VOCAB, Block
+from partita.parallel.pipe_module import LayerSpec, PipelineModule, TiedLayerSpec, set_random_seed
+
+DIM = 32
+BLOCKS = 4
+BASE_SEED = 1234
+LR = 1e-3
+
+
+def unembed(embedding: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The tied output projection: hidden states times the embedding matrix."""
+    return x @ embedding.weight.t()
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy."""
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def layer_specs(tied: bool) -> list[Any]:
+    """The model as DeepSpeed's pipeline scripts write it."""
+    first = (
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM)
+        if tied
+        else LayerSpec(nn.Embedding, VOCAB, DIM)
+    )
+    last = (
+        TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=unembed)
+        if tied
+        else LayerSpec(nn.Linear, DIM, VOCAB, bias=False)
+    )
+    blocks = [LayerSpec(Block, DIM) for _ in range(BLOCKS)]
+    return [first, *blocks, LayerSpec(nn.LayerNorm, DIM), last]
+
+
+def micro_batches(
+    steps: int, micro: int, gas: int, dp: int, seed: int = 1
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """``[step][dp_rank][micro_step]`` -> (tokens, targets)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (dp, gas, micro, SEQ), generator=gen)
+        targets = (tokens * 5 + 1) % VOCAB
+        out.append([[(tokens[r, i], targets[r, i]) for i in range(gas)] for r in range(dp)])
+    return out
+
+
+def reference(case: dict[str, Any]) -> list[float]:
+    """One process, the same layers (seeded per layer as ``seed_layers`` does), the same
+    micro-batches, torch's AdamW: per-step losses (mean over every micro-batch)."""
+    specs = layer_specs(case["tied"])
+    funcs: list[Any] = []
+    tied: dict[str, nn.Module] = {}
+    params: list[nn.Parameter] = []
+    for idx, spec in enumerate(specs):
+        set_random_seed(BASE_SEED + idx)
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build()
+                params += list(tied[spec.key].parameters())
+            module = tied[spec.key]
+            funcs.append(
+                module
+                if spec.forward_fn is None
+                else (lambda x, m=module, f=spec.forward_fn: f(m, x))
+            )
+        else:
+            module = spec.build()
+            params += list(module.parameters())
+            funcs.append(module)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+    dp, gas = case["dp"], case["gas"]
+    losses = []
+    for step in micro_batches(case["steps"], case["micro"], gas, dp):
+        total = torch.zeros(())
+        for rank_batches in step:
+            for tokens, targets in rank_batches:
+                x: Any = tokens
+                for f in funcs:
+                    x = f(x)
+                loss = lm_loss(x, targets)
+                (loss / (gas * dp)).backward()
+                total += loss.detach()
+        if case.get("clip"):
+            torch.nn.utils.clip_grad_norm_(params, case["clip"])
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(total / (gas * dp)))
+    return losses
+
+
+def config(micro: int, gas: int, stage: int = 0, clip: float = 0.0) -> dict[str, Any]:
+    """A ds_config for the pipeline runs."""
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+    }
+
+
+def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
+    """Trains the pipeline module for ``case["steps"]`` batches; returns every step's loss as
+    `train_batch` returned it on this rank, with this rank's stage and layer range."""
+    torch.manual_seed(0)
+    module = PipelineModule(
+        layer_specs(case["tied"]),
+        num_stages=case["stages"],
+        loss_fn=lm_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method=case.get("partition", "parameters"),
+        activation_checkpoint_interval=case.get("ckpt", 0),
+    )
+    cfg = config(case["micro"], case["gas"], case.get("stage", 0), case.get("clip", 0.0))
+    engine, _, _, _ = partita.initialize(model=module, config=cfg)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    losses = []
+    for step in micro_batches(case["steps"], case["micro"], case["gas"], case["dp"]):
+        losses.append(float(engine.train_batch(iter(step[dp_rank]))))
+    evaluated = engine.eval_batch(
+        iter(micro_batches(1, case["micro"], case["gas"], case["dp"])[0][dp_rank])
+    )
+    out = {
+        "losses": losses,
+        "eval": float(evaluated),
+        "stage": engine.stage_id,
+        "parts": module.partitions(),
+        "layers": sorted(int(k.split(".")[0]) for k in module.state_dict() if k[0].isdigit()),
+        "engine": type(engine).__name__,
+        "first_last": (engine.is_first_stage(), engine.is_last_stage()),
+    }
+    engine.destroy()
+    return out
+
+
+def bad_input(case: dict[str, Any]) -> str:
+    """The error this rank raises for a bad pipeline set-up ("" when none)."""
+    try:
+        module = PipelineModule(
+            case.get("layers", layer_specs(False)),
+            num_stages=case["stages"],
+            loss_fn=lm_loss,
+        )
+        partita.initialize(model=module, config=config(1, 2, case.get("stage", 0)))
+    except (ValueError, RuntimeError, NotImplementedError) as error:
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
+    """One case of the grid: ``kind`` "train" (`pipe_train`) or "bad" (`bad_input`)."""
+    return pipe_train(case) if kind == "train" else bad_input(case)

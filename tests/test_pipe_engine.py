@@ -1,0 +1,182 @@
+"""Pipeline parallelism with DeepSpeed's API: a GPT-ish stack of `LayerSpec`s (embedding,
+residual blocks, norm, head, optionally the head tied to the embedding) as a `PipelineModule`,
+trained by the `PipelineEngine` that `partita.initialize` returns, 1F1B over
+``gradient_accumulation_steps`` = 4 micro-batches. fp32: per-step losses within rtol 1e-6 of
+one process running the same layers on the same micro-batches with torch's AdamW, and bitwise
+equal when run again; at 2 ranks (pp 2) and 4 ranks (pp 2 x dp 2, pp 4), ZeRO 0 and 1, with
+clipping over the whole pipeline. Partitions are DeepSpeed's (checked without processes); bad
+set-ups fail on every rank naming what is wrong. One spawn per world size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from models import LOSS_RTOL, Block
+from partita.parallel.pipe_module import (
+    LayerSpec,
+    TiedLayerSpec,
+    partition,
+    partition_balanced,
+    partition_uniform,
+)
+from partita.testing import run_distributed_grid
+from pipe_workers import layer_specs, pipe_grid, reference
+
+STEPS = 4
+BASE = {"micro": 2, "gas": 4, "steps": STEPS}
+
+TWO = [
+    {"tied": False, "stages": 2, "dp": 1, **BASE},
+    {"tied": True, "stages": 2, "dp": 1, **BASE},
+    {"tied": False, "stages": 2, "dp": 1, "partition": "uniform", "ckpt": 2, **BASE},
+    {"tied": False, "stages": 2, "dp": 1, **BASE},  # the first again: bitwise
+]
+FOUR = [
+    {"tied": False, "stages": 2, "dp": 2, **BASE},
+    {"tied": True, "stages": 2, "dp": 2, "stage": 1, "clip": 0.05, **BASE},
+    {"tied": True, "stages": 4, "dp": 1, **BASE},
+    {"tied": True, "stages": 4, "dp": 1, "stage": 1, "clip": 0.05, **BASE},
+    {"tied": True, "stages": 4, "dp": 1, **BASE},  # pp 4 again: bitwise
+]
+BAD_TWO = [
+    {"stages": 2, "stage": 2},  # ZeRO 2 refused, as DeepSpeed refuses it
+    {"stages": 2, "stage": 3},
+    {"stages": 3},  # does not divide 2 ranks
+    {"stages": 2, "layers": [LayerSpec(nn.Linear, 4, 4)]},  # fewer layers than stages
+]
+
+
+def _bad_tied() -> list[Any]:
+    return [
+        TiedLayerSpec("embed", nn.Embedding, 64, 32),
+        LayerSpec(nn.Linear, 32, 32),
+        TiedLayerSpec("embed", nn.Embedding, 64, 16),
+    ]
+
+
+@pytest.fixture(scope="module")
+def two() -> dict[str, Any]:
+    cases = [{"kind": "train", "case": c} for c in TWO]
+    bad = [*BAD_TWO, {"stages": 2, "layers": _bad_tied()}]
+    cases += [{"kind": "bad", "case": c} for c in bad]
+    out = run_distributed_grid(pipe_grid, 2, cases, timeout=240)
+    return {"train": out[: len(TWO)], "bad": out[len(TWO) :]}
+
+
+@pytest.fixture(scope="module")
+def four() -> list[list[dict[str, Any]]]:
+    cases = [{"kind": "train", "case": c} for c in FOUR]
+    return run_distributed_grid(pipe_grid, 4, cases, timeout=300)
+
+
+def _assert_parity(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    want = reference(case)
+    for rank, result in enumerate(per_rank):
+        assert result["engine"] == "PipelineEngine"
+        got = result["losses"]
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert abs(g - w) <= LOSS_RTOL * abs(w), (rank, step, got, want)
+    # Every stage returns the loss the last stage computed, bit for bit.
+    assert len({tuple(r["losses"]) for r in per_rank}) == 1
+    assert len({r["eval"] for r in per_rank}) == 1
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("index", range(3))
+def test_two_stages_match_one_process(two: dict[str, Any], index: int) -> None:
+    _assert_parity(two["train"][index], TWO[index])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("index", range(4))
+def test_four_ranks_match_one_process(four: list[list[dict[str, Any]]], index: int) -> None:
+    _assert_parity(four[index], FOUR[index])
+
+
+def test_reruns_are_bitwise(two: dict[str, Any], four: list[list[dict[str, Any]]]) -> None:
+    assert [r["losses"] for r in two["train"][3]] == [r["losses"] for r in two["train"][0]]
+    assert [r["losses"] for r in four[4]] == [r["losses"] for r in four[2]]
+
+
+def test_each_rank_builds_only_its_stage(
+    two: dict[str, Any], four: list[list[dict[str, Any]]]
+) -> None:
+    # 7 layers: embedding, 4 blocks, norm, head; "parameters" balances the blocks.
+    first, second = two["train"][0]
+    assert first["parts"] == [0, 3, 7] and first["stage"] == 0 and second["stage"] == 1
+    assert set(first["layers"]) == {0, 1, 2} and set(second["layers"]) == {3, 4, 5, 6}
+    assert first["first_last"] == (True, False) and second["first_last"] == (False, True)
+    assert two["train"][2][0]["parts"] == [0, 4, 7]  # uniform
+    pp4 = four[2]
+    assert [r["stage"] for r in pp4] == [0, 1, 2, 3]
+    # pp 2 x dp 2: ranks 0, 1 are stage 0 (data is the fast axis), 2, 3 stage 1.
+    assert [r["stage"] for r in four[0]] == [0, 0, 1, 1]
+    # Tied layers live in tied_modules, not under a layer index.
+    assert 0 not in two["train"][1][0]["layers"]
+
+
+def test_bad_setups_fail_on_every_rank_naming_the_problem(two: dict[str, Any]) -> None:
+    for per_rank in two["bad"]:
+        assert per_rank[0] and len(set(per_rank)) == 1  # the same error on both ranks
+    stage2, stage3, divide, few, tied = (per_rank[0] for per_rank in two["bad"])
+    assert "zero_optimization.stage" in stage2 and "pipeline" in stage2
+    assert "zero_optimization.stage" in stage3
+    assert "num_stages (3) must divide distributed world size (2)" in divide
+    assert "1 layers cannot fill 2 pipeline stages" in few
+    assert "TiedLayerSpec key 'embed'" in tied and "layer 2" in tied
+
+
+# ---- partitions: DeepSpeed's (values from deepspeed.runtime.utils 0.19.8) ----------------------
+
+
+def test_partition_uniform_matches_deepspeed() -> None:
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(7, 2) == [0, 4, 7]
+    assert partition_uniform(8, 4) == [0, 2, 4, 6, 8]
+    assert partition_uniform(2, 4) == [0, 1, 2, 2, 2]
+
+
+def test_partition_balanced_matches_deepspeed() -> None:
+    assert partition_balanced([0, 1, 1, 1, 1, 0], 2) == [0, 3, 6]
+    assert partition_balanced([0, 10, 10, 10, 10, 10, 10, 0], 4) == [0, 3, 5, 6, 8]
+    assert partition_balanced([1] * 10, 4) == [0, 3, 6, 8, 10]
+    assert partition_balanced([5, 1, 1, 1, 1, 1, 5], 3) == [0, 1, 6, 7]
+    assert partition_balanced([100, 0, 0, 1], 2) == [0, 3, 4]  # ties: the last cut wins
+
+
+def test_partition_methods_place_layers_as_deepspeed() -> None:
+    specs = layer_specs(tied=True)  # embed(2048) 4 x Block(8416) LayerNorm(64) embed(2048)
+    assert partition(specs, 2, "parameters") == [0, 3, 7]
+    assert partition(specs, 4, "parameters") == [0, 2, 3, 4, 7]
+    assert partition(specs, 4, "uniform") == [0, 2, 4, 6, 7]
+    assert partition(specs, 2, "type:block") == [0, 3, 7]
+    assert partition(specs, 4, "type:Block") == [0, 2, 3, 4, 7]
+    assert partition(specs, 2, "type:embed|norm") == [0, 6, 7]
+    with pytest.raises(RuntimeError, match="found no valid layers"):
+        partition(specs, 2, "type:Conv")
+    with pytest.raises(NotImplementedError, match="profile"):
+        partition(specs, 2, "profile")
+    # A layer given as a built module or a function counts as DeepSpeed counts it.
+    mixed = [nn.Linear(4, 4), torch.relu, LayerSpec(Block, 4), nn.Linear(4, 4)]
+    assert partition(mixed, 2, "parameters") == [0, 3, 4]
+
+
+def test_deepspeed_names_resolve_to_partitas_pipeline() -> None:
+    import importlib
+
+    from partita.parallel.pipe_engine import PipelineEngine
+    from partita.parallel.pipe_module import PipelineModule
+
+    ds = "partita.compat.deepspeed"
+    pipe = importlib.import_module(f"{ds}.pipe")
+    assert pipe.PipelineModule is PipelineModule and pipe.LayerSpec is LayerSpec
+    assert pipe.TiedLayerSpec is TiedLayerSpec
+    assert importlib.import_module(f"{ds}.runtime.pipe.module").PipelineModule is PipelineModule
+    assert importlib.import_module(f"{ds}.runtime.pipe.engine").PipelineEngine is PipelineEngine
+    top = importlib.import_module(ds)
+    assert top.PipelineModule is PipelineModule and top.PipelineEngine is PipelineEngine
