@@ -23,6 +23,8 @@ EXTRA = {  # the norm over every rank (clipping reads it), and float64 weights
     "clip": {"kind": "train", "sp": 2, "stage": 2, "clip": 0.05},
     "float64_sp2": {"kind": "train", "sp": 2, "stage": 1, "dtype": "float64"},
     "float64_sp4": {"kind": "train", "sp": 4, "stage": 3, "dtype": "float64"},
+    "mpu": {"kind": "train", "sp": 2, "stage": 2, "mpu": True},  # parallel_state_sp's groups
+    "gas": {"kind": "train", "sp": 2, "stage": 2, "gas": 2},
 }
 ATTENTION = [
     {"kind": "attention", "sp": 2, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads split
@@ -59,13 +61,20 @@ def test_losses_match_one_process_on_the_same_tokens(results: dict, sp: int) -> 
 
 
 @pytest.mark.parity
-def test_clipping_norm_and_float64_weights_match_one_process(results: dict) -> None:
-    """Clipping at 0.05 (every step clips) reads the norm of the whole gradient; float64 runs
-    hold every final weight to the parity suite's bound ([Note: parity bound] in
+def test_clipping_mpu_accumulation_and_float64_weights_match_one_process(results: dict) -> None:
+    """Clipping at 0.05 (every step clips) reads the norm of the whole gradient; groups from
+    a Ulysses mpu (DeepSpeed's parallel_state_sp) and 2 accumulation steps train alike;
+    float64 runs hold every final weight to the parity suite's bound ([Note: parity bound] in
     tests/models.py)."""
     extra = results["extra"]
     want = reference(STEPS, batch=4, dtype=torch.float32, clip=0.05)
     for got in extra["clip"]:
+        assert_losses(got["losses"], want["losses"])
+    want = reference(STEPS, batch=4, dtype=torch.float32)
+    for got in extra["mpu"]:
+        assert_losses(got["losses"], want["losses"])
+        assert got["dp_world"] == 2 and got["zero_world"] == WORLD
+    for got in extra["gas"]:
         assert_losses(got["losses"], want["losses"])
     for name, sp in (("float64_sp2", 2), ("float64_sp4", 4)):
         want = reference(STEPS, batch=2 * (WORLD // sp), dtype=torch.float64)

@@ -144,10 +144,11 @@ def reference(steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0) -> 
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def config(sp: int, stage: int, clip: float = 0.0) -> dict[str, Any]:
+def config(sp: int, stage: int, clip: float = 0.0, gas: int = 1) -> dict[str, Any]:
+    """2 sequences per data-parallel rank and step, in `gas` micro-batches."""
     return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": 2 // gas,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
         "sequence_parallel_size": sp,
@@ -156,27 +157,80 @@ def config(sp: int, stage: int, clip: float = 0.0) -> dict[str, Any]:
     }
 
 
+class SequenceMpu:
+    """DeepSpeed's ``parallel_state_sp`` (what ALST's ``register_with_transformers`` returns
+    and passes as ``mpu=``): sequence groups of consecutive ranks, one sequence-data-parallel
+    group of every rank, model-parallel getters aliased to the sequence ones, and no
+    data-parallel getters."""
+
+    def __init__(self, sp: int) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for start in range(0, world, sp):
+            made = dist.new_group(list(range(start, start + sp)))
+            if start <= rank < start + sp:
+                self.sp_group = made
+        self.seq_dp_group = dist.new_group(list(range(world)))
+
+    def get_sequence_parallel_group(self) -> Any:
+        return self.sp_group
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.seq_dp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.sp_group)
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.seq_dp_group)
+
+    def get_sequence_parallel_rank(self) -> int:
+        return dist.get_rank(self.sp_group)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.seq_dp_group)
+
+    get_model_parallel_rank = get_sequence_parallel_rank
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_group = get_sequence_parallel_group
+
+
 def train(
-    sp: int, stage: int, steps: int = STEPS, dtype: str = "float32", clip: float = 0.0
+    sp: int,
+    stage: int,
+    steps: int = STEPS,
+    dtype: str = "float32",
+    clip: float = 0.0,
+    mpu: bool = False,
+    gas: int = 1,
 ) -> dict[str, Any]:
     """`steps` engine steps; the losses averaged over the data-parallel ranks (each rank's
     loss is its micro-batch's), the final weights, and this rank's groups. The model gets its
-    sequence group from the engine (``engine.get_sequence_parallel_group()``)."""
+    sequence group from the engine (``engine.get_sequence_parallel_group()``). With `mpu`
+    the groups come from a `SequenceMpu` and the config leaves ``sequence_parallel_size``
+    out."""
     model = TinyLlama(dtype=getattr(torch, dtype))
-    engine, _, _, _ = partita.initialize(model=model, config=config(sp, stage, clip))
+    cfg = config(sp, stage, clip, gas)
+    unit = None
+    if mpu:
+        unit = SequenceMpu(sp)
+        del cfg["sequence_parallel_size"]
+    engine, _, _, _ = partita.initialize(model=model, config=cfg, mpu=unit)
     model.set_sequence_group(engine.get_sequence_parallel_group())
     dims = engine.dims
-    micro, dp = 2, dims.dp_world_size
+    micro, dp = 2 // gas, dims.dp_world_size
     local = SEQ // sp
     positions = torch.arange(dims.sp_rank * local, (dims.sp_rank + 1) * local)
     losses = []
-    for tokens, targets in batches(steps, micro * dp):
-        mine = slice(dims.dp_rank * micro, (dims.dp_rank + 1) * micro)
-        tok, tgt = (shard_sequence(t[mine], dims.sp_group) for t in (tokens, targets))
-        loss = engine(tok, tgt, positions)
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
+    for tokens, targets in batches(steps, 2 * dp):
+        mean = torch.zeros((), dtype=model.head.weight.dtype)
+        for m in range(gas):  # rank-major, then by micro step
+            start = dims.dp_rank * 2 + m * micro
+            mine = slice(start, start + micro)
+            tok, tgt = (shard_sequence(t[mine], dims.sp_group) for t in (tokens, targets))
+            loss = engine(tok, tgt, positions)
+            engine.backward(loss)
+            engine.step()
+            mean += loss.detach() / gas
         dist.all_reduce(mean, group=dims.dp_group)
         losses.append((mean / dp).item())
     out = {

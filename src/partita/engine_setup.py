@@ -245,10 +245,15 @@ def sequence_parallel_size(source: Any, mpu: Any, world: int) -> int:
     if raw is None or raw == 1 or isinstance(raw, bool) or not isinstance(raw, int) or raw < 1:
         return 1  # absent, off, or of the wrong type: validation names the last
     if mpu is not None:
+        # The mpu's groups are the job's: a Ulysses mpu brings them (ParallelDims.from_mpu).
+        mpu_sp = getattr(mpu, "get_sequence_parallel_world_size", None)
+        if callable(mpu_sp) and int(mpu_sp()) == raw:
+            return 1  # world is already the mpu's data-parallel size
         raise config_error(
             key,
-            f"{raw}: sequence parallelism together with an mpu (model parallelism) is not "
-            "supported by partita yet; use 1 or drop mpu=",
+            f"{raw}: sequence parallelism needs its groups from the config or from an mpu with "
+            "the same sequence-parallel size (DeepSpeed's parallel_state_sp); this mpu has "
+            f"{int(mpu_sp()) if callable(mpu_sp) else 'none'}",
         )
     try:
         check_sequence_parallel_size(raw, world)

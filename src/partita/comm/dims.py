@@ -296,6 +296,15 @@ class ParallelDims:
         ``get_data_parallel_world_size()`` and ``get_data_parallel_rank()`` (Megatron's
         ``parallel_state`` module is one), and optionally the tensor-parallel getters (see
         `_tensor_getters`). Raises, naming the getter, when they disagree."""
+        if _sequence_size(mpu) > 1:
+            if callable(getattr(mpu, "get_data_parallel_group", None)):
+                raise ValueError(
+                    "initialize(mpu=...): an mpu with both a data-parallel group and "
+                    f"{_sequence_size(mpu)} sequence-parallel ranks (Megatron-DeepSpeed's) is "
+                    "not supported by partita yet; pass DeepSpeed's parallel_state_sp or set "
+                    "sequence_parallel_size in the config"
+                )
+            return cls._from_sequence_mpu(mpu)
         missing = [
             name
             for name in (
@@ -321,6 +330,59 @@ class ParallelDims:
                 f"{dims.dp_world_size} and {dims.dp_rank}"
             )
         return dims._with_tensor_group(mpu)
+
+    @classmethod
+    def _from_sequence_mpu(cls, mpu: Any) -> ParallelDims:
+        """From a Ulysses mpu (DeepSpeed's ``parallel_state_sp``, which ALST's
+        ``register_with_transformers`` returns): its sequence group, its
+        sequence-data-parallel group (which must be the world: partita has no model
+        parallelism to combine with it) and, built here, the data-parallel groups of the ranks
+        at the same place of every sequence group. Collective over the world."""
+        if not is_initialized():
+            raise RuntimeError(
+                "initialize(mpu=...) needs the process group that the mpu's groups belong to"
+            )
+        rank, world = get_rank(), get_world_size()
+        group = mpu.get_sequence_parallel_group()
+        sp_ranks = _group_ranks(group, world)
+        size = int(mpu.get_sequence_parallel_world_size())
+        if size != len(sp_ranks) or rank not in sp_ranks:
+            raise ValueError(
+                f"rank {rank}: mpu.get_sequence_parallel_world_size()={size}, but its group is "
+                f"{list(sp_ranks)}"
+            )
+        check_sequence_parallel_size(size, world)
+        seq_dp = getattr(mpu, "get_sequence_data_parallel_group", None)
+        if callable(seq_dp) and _group_ranks(seq_dp(), world) != tuple(range(world)):
+            raise ValueError(
+                f"rank {rank}: mpu.get_sequence_data_parallel_group() must span the "
+                f"{world} ranks (partita combines sequence parallelism with data parallelism "
+                "only)"
+            )
+        every = all_gather_object(sp_ranks, group=None)  # every rank's sequence group
+        if sorted(r for g in set(every) for r in g) != list(range(world)):
+            raise ValueError(
+                f"rank {rank}: the mpu's sequence groups {sorted(set(every))} must split the "
+                f"{world} ranks into disjoint groups of {size}"
+            )
+        place = sp_ranks.index(rank)
+        dp_group = None
+        for lane in range(size):  # new_group is collective: same groups, same order everywhere
+            ranks = sorted({g[lane] for g in every})
+            made = new_group(ranks)
+            dp_group = made if lane == place else dp_group
+        dp_ranks = tuple(sorted({g[place] for g in every}))
+        name_group(group, "sp")
+        return cls(
+            rank,
+            world,
+            dp_group,
+            dp_ranks,
+            sp_group=group,
+            sp_ranks=sp_ranks,
+            seq_dp_group=None,
+            seq_dp_ranks=tuple(range(world)),
+        )
 
     def _with_tensor_group(self, mpu: Any) -> ParallelDims:
         """These dims with the mpu's tensor-parallel group, if it splits the model (more than
@@ -418,6 +480,23 @@ def check_shard_size(shard_size: int, world: int) -> None:
             f"zero_optimization.mics_shard_size: {shard_size} must be a positive divisor of "
             f"the data-parallel world size {world} (shard groups of equal size)"
         )
+
+
+def _sequence_size(mpu: Any) -> int:
+    """The sequence-parallel size an mpu reports (1 without the getters): DeepSpeed's
+    ``parallel_state_sp`` has them (and aliases its ``get_model_parallel_*`` to them)."""
+    getters = ("get_sequence_parallel_group", "get_sequence_parallel_world_size")
+    if not all(callable(getattr(mpu, g, None)) for g in getters):
+        return 1
+    return int(mpu.get_sequence_parallel_world_size())
+
+
+def _group_ranks(group: ProcessGroup | None, world: int) -> tuple[int, ...]:
+    """Global ranks of `group` in its rank order (None: the world)."""
+    if group is None:
+        return tuple(range(world))
+    n = len(dist.get_process_group_ranks(group))
+    return tuple(dist.get_global_rank(group, i) for i in range(n))
 
 
 _TENSOR_GETTERS = ("get_tensor_model_parallel", "get_slice_parallel", "get_model_parallel")
