@@ -59,9 +59,48 @@ def micro_batches(
     return out
 
 
-def reference(case: dict[str, Any]) -> list[float]:
+def loader_dataset(case: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of samples for ``initialize(training_data=...)``: every micro-batch of the
+    run, as single (tokens, targets) samples."""
+    batches = micro_batches(case["steps"], case["micro"], case["gas"], case["dp"], seed=3)
+    return [
+        (tokens[j], targets[j])
+        for step in batches
+        for rank_batches in step
+        for tokens, targets in rank_batches
+        for j in range(tokens.shape[0])
+    ]
+
+
+def loader_batches(
+    case: dict[str, Any], seed: int
+) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """``[step][dp_rank][micro_step]`` as the engine's loader serves `loader_dataset`: each
+    data-parallel rank's share by torch's `DistributedSampler` (epoch 0, `seed`), in
+    consecutive micro-batches."""
+    from torch.utils.data import DistributedSampler
+
+    data = loader_dataset(case)
+    micro, gas, dp = case["micro"], case["gas"], case["dp"]
+    shares = []
+    for r in range(dp):
+        sampler = DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=seed)
+        sampler.set_epoch(0)
+        idx = list(sampler)
+        chunks = [idx[i : i + micro] for i in range(0, len(idx), micro)]
+        shares.append(
+            [
+                (torch.stack([data[i][0] for i in c]), torch.stack([data[i][1] for i in c]))
+                for c in chunks
+            ]
+        )
+    return [[shares[r][s * gas : (s + 1) * gas] for r in range(dp)] for s in range(case["steps"])]
+
+
+def reference(case: dict[str, Any], batches: list[Any] | None = None) -> tuple[list[float], float]:
     """One process, the same layers (seeded per layer as ``seed_layers`` does), the same
-    micro-batches, torch's AdamW: per-step losses (mean over every micro-batch)."""
+    micro-batches, torch's AdamW: per-step losses (mean over every micro-batch), and the loss
+    of the evaluation batch after training."""
     specs = layer_specs(case["tied"])
     funcs: list[Any] = []
     tied: dict[str, nn.Module] = {}
@@ -85,7 +124,9 @@ def reference(case: dict[str, Any]) -> list[float]:
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
     dp, gas = case["dp"], case["gas"]
     losses = []
-    for step in micro_batches(case["steps"], case["micro"], gas, dp):
+    if batches is None:
+        batches = micro_batches(case["steps"], case["micro"], gas, dp)
+    for step in batches:
         total = torch.zeros(())
         for rank_batches in step:
             for tokens, targets in rank_batches:
@@ -100,7 +141,15 @@ def reference(case: dict[str, Any]) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(float(total / (gas * dp)))
-    return losses
+    with torch.no_grad():
+        total = torch.zeros(())
+        for rank_batches in micro_batches(1, case["micro"], gas, dp, seed=2)[0]:
+            for tokens, targets in rank_batches:
+                x = tokens
+                for f in funcs:
+                    x = f(x)
+                total += lm_loss(x, targets)
+    return losses, float(total / (gas * dp))
 
 
 def config(micro: int, gas: int, stage: int = 0, clip: float = 0.0) -> dict[str, Any]:
@@ -129,14 +178,26 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
         activation_checkpoint_interval=case.get("ckpt", 0),
     )
     cfg = config(case["micro"], case["gas"], case.get("stage", 0), case.get("clip", 0.0))
-    engine, _, _, _ = partita.initialize(model=module, config=cfg)
+    seed = None
+    if case.get("loader"):
+        # DeepSpeed's script shape: deepspeed.initialize(training_data=...), train_batch().
+        import partita.compat.deepspeed as deepspeed
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        engine, _, loader, _ = deepspeed.initialize(
+            model=module, model_parameters=params, training_data=loader_dataset(case), config=cfg
+        )
+        seed = loader.seed
+        losses = [float(engine.train_batch()) for _ in range(case["steps"])]
+    else:
+        engine, _, _, _ = partita.initialize(model=module, config=cfg)
+        dp_rank = engine.grid.get_data_parallel_rank()
+        losses = []
+        for step in micro_batches(case["steps"], case["micro"], case["gas"], case["dp"]):
+            losses.append(float(engine.train_batch(iter(step[dp_rank]))))
     dp_rank = engine.grid.get_data_parallel_rank()
-    losses = []
-    for step in micro_batches(case["steps"], case["micro"], case["gas"], case["dp"]):
-        losses.append(float(engine.train_batch(iter(step[dp_rank]))))
-    evaluated = engine.eval_batch(
-        iter(micro_batches(1, case["micro"], case["gas"], case["dp"])[0][dp_rank])
-    )
+    evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
+    evaluated = engine.eval_batch(iter(evaluation))
     out = {
         "losses": losses,
         "eval": float(evaluated),
@@ -145,6 +206,7 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
         "layers": sorted(int(k.split(".")[0]) for k in module.state_dict() if k[0].isdigit()),
         "engine": type(engine).__name__,
         "first_last": (engine.is_first_stage(), engine.is_last_stage()),
+        "seed": seed,
     }
     engine.destroy()
     return out
