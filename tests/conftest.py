@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import os
+import sys
+import warnings
+from collections.abc import Iterator
 
 import pytest
+import torch
 
-from partita.testing import GridCache
+from partita.testing import GridCache, rank_threads
 
 # Set at import, before any test module imports partita.accelerator (its choice is cached):
 # tests run on CPU even on a GPU machine. An explicit PARTITA_ACCELERATOR in the caller's
 # environment wins. Ranks spawned by partita.testing always get PARTITA_ACCELERATOR=cpu.
 os.environ.setdefault("PARTITA_ACCELERATOR", "cpu")
+
+# Under pytest-xdist the workers share the CPUs: this process's own torch work (the one-process
+# references) gets its share, as the ranks it starts do (`partita.testing.rank_threads`).
+torch.set_num_threads(rank_threads(1))
 
 
 @pytest.fixture(scope="session")
@@ -19,3 +27,39 @@ def distributed_grid() -> GridCache:
     """One `GridCache` per session: a grid's ranks are spawned once, by the first test that
     asks for one of its cases, and serve every parametrized test id of that grid."""
     return GridCache()
+
+
+_PYTEST_OWN = "PYTEST_CURRENT_TEST"
+"""Set by pytest itself in each phase of a test: not the test's doing."""
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    """Puts back this process's environment and ``sys.excepthook`` after every test.
+
+    Tests that start a process group, a launcher or a library in the pytest process change
+    both (MASTER_PORT, TORCHELASTIC_*, torch's "[rank0]: " excepthook wrapper). Left in place
+    they reach whatever test this worker runs next: a variable that torch reads at import makes
+    the harness spawn ranks instead of forking them from its server (the fork-server tests of
+    test_harness.py failed so in CI, 2026-12-07, after another file ran on the same xdist
+    worker), and a leaked MASTER_PORT made a later one-process reference fail with EADDRINUSE.
+    Module- and session-scoped fixtures are set up before this one, so what they set stays.
+    """
+    environ = dict(os.environ)
+    hook = sys.excepthook
+    yield
+    changed = sorted(
+        name
+        for name in set(environ) | set(os.environ)
+        if environ.get(name) != os.environ.get(name) and name != _PYTEST_OWN
+    )
+    if changed:
+        own = os.environ.get(_PYTEST_OWN)
+        os.environ.clear()
+        os.environ.update(environ)
+        if own is not None:
+            os.environ[_PYTEST_OWN] = own
+        warnings.warn(
+            f"the test changed the environment ({', '.join(changed)}); restored", stacklevel=1
+        )
+    sys.excepthook = hook
