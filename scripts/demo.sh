@@ -9,6 +9,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/scripts/setup_env.sh" demo
 cd "$root"
+# The set-up installs packages without bytecode (fast); let the first run write it into .venv
+# even where PYTHONDONTWRITEBYTECODE is set, or every run compiles torch again (scripts/test.sh).
+unset PYTHONDONTWRITEBYTECODE
 nprocs="${NPROCS:-2}"
 exec "$root/.venv/bin/partita" --num_procs "$nprocs" examples/train_gpt.py \
   --deepspeed_config examples/ds_config.json "$@"

@@ -23,6 +23,7 @@ from partita.testing.distributed import (
     STARTUP_TIMEOUT_S,
     DistributedTestError,
     DistributedTimeoutError,
+    rank_threads,
     run_distributed,
 )
 from partita.testing.grid import GridCache, GridCaseError, run_distributed_grid
@@ -35,6 +36,7 @@ __all__ = [
     "DistributedTimeoutError",
     "GridCache",
     "GridCaseError",
+    "rank_threads",
     "run_distributed",
     "run_distributed_grid",
     "run_python",

@@ -144,7 +144,7 @@ def execute(
     ranks: list[_RankState] = []
     try:
         base_env = rank_environ(_rank_env(world_size, run_dir, env))
-        threads = max(1, _cpu_count() // world_size)
+        threads = rank_threads(world_size)
         ctx, parent_pid = start_context(base_env)
         for rank in range(world_size):
             spec = ChildSpec(
@@ -180,8 +180,18 @@ def _pickle_payload(
         ) from exc
 
 
+def rank_threads(world_size: int) -> int:
+    """Intra-op threads of each rank of a `world_size` run: this process's CPUs, shared first
+    by the test processes running at once (pytest-xdist's workers, ``PYTEST_XDIST_WORKER_COUNT``)
+    and then by the run's ranks. More threads than CPUs left OpenMP's threads spinning at
+    barriers while descheduled: one world-1 parity grid (12 small cases) took 52 s with 2
+    threads and 18 s with 1 while the other worker's ranks held the 2 cores (2026-12-07)."""
+    sharing = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    return max(1, _cpu_count() // (sharing * world_size))
+
+
 def _rank_env(world_size: int, run_dir: str, env: dict[str, str] | None) -> dict[str, str]:
-    threads = str(max(1, _cpu_count() // world_size))
+    threads = str(rank_threads(world_size))
     base = {
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
