@@ -179,6 +179,7 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
     )
     cfg = config(case["micro"], case["gas"], case.get("stage", 0), case.get("clip", 0.0))
     seed = None
+    applied: list[bool] = []
     if case.get("loader"):
         # DeepSpeed's script shape: deepspeed.initialize(training_data=...), train_batch().
         import partita.compat.deepspeed as deepspeed
@@ -192,9 +193,14 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
     else:
         engine, _, _, _ = partita.initialize(model=module, config=cfg)
         dp_rank = engine.grid.get_data_parallel_rank()
+        poison = _poison_last_stage(engine, module) if "inf_step" in case else [False]
         losses = []
-        for step in micro_batches(case["steps"], case["micro"], case["gas"], case["dp"]):
+        for i, step in enumerate(
+            micro_batches(case["steps"], case["micro"], case["gas"], case["dp"])
+        ):
+            poison[0] = i == case.get("inf_step")
             losses.append(float(engine.train_batch(iter(step[dp_rank]))))
+            applied.append(engine.was_step_applied())
     dp_rank = engine.grid.get_data_parallel_rank()
     evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
     evaluated = engine.eval_batch(iter(evaluation))
@@ -207,9 +213,28 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
         "engine": type(engine).__name__,
         "first_last": (engine.is_first_stage(), engine.is_last_stage()),
         "seed": seed,
+        "applied": applied,
+        "skipped": engine.skipped_steps,
     }
     engine.destroy()
     return out
+
+
+def _poison_last_stage(engine: Any, module: PipelineModule) -> list[bool]:
+    """On the last stage only, makes one weight's gradient inf while the returned flag is
+    set: every stage must then skip the step (the overflow check spans the pipeline)."""
+    when = [False]
+    if engine.is_last_stage():
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if when[0]:
+                grad = grad.clone()
+                grad.view(-1)[0] = float("inf")
+            return grad
+
+        # A weight of the stage's own last layer: not tied, so the inf stays on this stage.
+        list(module.parameters())[-1].register_hook(hook)
+    return when
 
 
 def bad_input(case: dict[str, Any]) -> str:

@@ -36,6 +36,7 @@ TWO = [
     {"tied": True, "stages": 2, "dp": 1, **BASE},
     {"tied": False, "stages": 2, "dp": 1, "partition": "uniform", "ckpt": 2, **BASE},
     {"tied": False, "stages": 2, "dp": 1, **BASE},  # the first again: bitwise
+    {"tied": False, "stages": 2, "dp": 1, "inf_step": 1, **BASE},  # inf on the last stage
 ]
 FOUR = [
     {"tied": False, "stages": 2, "dp": 2, **BASE},
@@ -107,6 +108,16 @@ def test_four_ranks_match_one_process(four: list[list[dict[str, Any]]], index: i
 def test_reruns_are_bitwise(two: dict[str, Any], four: list[list[dict[str, Any]]]) -> None:
     assert [r["losses"] for r in two["train"][3]] == [r["losses"] for r in two["train"][0]]
     assert [r["losses"] for r in four[4]] == [r["losses"] for r in four[2]]
+
+
+def test_overflow_on_one_stage_skips_the_step_on_every_stage(two: dict[str, Any]) -> None:
+    """An inf gradient on the last stage only: the norm is summed over the pipeline, so both
+    stages skip step 1 and apply the others."""
+    for result in two["train"][4]:
+        assert result["applied"] == [True, False, True, True], result["stage"]
+        assert result["skipped"] == 1
+    clean = two["train"][0]  # the same run without the inf
+    assert two["train"][4][0]["losses"][:2] == clean[0]["losses"][:2]
 
 
 def test_each_rank_builds_only_its_stage(
