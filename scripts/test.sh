@@ -28,10 +28,11 @@ fi
 # Test files run two at a time (pytest-xdist, one worker per file: a module's fixtures and the
 # grids it spawns stay in one process). On two cores the serial suite kept the CPUs 107-160%
 # busy, waiting on collectives and start-ups; a subset of 48 tests took 793 s serially and 622 s
-# with two workers (2026-12-07). PARTITA_TEST_WORKERS sets the count (0: serial).
+# with two workers (2026-12-07). PARTITA_TEST_WORKERS sets the count (0: serial). Files go out
+# in collection order, which tests/conftest.py starts with the longest files.
 workers="${PARTITA_TEST_WORKERS:-2}"
 parallel=()
-[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile)
+[ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 "$python" -m pytest -q "${parallel[@]}"
 # On a CPU without AVX-512 the run above already used AVX2 kernels (torch, oneDNN and MKL pick
 # the widest ISA the CPU has), so the forced run would repeat it exactly: skip it there.
