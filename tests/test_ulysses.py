@@ -13,7 +13,7 @@ import torch
 from models import assert_losses, weight_atol_float64
 from partita.parallel.ulysses import check_heads
 from partita.testing import run_distributed_grid
-from ulysses_workers import STEPS, reference, ulysses_grid
+from ulysses_workers import HF_STEPS, STEPS, hf_reference, reference, ulysses_grid
 
 WORLD = 4
 STAGES = (0, 1, 2, 3)
@@ -26,6 +26,10 @@ EXTRA = {  # the norm over every rank (clipping reads it), and float64 weights
     "mpu": {"kind": "train", "sp": 2, "stage": 2, "mpu": True},  # parallel_state_sp's groups
     "gas": {"kind": "train", "sp": 2, "stage": 2, "gas": 2},
 }
+HF = {  # Transformers' Llama through ALST's API (register_with_transformers, the adapter)
+    (2, 1): {"kind": "hf", "sp": 2, "stage": 1},
+    (4, 3): {"kind": "hf", "sp": 4, "stage": 3},
+}
 ATTENTION = [
     {"kind": "attention", "sp": 2, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads split
     {"kind": "attention", "sp": 4, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads repeated
@@ -37,12 +41,13 @@ REFUSALS = ["sp3", "sp8", "heads", "kv_heads", "seq_len"]
 @pytest.fixture(scope="module")
 def results() -> dict:
     refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
-    cases = [*TRAIN, RERUN, *EXTRA.values(), *ATTENTION, *refusals]
+    cases = [*TRAIN, RERUN, *EXTRA.values(), *HF.values(), *ATTENTION, *refusals]
     per_case = iter(run_distributed_grid(ulysses_grid, WORLD, cases, timeout=300))
     return {
         "train": {(c["sp"], c["stage"]): next(per_case) for c in TRAIN},
         "rerun": next(per_case),
         "extra": {name: next(per_case) for name in EXTRA},
+        "hf": {key: next(per_case) for key in HF},
         "attention": [next(per_case) for _ in ATTENTION],
         "refusals": {what: next(per_case) for what in REFUSALS},
     }
@@ -83,6 +88,25 @@ def test_clipping_mpu_accumulation_and_float64_weights_match_one_process(results
             for a, b in zip(got["params"], want["params"], strict=True):
                 assert a.dtype == torch.float64
                 torch.testing.assert_close(a, b, rtol=0.0, atol=weight_atol_float64(STEPS))
+
+
+@pytest.mark.parity
+def test_transformers_llama_through_alst_api_matches_one_process(results: dict) -> None:
+    """register_with_transformers puts Ulysses in place of SDPA and returns the mpu;
+    initialize(mpu=...) takes its groups; UlyssesSPDataLoaderAdapter shares each rank's
+    sequences with its group and cuts them: every step equals one process on the 4 sequences
+    the ranks read (per-step loss within rtol 1e-6). Each rank's all-to-all bytes are those of
+    the model: per layer and micro-batch, query, key, value and output of its sequence slice
+    (key/value heads repeated up to sp), once forward and once backward."""
+    want = hf_reference(HF_STEPS, WORLD, torch.float32)
+    for (sp, _), per_rank in results["hf"].items():
+        heads, kv, head_dim, local = 4, max(2, sp), 8, 16 // sp
+        per_layer = (2 * heads + 2 * kv) * local * head_dim * 4  # fp32 bytes, one way
+        micro_batches = HF_STEPS * sp
+        for got in per_rank:
+            assert got["sp"] == sp and got["dp_world"] == WORLD // sp
+            assert_losses(got["losses"], want)
+            assert got["a2a_bytes"] == 2 * per_layer * 2 * micro_batches  # 2 layers, fwd + bwd
 
 
 def test_rerun_is_bitwise_and_sequence_ranks_hold_the_same_weights(results: dict) -> None:

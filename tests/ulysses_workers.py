@@ -330,4 +330,119 @@ def refusal(what: str) -> str:
 
 def ulysses_grid(kind: str, **kwargs: Any) -> Any:
     """One case of the grid: ``train``, ``attention`` or ``refusal`` with its arguments."""
-    return {"train": train, "attention": attention_parity, "refusal": refusal}[kind](**kwargs)
+    kinds = {"train": train, "hf": hf_train, "attention": attention_parity, "refusal": refusal}
+    return kinds[kind](**kwargs)
+
+
+HF_STEPS = 3
+
+
+def hf_llama(dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny Transformers Llama (GQA: 4 heads, 2 key/value heads), random weights, SDPA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def hf_samples(count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` sequences of `SEQ` tokens with labels (= the tokens) and position ids."""
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (count, SEQ), generator=gen)
+    return [
+        {"input_ids": t, "labels": t.clone(), "position_ids": torch.arange(SEQ)} for t in tokens
+    ]
+
+
+def hf_share(model: nn.Module, batch: dict[str, Any], total: int, group: Any) -> torch.Tensor:
+    """This rank's share of the mean next-token loss over `total` predicted tokens (ALST's
+    loss: the labels were shifted before the sequence was cut, -100 where nothing follows)."""
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    labels = batch["shift_labels"]
+    share = (
+        F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        / total
+    )
+    return sequence_loss(share, group) if group is not None else share
+
+
+def hf_reference(steps: int, world: int, dtype: torch.dtype) -> list[float]:
+    """One process: every step trains on `world` whole sequences (what 4 ranks read)."""
+    model = hf_llama(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    samples = hf_samples(steps * world)
+    losses = []
+    for step in range(steps):
+        chunk = samples[step * world : (step + 1) * world]
+        ids = torch.stack([s["input_ids"] for s in chunk])
+        labels = F.pad(ids, (0, 1), value=-100)[:, 1:]
+        batch = {"input_ids": ids, "position_ids": torch.arange(SEQ)[None], "shift_labels": labels}
+        loss = hf_share(model, batch, world * (SEQ - 1), None)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def hf_train(sp: int, stage: int, steps: int = HF_STEPS) -> dict[str, Any]:
+    """ALST's path: ``register_with_transformers`` (the mpu) -> ``initialize(mpu=...)`` ->
+    ``UlyssesSPDataLoaderAdapter`` over a loader that splits the sequences over every rank;
+    ``gradient_accumulation_steps`` = sp (a group trains on its sp ranks' sequences in turn)."""
+    from torch.utils.data import DataLoader
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from partita.comm import COUNTERS
+    from partita.compat.deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from partita.compat.deepspeed.runtime.sequence_parallel.ulysses_sp import (
+        UlyssesSPAttentionHF,
+        UlyssesSPDataLoaderAdapter,
+    )
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    before = COUNTERS.bytes("all_to_all", "ulysses")
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = hf_llama()
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model, "sdpa", sp, micro_batch_size=1, seq_length=SEQ, seq_length_is_variable=True
+        )
+        cfg = config(sp, stage, gas=sp)
+        del cfg["sequence_parallel_size"]
+        cfg["train_micro_batch_size_per_gpu"] = 1
+        engine, _, _, _ = partita.initialize(model=model, config=cfg, mpu=mpu)
+        mine = hf_samples(steps * world)[rank::world]  # a DistributedSampler's split
+        loader = UlyssesSPDataLoaderAdapter(
+            DataLoader(mine, batch_size=1), sp_rank=mpu.get_sequence_parallel_rank(),
+            sp_group=mpu.get_sequence_parallel_group(),
+            sp_world_size=mpu.get_sequence_parallel_world_size(), device="cpu",
+        )  # fmt: skip
+        group, dp = mpu.get_sequence_parallel_group(), engine.dp_world_size
+        losses = []
+        for _ in range(steps):
+            mean = torch.zeros(())
+            for _ in range(sp):
+                batch = next(loader)
+                loss = hf_share(engine, batch, SEQ - 1, group)
+                engine.backward(loss)
+                engine.step()
+                mean += loss.detach() / sp
+            dist.all_reduce(mean, group=engine.dims.dp_group)
+            losses.append((mean / dp).item())
+        engine.destroy()
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = original
+        parallel_state_sp._release_sequence_parallel_groups()
+    return {
+        "losses": losses,
+        "dp_world": dp,
+        "sp": engine.dims.sp_world_size,
+        "a2a_bytes": COUNTERS.bytes("all_to_all", "ulysses") - before,
+    }

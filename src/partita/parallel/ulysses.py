@@ -40,6 +40,8 @@ from partita.comm.process_group import ProcessGroup, is_initialized
 
 __all__ = [
     "DistributedAttention",
+    "SequenceShardingLoader",
+    "UlyssesHFAttention",
     "check_heads",
     "seq_all_to_all",
     "sequence_loss",
@@ -247,3 +249,129 @@ def sequence_loss(share: torch.Tensor, group: ProcessGroup | None = None) -> tor
     of the whole sequence, the same on every rank) and whose gradient is this rank's share's
     alone: the engine sums the gradients over the group ([Note: Ulysses attention])."""
     return _SumForward.apply(share, group)
+
+
+class UlyssesHFAttention:
+    """Ulysses around a Hugging Face attention function (``ALL_ATTENTION_FUNCTIONS``'
+    signature: ``fn(module, query, key, value, attention_mask, *args, **kwargs)`` with
+    ``[b, h, s, d]`` inputs, returning ``([b, s, h, d] output, weights)``): the same
+    all-to-alls as `DistributedAttention` around `core`, on this layout
+    ([Note: Ulysses attention]).
+
+    The attention mask is dropped (Hugging Face builds it for the local slice; the core
+    attention must then be causal by itself, as SDPA and flash attention are without a mask),
+    and ``position_ids`` in `kwargs`, when given, are gathered over the group so that the core
+    sees the whole sequence's (flash attention reads them for packed sequences). With key/value
+    heads repeated, ``module.num_key_value_groups`` is set to the local ratio, as DeepSpeed
+    does. ``disable_in_eval``: a module in eval mode runs `core` alone."""
+
+    def __init__(
+        self, core: Any, group: ProcessGroup | None, disable_in_eval: bool = False
+    ) -> None:
+        self.core = core
+        self.group = group
+        self.disable_in_eval = disable_in_eval
+
+    def __call__(
+        self,
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        if self.disable_in_eval and not module.training:
+            return self.core(module, query, key, value, attention_mask, *args, **kwargs)
+        sp = _group_size(self.group)
+        repeat = check_heads(query.shape[1], key.shape[1], sp)
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=1)
+            value = value.repeat_interleave(repeat, dim=1)
+        q, k, v = (seq_all_to_all(t, 1, 2, self.group) for t in (query, key, value))
+        if hasattr(module, "num_key_value_groups"):
+            setattr(module, "num_key_value_groups", q.shape[1] // k.shape[1])  # noqa: B010
+        if kwargs.get("position_ids") is not None and sp > 1:
+            kwargs["position_ids"] = _gather_sequence(kwargs["position_ids"], self.group)
+        out, weights = self.core(module, q, k, v, None, *args, **kwargs)  # [b, s, h/sp, d]
+        return seq_all_to_all(out, 1, 2, self.group), weights
+
+
+def _gather_sequence(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """The group's slices of `t` (not differentiable), concatenated along dimension 1."""
+    parts = [torch.empty_like(t) for _ in range(_group_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+class SequenceShardingLoader:
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter``: each rank of a sequence group reads its own
+    batches from `loader` (split over every rank, as plain data parallelism splits them); each
+    batch is shared with the group and every rank takes its slice of the sequence, so the
+    group trains on its ranks' batches one after another, sp micro-batches per sp batches read.
+    Tensors (``[b, s, ...]``) are cut along dimension 1 (a length that does not divide by sp
+    raises, naming it); ``labels`` are shifted first and returned as ``shift_labels`` (the last
+    position gets -100), as DeepSpeed does, since a slice's last token predicts the next
+    slice's first; other values are copied to every rank. ``position_ids`` must be in the
+    batch."""
+
+    def __init__(
+        self, loader: Any, sp_rank: int, sp_group: ProcessGroup | None, sp_world_size: int,
+        device: Any,
+    ) -> None:  # fmt: skip
+        self.dl = loader
+        self.sp_rank = sp_rank
+        self.sp_group = sp_group
+        self.sp_world_size = sp_world_size
+        self.device = device
+        self.iter = iter(loader)
+        self.micro_batches: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.dl) * self.sp_world_size
+
+    def __iter__(self) -> SequenceShardingLoader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if not self.micro_batches:
+            self.refill()
+        return self.micro_batches.pop(0)
+
+    def refill(self) -> None:
+        """Reads this rank's next batch, shares it with the group, queues this rank's slices
+        of every rank's batch (StopIteration at the end; the next pass starts over)."""
+        try:
+            batch = next(self.iter)
+        except StopIteration:
+            self.iter = iter(self.dl)
+            raise
+        if "position_ids" not in batch:
+            raise ValueError(
+                "Ulysses sequence parallelism needs position_ids in every batch (each token's "
+                "position in the whole sequence; torch.arange(seq_len) for unpacked sequences)"
+            )
+        shared: list[Any] = [None] * self.sp_world_size
+        local = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
+        dist.all_gather_object(shared, local, group=self.sp_group)
+        for whole in shared:
+            self.micro_batches.append(self._slice(dict(whole)))
+
+    def _slice(self, batch: dict[str, Any]) -> dict[str, Any]:
+        length = int(batch["input_ids"].shape[1])
+        if length % self.sp_world_size:
+            raise ValueError(
+                f"sequence length {length} does not divide by the sequence-parallel size "
+                f"{self.sp_world_size}; pad the batches to a multiple of it"
+            )
+        if "labels" in batch:
+            labels = batch.pop("labels")
+            batch["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        chunk = length // self.sp_world_size
+        return {
+            k: v[:, chunk * self.sp_rank : chunk * (self.sp_rank + 1)].contiguous().to(self.device)
+            if torch.is_tensor(v)
+            else v
+            for k, v in batch.items()
+        }
