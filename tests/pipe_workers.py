@@ -254,3 +254,58 @@ def bad_input(case: dict[str, Any]) -> str:
 def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
     """One case of the grid: ``kind`` "train" (`pipe_train`) or "bad" (`bad_input`)."""
     return pipe_train(case) if kind == "train" else bad_input(case)
+
+
+def _ds_seed(seed: Any) -> None:
+    """DeepSpeed's own seeding, given a Python int: DeepSpeed 0.19.8 adds the base seed to a
+    NumPy integer from its "parameters" partition, which ``random.seed`` refuses."""
+    from deepspeed.runtime.utils import set_random_seed as ds_set_random_seed
+
+    ds_set_random_seed(int(seed))
+
+
+def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, list[float]]]:
+    """Each case trained by DeepSpeed's own PipelineEngine (0.19.8, CPU, gloo: the same layers
+    built with its deepspeed.pipe classes, torch's fused AdamW as the client optimizer), then by
+    partita's, in the same processes: both runs' per-step losses."""
+    import os
+
+    import deepspeed
+    from deepspeed.pipe import LayerSpec as DSLayerSpec
+    from deepspeed.pipe import PipelineModule as DSPipelineModule
+    from deepspeed.pipe import TiedLayerSpec as DSTiedLayerSpec
+
+    assert "partita" not in (deepspeed.__file__ or ""), "not DeepSpeed itself"
+    os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed's PipelineModule reads it
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = []
+    for case in cases:
+        tied, dim = case["tied"], DIM
+        first = (
+            DSTiedLayerSpec("embed", nn.Embedding, VOCAB, dim)
+            if tied
+            else DSLayerSpec(nn.Embedding, VOCAB, dim)
+        )
+        last = (
+            DSTiedLayerSpec("embed", nn.Embedding, VOCAB, dim, forward_fn=unembed)
+            if tied
+            else DSLayerSpec(nn.Linear, dim, VOCAB, bias=False)
+        )
+        blocks = [DSLayerSpec(Block, dim) for _ in range(BLOCKS)]
+        module = DSPipelineModule(
+            [first, *blocks, DSLayerSpec(nn.LayerNorm, dim), last],
+            num_stages=case["stages"],
+            loss_fn=lm_loss,
+            seed_layers=True,
+            base_seed=BASE_SEED,
+            seed_fn=_ds_seed,
+        )
+        opt = torch.optim.AdamW(list(module.parameters()), lr=LR, weight_decay=0.01, fused=True)
+        cfg = config(case["micro"], case["gas"])
+        del cfg["optimizer"]
+        engine, *_ = deepspeed.initialize(model=module, optimizer=opt, config=cfg)
+        dp_rank = engine.grid.get_data_parallel_rank()
+        steps = micro_batches(case["steps"], case["micro"], case["gas"], case["dp"])
+        ds_losses = [float(engine.train_batch(iter(s[dp_rank]))) for s in steps]
+        out.append({"deepspeed": ds_losses, "partita": pipe_train(case)["losses"]})
+    return out
