@@ -26,6 +26,11 @@ EXTRA = {  # the norm over every rank (clipping reads it), and float64 weights
     "mpu": {"kind": "train", "sp": 2, "stage": 2, "mpu": True},  # parallel_state_sp's groups
     "gas": {"kind": "train", "sp": 2, "stage": 2, "gas": 2},
 }
+SGD = {  # SGD shows any scaling of the gradient; each of the three loss conventions
+    "share": {"kind": "train", "sp": 2, "stage": 1, "sgd": True, "loss_style": "share"},
+    "local_mean": {"kind": "train", "sp": 2, "stage": 2, "sgd": True, "loss_style": "local_mean"},
+    "gathered": {"kind": "train", "sp": 4, "stage": 3, "sgd": True, "loss_style": "gathered"},
+}
 HF = {  # Transformers' Llama through ALST's API (register_with_transformers, the adapter)
     (2, 1): {"kind": "hf", "sp": 2, "stage": 1},
     (4, 3): {"kind": "hf", "sp": 4, "stage": 3},
@@ -41,12 +46,13 @@ REFUSALS = ["sp3", "sp8", "heads", "kv_heads", "seq_len"]
 @pytest.fixture(scope="module")
 def results() -> dict:
     refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
-    cases = [*TRAIN, RERUN, *EXTRA.values(), *HF.values(), *ATTENTION, *refusals]
+    cases = [*TRAIN, RERUN, *EXTRA.values(), *SGD.values(), *HF.values(), *ATTENTION, *refusals]
     per_case = iter(run_distributed_grid(ulysses_grid, WORLD, cases, timeout=300))
     return {
         "train": {(c["sp"], c["stage"]): next(per_case) for c in TRAIN},
         "rerun": next(per_case),
         "extra": {name: next(per_case) for name in EXTRA},
+        "sgd": {name: next(per_case) for name in SGD},
         "hf": {key: next(per_case) for key in HF},
         "attention": [next(per_case) for _ in ATTENTION],
         "refusals": {what: next(per_case) for what in REFUSALS},
@@ -88,6 +94,19 @@ def test_clipping_mpu_accumulation_and_float64_weights_match_one_process(results
             for a, b in zip(got["params"], want["params"], strict=True):
                 assert a.dtype == torch.float64
                 torch.testing.assert_close(a, b, rtol=0.0, atol=weight_atol_float64(STEPS))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("style", list(SGD))
+def test_every_loss_convention_trains_as_one_process_under_sgd(results: dict, style: str) -> None:
+    """A rank's loss as its slice's share summed over the group, as the mean over its slice
+    (Megatron-DeepSpeed), or as the gathered token-weighted mean (Transformers' Trainer): with
+    SGD, where a gradient sp times too large (DeepSpeed's average over dp only) or sp times
+    too small would show, each follows one process within rtol 1e-6."""
+    case = SGD[style]
+    want = reference(STEPS, batch=2 * (WORLD // case["sp"]), dtype=torch.float32, sgd=True)
+    for got in results["sgd"][style]:
+        assert_losses(got["losses"], want["losses"])
 
 
 @pytest.mark.parity

@@ -23,6 +23,7 @@ VOCAB, SEQ, DIM, HEADS, KV_HEADS, LAYERS = 64, 16, 32, 4, 2, 2
 HEAD_DIM = DIM // HEADS
 STEPS = 5
 LR = 1e-3
+SGD_LR = 0.1
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -100,9 +101,13 @@ class TinyLlama(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.to(dtype)
 
-    def set_sequence_group(self, group: Any) -> None:
-        """Runs attention through Ulysses over `group` (and the loss over it)."""
+    def set_sequence_group(self, group: Any, loss_style: str = "share") -> None:
+        """Runs attention through Ulysses over `group`, the loss per `loss_style`: "share"
+        (`sequence_loss` of the slice's share of the whole sequence's mean), "local_mean"
+        (the mean over the slice: Megatron-DeepSpeed's scripts) or "gathered" (the slices'
+        means gathered differentiably and weighted by their tokens: Transformers' Trainer)."""
         self.sp_group = group
+        self.loss_style = loss_style
         for block in self.blocks:
             block.attn = DistributedAttention(local_attention, group)  # type: ignore[union-attr]
 
@@ -115,8 +120,19 @@ class TinyLlama(nn.Module):
             x = block(x, cos, sin)
         logits = self.head(self.norm(x)).float().to(x.dtype)
         total = tokens.shape[0] * SEQ  # tokens of the whole micro-batch, all slices
-        share = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / total
-        return sequence_loss(share, self.sp_group) if self.sp_group is not None else share
+        summed = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        if self.sp_group is None:
+            return summed / total
+        if self.loss_style == "share":
+            return sequence_loss(summed / total, self.sp_group)
+        mean = summed / targets.numel()
+        if self.loss_style == "local_mean":
+            return mean
+        from torch.distributed.nn.functional import all_gather
+
+        count = torch.tensor(float(targets.numel()), dtype=mean.dtype)
+        means, counts = all_gather(mean, self.sp_group), all_gather(count, self.sp_group)
+        return sum(m * c for m, c in zip(means, counts, strict=True)) / sum(counts)
 
 
 def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -128,10 +144,17 @@ def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def reference(steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0) -> dict[str, Any]:
-    """One process, whole sequences, torch's fused AdamW (what the config's AdamW runs)."""
+def reference(
+    steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0, sgd: bool = False
+) -> dict[str, Any]:
+    """One process, whole sequences, torch's fused AdamW (what the config's AdamW runs), or
+    SGD at `SGD_LR` (which shows any scaling of the gradient)."""
     model = TinyLlama(dtype=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        if sgd
+        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    )
     losses = []
     for tokens, targets in batches(steps, batch):
         loss = model(tokens, targets, torch.arange(SEQ))
@@ -144,12 +167,16 @@ def reference(steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0) -> 
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
-def config(sp: int, stage: int, clip: float = 0.0, gas: int = 1) -> dict[str, Any]:
+def config(
+    sp: int, stage: int, clip: float = 0.0, gas: int = 1, sgd: bool = False
+) -> dict[str, Any]:
     """2 sequences per data-parallel rank and step, in `gas` micro-batches."""
     return {
         "train_micro_batch_size_per_gpu": 2 // gas,
         "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "optimizer": {"type": "SGD", "params": {"lr": SGD_LR}}
+        if sgd
+        else {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 3000},
         "sequence_parallel_size": sp,
         "gradient_clipping": clip,  # DeepSpeed's default is 1.0
@@ -202,6 +229,8 @@ def train(
     clip: float = 0.0,
     mpu: bool = False,
     gas: int = 1,
+    sgd: bool = False,
+    loss_style: str = "share",
 ) -> dict[str, Any]:
     """`steps` engine steps; the losses averaged over the data-parallel ranks (each rank's
     loss is its micro-batch's), the final weights, and this rank's groups. The model gets its
@@ -209,13 +238,13 @@ def train(
     the groups come from a `SequenceMpu` and the config leaves ``sequence_parallel_size``
     out."""
     model = TinyLlama(dtype=getattr(torch, dtype))
-    cfg = config(sp, stage, clip, gas)
+    cfg = config(sp, stage, clip, gas, sgd)
     unit = None
     if mpu:
         unit = SequenceMpu(sp)
         del cfg["sequence_parallel_size"]
     engine, _, _, _ = partita.initialize(model=model, config=cfg, mpu=unit)
-    model.set_sequence_group(engine.get_sequence_parallel_group())
+    model.set_sequence_group(engine.get_sequence_parallel_group(), loss_style)
     dims = engine.dims
     micro, dp = 2 // gas, dims.dp_world_size
     local = SEQ // sp
@@ -231,8 +260,8 @@ def train(
             engine.backward(loss)
             engine.step()
             mean += loss.detach() / gas
-        dist.all_reduce(mean, group=dims.dp_group)
-        losses.append((mean / dp).item())
+        dist.all_reduce(mean)  # each rank's loss: its slice's or its sequences'
+        losses.append((mean / dist.get_world_size()).item())
     out = {
         "losses": losses,
         "params": _full_params(engine, stage),

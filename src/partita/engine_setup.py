@@ -380,12 +380,12 @@ def strategy(
     zero = config.zero_optimization
     # Hybrid sharding: shards over the shard group, gradient shards summed across replicas;
     # the average stays over every data-parallel rank ([Note: hybrid sharding]). Sequence
-    # parallelism: shards over every rank holding the parameters, the sum divided by the
-    # data-parallel size only ([Note: sequence parallelism]).
+    # parallelism: shards and averages over every rank holding the parameters
+    # ([Note: sequence parallelism]).
     group = dims.zero_group
     replicas = dims.replicate_group if dims.hybrid else None
     scaling = ReduceScaling(
-        dims.dp_world_size, config.prescale_gradients, config.gradient_predivide_factor
+        len(dims.grad_ranks), config.prescale_gradients, config.gradient_predivide_factor
     )
     tensor = tensor_parallel_norm(module, dims)
     if zero.stage == 0:

@@ -34,10 +34,18 @@ of every sequence group (0,2 | 1,3). The ranks of one sequence group read the sa
 its slice of the sequence, and exchange activations (all-to-all, `partita.parallel.ulysses`);
 the parameters are the same on every rank. So, as in DeepSpeed, ZeRO shards and reduces over
 the sequence-data-parallel group (``seq_dp_group``: every rank holding the same parameters,
-the world without tensor parallelism), and the gradient is summed over it and divided by the
-data-parallel size only: summed over the sequence group (each rank's loss is its slice's share
-of the loss of the whole sequence) and averaged over the ranks that read different batches. The
-batch arithmetic and the data loader count data-parallel ranks (world / sp).
+the world without tensor parallelism). The batch arithmetic and the data loader count
+data-parallel ranks (world / sp).
+
+The average: the gradients are summed over that group and divided by its size (dp x sp),
+unlike DeepSpeed, which divides by dp only. Both loss conventions in use then train as one
+process on the whole batch: a rank's loss is the mean over its slice (Megatron-DeepSpeed's
+scripts; the group's mean of the slices' means is the sequence's mean when the slices count
+alike), or it is the whole sequence's loss, gathered with a differentiable all-gather
+(Transformers' Trainer), whose backward hands each rank sp times its slice's share. Dividing
+by dp only would leave both sp times too large, which DeepSpeed does (its issue 5248: SGD and
+gradient clipping see it; Adam mostly hides it). `partita.parallel.ulysses.sequence_loss` is
+the second convention.
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ count is refused. The local attention then sees ``h/sp`` query heads and ``max(k
 key/value heads, and does the grouping itself (as SDPA's ``enable_gqa`` or the model's own
 ``repeat_kv`` do).
 
-The loss: each rank's tokens are its slice's share of the sequence, so a rank's loss must be
-that share (for a mean over tokens: its slice's sum divided by the tokens of the whole
-sequence); the engine sums gradients over the sequence group and averages them over the
-data-parallel ranks, as DeepSpeed does. `sequence_loss` gives that share a forward value equal
-to the loss of the whole sequence on every rank of the group.
+The loss: a rank's loss may be the mean over its slice (Megatron-DeepSpeed's convention), or
+the loss of the whole sequence, the same on every rank of the group, through a differentiable
+sum (`sequence_loss`) or all-gather (Transformers' Trainer); the engine averages the
+gradients over every rank, which gives one process's gradient for both ([Note: sequence
+parallelism] in `partita.comm.dims`).
 """
 
 from __future__ import annotations
@@ -229,11 +229,13 @@ def shard_sequence(
     return tensor.narrow(dim, rank * (length // sp), length // sp)
 
 
-class _SumForward(torch.autograd.Function):
-    """Sum over the group in the forward, identity in the backward."""
+class _GroupSum(torch.autograd.Function):
+    """Sum over the group, differentiable: the backward sums the incoming gradients over the
+    group too (each rank's share feeds every rank's copy of the sum)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
         out = x.detach().clone()
         if _group_size(group) > 1:
             dist.all_reduce(out, group=group)
@@ -241,14 +243,17 @@ class _SumForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = grad.contiguous().clone()
+        if _group_size(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
 def sequence_loss(share: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """A loss whose value is the sum of the ranks' `share` over the sequence group (the loss
-    of the whole sequence, the same on every rank) and whose gradient is this rank's share's
-    alone: the engine sums the gradients over the group ([Note: Ulysses attention])."""
-    return _SumForward.apply(share, group)
+    """The sum of the ranks' `share` (their slices' parts of the loss of the whole sequence:
+    for a mean over tokens, the slice's sum over the whole sequence's token count) over the
+    sequence group, the same on every rank, differentiable ([Note: Ulysses attention])."""
+    return _GroupSum.apply(share, group)
 
 
 class UlyssesHFAttention:
