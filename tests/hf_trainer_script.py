@@ -165,7 +165,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         ds_path = os.path.join(out, "ds_config.json")
         if int(os.environ.get("RANK", "0")) == 0:
             with open(ds_path + ".tmp", "w") as fh:
-                json.dump(ds_config(stage, spec.get("blocks", True)), fh)
+                config = ds_config(stage, spec.get("blocks", True))
+                if spec.get("torch_adam"):
+                    config["optimizer"]["params"]["torch_adam"] = True
+                json.dump(config, fh)
             os.replace(ds_path + ".tmp", ds_path)
         else:  # written by rank 0; wait for it (the Trainer reads it before any collective)
             import time

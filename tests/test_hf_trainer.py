@@ -126,8 +126,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
          str(ACCEL), init["llama"], str(d / "acc_s3")],
         env={"PARTITA_AS_DEEPSPEED": "1"},
     )  # fmt: skip
+    # DeepSpeed runs torch's AdamW (the same update as its FusedAdam, which on CPU it would
+    # compile from C++ first: a minute or two of the suite's CPU in every fresh venv).
     deepspeed_bf16 = [
-        spec(f"ds_bf16_s{s}", stage=s, blocks=True, bf16=True, steps=6) for s in (2, 3)
+        spec(f"ds_bf16_s{s}", stage=s, blocks=True, bf16=True, steps=6, torch_adam=True)
+        for s in (2, 3)
     ]
     _run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
