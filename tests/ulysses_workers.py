@@ -475,3 +475,77 @@ def hf_train(sp: int, stage: int, steps: int = HF_STEPS) -> dict[str, Any]:
         "sp": engine.dims.sp_world_size,
         "a2a_bytes": COUNTERS.bytes("all_to_all", "ulysses") - before,
     }
+
+
+ACCEL_STEPS = 4
+
+
+def accelerate_main(out: str) -> None:
+    """Accelerate's own ALST path (``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``,
+    which calls ``register_with_transformers`` and wraps the loader in the adapter) with
+    Transformers' Trainer loss (``deepspeed_sp_compute_loss``: the slices' losses gathered
+    differentiably and weighted by their tokens), SGD (which shows any scaling of the
+    gradient), ZeRO 2, on 2 ranks: each step trains on one
+    whole sequence (the ranks read one each; the adapter makes the pair train on both in
+    turn). Writes ``OUT/rank{R}.json`` with the per-step losses."""
+    import json
+
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin, ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    PartialState(cpu=True)
+    pc = ParallelismConfig(
+        sp_backend="deepspeed", sp_size=2,
+        sp_handler=DeepSpeedSequenceParallelConfig(
+            sp_seq_length=SEQ, sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
+        ),
+    )  # fmt: skip
+    plugin = DeepSpeedPlugin(
+        hf_ds_config={
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "steps_per_print": 1000,
+        }
+    )
+    accelerator = Accelerator(parallelism_config=pc, deepspeed_plugin=plugin)
+    model = hf_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    samples = hf_samples(ACCEL_STEPS)
+    loader = torch.utils.data.DataLoader(
+        [{k: v for k, v in s.items()} for s in samples], batch_size=1
+    )
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    losses = []
+    for batch in loader:
+        loss = deepspeed_sp_compute_loss(accelerator, model, batch, False, pc)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    with open(f"{out}/rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"losses": losses, "engine": type(model).__module__}, f)
+
+
+def accelerate_reference() -> list[float]:
+    """One process: each step trains on one whole sequence (plain torch SGD)."""
+    model = hf_llama()
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for s in hf_samples(ACCEL_STEPS):
+        loss = model(input_ids=s["input_ids"][None], labels=s["labels"][None]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+if __name__ == "__main__":
+    import sys
+
+    accelerate_main(sys.argv[1])
