@@ -251,8 +251,41 @@ def bad_input(case: dict[str, Any]) -> str:
     return ""
 
 
+def reshard(case: dict[str, Any]) -> dict[str, float]:
+    """Trains the tied model at pp 2 x dp 2 for two steps, saves its weights per layer, and
+    loads them into freshly built (differently seeded) modules at pp 4 and pp 1: the loss of
+    one evaluation batch at each degree."""
+    from partita import comm
+
+    micro, gas = case["micro"], case["gas"]
+    module = PipelineModule(
+        layer_specs(True), num_stages=2, loss_fn=lm_loss, seed_layers=True, base_seed=BASE_SEED
+    )
+    engine, _, _, _ = partita.initialize(model=module, config=config(micro, gas))
+    dp_rank = engine.grid.get_data_parallel_rank()
+    for step in micro_batches(2, micro, gas, 2):
+        engine.train_batch(iter(step[dp_rank]))
+    module.save_state_dict(case["dir"])
+    comm.barrier()
+    evaluation = micro_batches(1, micro, gas, 1, seed=2)[0][0]  # one share, on every rank
+    out = {"pp2": float(engine.eval_batch(iter(evaluation)))}
+    engine.destroy()
+    for stages in (4, 1):
+        other = PipelineModule(
+            layer_specs(True), num_stages=stages, loss_fn=lm_loss, seed_layers=True, base_seed=7
+        )
+        other.load_state_dir(case["dir"])
+        engine, _, _, _ = partita.initialize(model=other, config=config(micro, gas))
+        out[f"pp{stages}"] = float(engine.eval_batch(iter(evaluation)))
+        engine.destroy()
+    return out
+
+
 def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
-    """One case of the grid: ``kind`` "train" (`pipe_train`) or "bad" (`bad_input`)."""
+    """One case of the grid: ``kind`` "train" (`pipe_train`), "bad" (`bad_input`) or
+    "reshard" (`reshard`)."""
+    if kind == "reshard":
+        return reshard(case)
     return pipe_train(case) if kind == "train" else bad_input(case)
 
 

@@ -72,8 +72,10 @@ def two() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def four() -> list[list[dict[str, Any]]]:
+def four(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
     cases = [{"kind": "train", "case": c} for c in FOUR]
+    where = str(tmp_path_factory.mktemp("pipe_layers"))
+    cases.append({"kind": "reshard", "case": {**BASE, "dir": where}})
     return run_distributed_grid(pipe_grid, 4, cases, timeout=300)
 
 
@@ -118,6 +120,17 @@ def test_overflow_on_one_stage_skips_the_step_on_every_stage(two: dict[str, Any]
         assert result["skipped"] == 1
     clean = two["train"][0]  # the same run without the inf
     assert two["train"][4][0]["losses"][:2] == clean[0]["losses"][:2]
+
+
+def test_weights_saved_per_layer_load_at_another_pipeline_degree(
+    four: list[list[dict[str, Any]]],
+) -> None:
+    """save_state_dict at pp 2 x dp 2, load_state_dir into differently seeded modules at pp 4
+    and pp 1 (dp 4): the same evaluation loss."""
+    for per_rank in four[len(FOUR)]:
+        want = per_rank["pp2"]
+        for degree in ("pp4", "pp1"):
+            assert abs(per_rank[degree] - want) <= LOSS_RTOL * abs(want), per_rank
 
 
 def test_each_rank_builds_only_its_stage(

@@ -28,7 +28,9 @@ engine's) plus an executor of `partita.parallel.pipe_schedule` instructions:
 
 ZeRO stages 2 and 3 are refused, as DeepSpeed refuses them (stage 2 reduces inside each
 backward, before the tied sum; stage 3 would gather parameters stage by stage), and so is a
-topology with a model (tensor) axis over more than one rank.
+topology with a model (tensor) axis over more than one rank. Engine checkpoints are refused for
+now (a stage holds part of the model); the module's weights save and load per layer
+(`PipelineModule.save_state_dict` / ``load_state_dir``) at any pipeline degree.
 """
 
 from __future__ import annotations
@@ -467,7 +469,9 @@ def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> No
 def _no_checkpoints(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} of a PipelineModule is not supported yet: each stage holds only its own "
-        "layers (module.state_dict() has them under their global layer indices)"
+        "layers; engine.module.save_state_dict(dir) writes the weights per layer and "
+        "PipelineModule.load_state_dir(dir), before initialize, loads them at any pipeline "
+        "degree (optimizer state is not saved)"
     )
 
 

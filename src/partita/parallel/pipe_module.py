@@ -16,6 +16,9 @@ every backward the gradients of its tied weights are summed over those stages
 (`allreduce_tied_weight_gradients`), so the copies stay equal. Only the first stage counts them
 in the gradient norm (`replicated_tied_parameters` names the others).
 
+Weights save one safetensors file per layer, named by its global index (`save_state_dict`),
+so they load into a module cut at any pipeline degree (`load_state_dir`).
+
 Behaviour follows DeepSpeed's ``deepspeed/runtime/pipe/module.py`` (0.19.8): the same
 partitions (DeepSpeed's ``partition_uniform`` and the dynamic programme of its
 ``partition_balanced``, ties broken alike), the same per-layer seeds with ``seed_layers``, the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -234,6 +238,11 @@ def _check_tied_specs(layers: Sequence[Any]) -> None:
                 f"(tied {other.tied_weight_attr}) but layer {idx} builds {spec!r} (tied "
                 f"{spec.tied_weight_attr}); tied layers must build the same module"
             )
+
+
+def layer_file(directory: str, layer_idx: int) -> str:
+    """Where `PipelineModule.save_state_dict` puts layer `layer_idx`'s weights."""
+    return os.path.join(directory, f"layer_{layer_idx:02d}.safetensors")
 
 
 def set_random_seed(seed: int) -> None:
@@ -491,6 +500,61 @@ class PipelineModule(nn.Module):
             raise ValueError("activation checkpoint interval must be >= 0")
         self.activation_checkpoint_interval = interval
 
+    # --- weights per layer ---------------------------------------------------------------------
+    def _layer_modules(self) -> list[tuple[int, nn.Module]]:
+        """(global index, module) of each local layer with weights; a tied layer's is its
+        shared module, also where a ``forward_fn`` uses it."""
+        out = []
+        for local, fn in enumerate(self.forward_funcs):
+            module = fn.args[0] if isinstance(fn, functools.partial) else fn
+            if isinstance(module, nn.Module):
+                out.append((self._local_start + local, module))
+        return out
+
+    def save_state_dict(
+        self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False
+    ) -> None:
+        """Writes this stage's weights, one safetensors file per layer named by its global
+        index (``layer_03.safetensors``), so they load at any pipeline degree
+        (`load_state_dir`). Data-parallel rank 0 of each stage writes; each file is written
+        to a temporary name and renamed. Every rank may call it; none waits for the others."""
+        del checkpoint_engine  # DeepSpeed's signature; partita writes safetensors itself
+        from safetensors.torch import save_file
+
+        if self._grid.get_data_parallel_rank() != 0:
+            return
+        os.makedirs(save_dir, exist_ok=True)
+        for idx, module in self._layer_modules():
+            frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+            state = {
+                k: v.detach().cpu().contiguous()
+                for k, v in module.state_dict().items()
+                if not (exclude_frozen_params and k in frozen)
+            }
+            path = layer_file(save_dir, idx)
+            save_file(state, path + ".tmp")
+            os.replace(path + ".tmp", path)
+
+    def load_state_dir(
+        self, load_dir: str, checkpoint_engine: Any = None, strict: bool = True
+    ) -> None:
+        """Loads this stage's layers from `save_state_dict`'s files (written at any pipeline
+        degree), then makes tied weights equal again. Collective (the tied broadcast): every
+        rank calls it. Call it before `partita.initialize`, which copies the weights into the
+        optimizer's masters."""
+        del checkpoint_engine
+        from safetensors.torch import load_file
+
+        for idx, module in self._layer_modules():
+            path = layer_file(load_dir, idx)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"rank {self.global_rank}: no weights for layer {idx}: {path}"
+                )
+            # Read to host memory; load_state_dict copies onto the layer's device.
+            module.load_state_dict(load_file(path), strict=strict)
+        self._synchronize_tied_weights()
+
     # --- queries -----------------------------------------------------------------------------
     def partitions(self) -> list[int]:
         """The stage boundaries: stage s holds layers ``parts[s]:parts[s + 1]``."""
@@ -527,6 +591,7 @@ __all__ = [
     "PipelineError",
     "PipelineModule",
     "TiedLayerSpec",
+    "layer_file",
     "partition",
     "partition_balanced",
     "partition_uniform",
