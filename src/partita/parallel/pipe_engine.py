@@ -366,7 +366,11 @@ class PipelineEngine(Engine):
             ]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self.strategy.end_backward()
-        for key in ("outputs", "losses", "grads"):
+        # Done with this micro-batch; only a received input stays, for SendGrad to read.
+        done = ["outputs", "losses", "grads", "labels"]
+        if self.is_first_stage():
+            done.append("inputs")
+        for key in done:
             self._pipe_buffers[key][buffer_id] = None
 
     def _exec_send_activations(self, buffer_id: int) -> None:
