@@ -40,7 +40,7 @@ ATTENTION = [
     {"kind": "attention", "sp": 4, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads repeated
     {"kind": "attention", "sp": 4, "batch_dim_idx": 1, "kv_heads": 4},  # [s, b, h, d]
 ]
-REFUSALS = ["sp3", "sp8", "heads", "kv_heads", "seq_len"]
+REFUSALS = ["sp3", "sp8", "dp_size_bad", "dp_size_ok", "heads", "kv_heads", "seq_len"]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,10 @@ def test_bad_inputs_name_themselves_on_every_rank(results: dict) -> None:
         for message in errors[what]:
             assert message.startswith("ConfigError") and "sequence_parallel_size" in message
     assert "3" in errors["sp3"][0] and "8" in errors["sp8"][0]
+    for message in errors["dp_size_bad"]:  # DeepSpeed's (data, sequence) mesh keys
+        assert message.startswith("ConfigError") and "data_parallel_size" in message, message
+        assert "3" in message and "is 2" in message
+    assert errors["dp_size_ok"] == [""] * WORLD
     for message in errors["heads"]:
         assert "6 query heads" in message and "sequence-parallel size 4" in message
     for message in errors["kv_heads"]:

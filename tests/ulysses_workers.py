@@ -341,6 +341,10 @@ def refusal(what: str) -> str:
             partita.initialize(model=TinyLlama(), config=config(3, 1))
         elif what == "sp8":
             partita.initialize(model=TinyLlama(), config=config(8, 1))
+        elif what in ("dp_size_bad", "dp_size_ok"):
+            cfg = {**config(2, 1), "data_parallel_size": 3 if what == "dp_size_bad" else 2}
+            engine, _, _, _ = partita.initialize(model=TinyLlama(), config=cfg)
+            engine.destroy()
         elif what == "heads":
             group = ParallelDims.sequence_parallel(4).sp_group
             x = torch.zeros(1, 4, 6, 8)  # 6 heads over 4 ranks

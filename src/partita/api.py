@@ -131,7 +131,7 @@ def initialize(
         else load_config(source, world_size=_world_size(dims) // sp)
     )
     engine_setup.check_supported(cfg)
-    engine_setup.check_sequence_parallel(cfg)
+    engine_setup.check_sequence_parallel(cfg, None if mpu else _world_size(dims))
     shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))  # before collectives
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))

@@ -223,6 +223,7 @@ LEDGER: dict[str, Entry] = {
     ),
     "zero_optimization.mics_shard_size": _read(_SETUP),
     "sequence_parallel_size": _read(_SETUP),
+    "data_parallel_size": _read(_SETUP),
     "zero_optimization.mics_hierarchical_params_gather": _refused("MiCS", True, enforced_by=_RULES),
     "zero_optimization.memory_efficient_linear": _inert(
         "DeepSpeed's stage-3 replacement of F.linear that saves activation memory; partita "

@@ -107,6 +107,12 @@ class DeepSpeedConfig(Section):
     dataloader_drop_last: Bool = Field(
         default=False, description="Drop the last incomplete batch in the engine's data loader."
     )
+    data_parallel_size: PositiveInt | None = Field(
+        default=None,
+        description="Ranks that read different batches, with sequence_parallel_size (DeepSpeed "
+        "builds its (data, sequence) mesh from the two); must be world / "
+        "sequence_parallel_size.",
+    )
     sequence_parallel_size: PositiveInt = Field(
         default=1,
         description="Ulysses sequence parallelism: ranks that split each sequence (consecutive "
