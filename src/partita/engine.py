@@ -413,13 +413,8 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         )
 
     def _refuse_hybrid(self, what: str) -> None:
-        """Checkpoints name shards by data-parallel rank; under hybrid sharding the shards are
-        cut over the smaller shard group, which the checkpoint format does not record yet."""
-        if self.dims.hybrid:
-            raise NotImplementedError(
-                f"{what} with zero_optimization.mics_shard_size (hybrid sharding) is not "
-                "supported yet; save_16bit_model() writes the full weights"
-            )
+        """Checkpoints name shards by data-parallel rank (by shard rank under hybrid sharding);
+        under sequence parallelism the shards are cut over more ranks than that."""
         if self.dims.sp_world_size > 1:
             raise NotImplementedError(
                 f"{what} with sequence_parallel_size > 1 is not supported yet (ZeRO's shards "

@@ -23,6 +23,16 @@ replica holding global rank 0 writes, and every replica loads the same files. Re
 different slices (a tensor-parallel mpu): every slice's data-parallel group writes its own set
 of files, and loads read their own slice's (see [Note: tensor-parallel slices] in
 `partita.checkpoint.slices`); before that, only tensor rank 0's slices were saved.
+
+Hybrid sharding ([Note: hybrid sharding] in `partita.comm.dims`) cuts ZeRO's shards over the
+shard group, and every shard group holds the same state: its checkpoint is the checkpoint of
+one shard group, the one holding global rank 0, whose files are named and cut by the rank
+within the shard group, the manifest's ``world_size`` the shard size (`file_place`,
+`writes_files` in `partita.checkpoint.state`). Any engine then loads it as it loads an
+S-rank checkpoint: a hybrid one in each shard group, as an S-rank job would, a plain one at
+any world size and stage. Only the RNG and data loader states are kept for every
+data-parallel rank (every rank reads its own micro-batches, so the data consumed is that of
+all of them): the manifest lists one per data-parallel rank, more than ``world_size``.
 """
 
 from __future__ import annotations
@@ -63,11 +73,13 @@ from partita.checkpoint.state import (
     Entry,
     check_client_state,
     dtype_name,
+    file_place,
     full_module_value,
     inventory,
     optimizer_groups,
     rng_state,
     to_plain,
+    writes_files,
 )
 from partita.checkpoint.subject import CheckpointSubject
 from partita.optim.cpu_adam import torch_class_name
@@ -116,11 +128,15 @@ def save_checkpoint(
         # stays on this rank (`box`): only errors travel in the collective.
         box: list[_Snapshot] = []
 
-        def take() -> None:
+        def take() -> dict[str, Any] | None:
             box.append(_snapshot(engine, opened[0], agreed, is_async, *options))
+            # Hybrid sharding: the ranks that write no file read their own data too.
+            return _rank_state(engine) if engine.dims.hybrid else None
 
-        gather_agreed(take, WHOLE_JOB)
+        states = gather_agreed(take, WHOLE_JOB)
         snap = box[0]
+        if snap.manifest is not None and engine.dims.hybrid:
+            snap.manifest["rank_states"] = [states[r] for r in engine.dims.dp_ranks]
     except BaseException:
         staging.close()
         raise
@@ -268,8 +284,9 @@ def _shard_tensors(
     to make each: trainable state when it is written (a synchronous save then copies each
     state while the disk writes the previous one), module tensors now (stage 3 gathers
     frozen parameters collectively, in the same order on every rank)."""
-    strategy, rank = engine.param_states, engine.dims.dp_rank
-    writers = _replicated_writers(entries, engine.dims.dp_world_size) if strategy.replicated else {}
+    strategy = engine.param_states
+    rank, world = file_place(engine.dims)
+    writers = _replicated_writers(entries, world) if strategy.replicated else {}
     keys = ["param", *strategy.optimizer_state_keys()]
     specs: list[stfile.TensorSpec] = []
     producers: dict[str, Producer] = {}
@@ -330,17 +347,17 @@ def _shard_state(
     engine: CheckpointSubject, exclude_frozen: bool, borrow: bool
 ) -> tuple[_Shard | None, dict[str, Any] | None]:
     """This rank's shard (specs and producers) and report (without the file's name, size and
-    checksum) on the ranks of the first replica, or of every replica when each holds a tensor
-    slice; (None, None) on the others (see [Note: checkpoints of replicas]). With `borrow` (a synchronous save) the producers give views
-    of the engine's state where no copy is needed (see `_local_state`)."""
+    checksum) on the ranks that write files (`writes_files`); (None, None) on the others (see
+    [Note: checkpoints of replicas]). With `borrow` (a synchronous save) the producers give
+    views of the engine's state where no copy is needed (see `_local_state`)."""
     dims = engine.dims
-    if dims.tp_world_size == 1 and not dims.first_replica:
+    if not writes_files(dims):
         return None, None
-    rank = dims.dp_rank
+    rank, world = file_place(dims)
     entries = inventory(engine)
     specs, producers, ranges = _shard_tensors(engine, entries, exclude_frozen, borrow)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "digest": None}
-    report["world"] = dims.dp_world_size
+    report["world"] = world
     if dims.tp_world_size > 1:
         report["tp"] = (dims.tp_rank, dims.tp_world_size)
         # This slice's shapes of the split tensors (slices may differ in size).
@@ -359,12 +376,15 @@ def _shard_state(
         for key, dtype, _ in specs
         if key.startswith("param::")
     }
-    report["rng"] = rng_state()
-    loader = engine.training_dataloader
-    report["data_loader"] = (
-        loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None
-    )
+    report.update(_rank_state(engine))
     return _Shard(specs, producers), report
+
+
+def _rank_state(engine: CheckpointSubject) -> dict[str, Any]:
+    """This rank's RNG and data loader states."""
+    loader = engine.training_dataloader
+    state = loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None
+    return {"rng": rng_state(), "data_loader": state}
 
 
 @dataclass
@@ -458,7 +478,7 @@ def _manifest(
         "tag": tag,
         "saved_at": time.time(),
         "save_latest": save_latest,
-        "world_size": engine.dims.dp_world_size,
+        "world_size": file_place(engine.dims)[1],
         **({"tp_world_size": engine.dims.tp_world_size} if engine.dims.tp_world_size > 1 else {}),
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.param_states.replicated),
@@ -508,8 +528,10 @@ def _complete_manifest(base: dict[str, Any], reports: list[dict[str, Any]]) -> d
     }  # fmt: skip
     if "tp_world_size" in manifest:
         return _complete_slices(manifest, reports)
-    manifest["rng"] = [r["rng"] for r in reports]
-    manifest["data_loader"] = [r["data_loader"] for r in reports]
+    # Hybrid sharding: every data-parallel rank's, not only the writers' (see the module note).
+    ranks = manifest.pop("rank_states", None) or reports
+    manifest["rng"] = [r["rng"] for r in ranks]
+    manifest["data_loader"] = [r["data_loader"] for r in ranks]
     return manifest
 
 

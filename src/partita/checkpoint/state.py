@@ -19,8 +19,29 @@ import torch
 from partita.accelerator import get_accelerator
 from partita.checkpoint.manifest import CheckpointError
 from partita.checkpoint.subject import CheckpointSubject
+from partita.comm import ParallelDims
 
 logger = logging.getLogger("partita")
+
+
+def file_place(dims: ParallelDims) -> tuple[int, int]:
+    """This rank's place ``(rank, world size)`` among the ranks a checkpoint's shard files are
+    named and cut by: the ranks ZeRO cuts its shards over, the shard group under hybrid
+    sharding, else the data-parallel group (see [Note: checkpoints of replicas] in
+    `partita.checkpoint.save`). Loads need no counterpart: each rank reads the ranges its
+    strategy owns, from whatever files hold them."""
+    if dims.hybrid:
+        return dims.shard_ranks.index(dims.rank), len(dims.shard_ranks)
+    return dims.dp_rank, dims.dp_world_size
+
+
+def writes_files(dims: ParallelDims) -> bool:
+    """True on the ranks that write shard files: those of the group holding global rank 0
+    (the shard group when hybrid, else the data-parallel group), or of every data-parallel
+    group when each holds its own tensor slice; the others hold copies of their state."""
+    if dims.tp_world_size > 1:
+        return True
+    return 0 in (dims.shard_ranks if dims.hybrid else dims.dp_ranks)
 
 
 @dataclass(frozen=True)
@@ -250,15 +271,18 @@ def restore_rank_state(
     engine: CheckpointSubject, meta: dict[str, Any], rank: int, world: int
 ) -> None:
     """RNG and data loader position of this rank (see `rng_for_rank`, `loader_for_rank`);
-    at another world size than the saved one, rank 0 warns about what is not restored."""
+    at another world size than the saved one, rank 0 warns about what is not restored. The
+    saved states are one per saved data-parallel rank (more than the manifest's
+    ``world_size`` under hybrid sharding, see [Note: checkpoints of replicas])."""
     rng, differ = rng_for_rank(meta.get("rng"), rank, world)
     loader = engine.training_dataloader
     loaders = meta.get("data_loader")
     state, note = loader_for_rank(loaders, rank, world)
-    if rank == 0 and meta["world_size"] != world and (differ or note):
+    saved = len(meta.get("rng") or loaders or ()) or meta["world_size"]
+    if rank == 0 and saved != world and (differ or note):
         logger.warning(
             "checkpoint saved at world size %d, loading at %d:%s%s",
-            meta["world_size"],
+            saved,
             world,
             f" RNG {differ} not restored (the saved ranks' states differ);" if differ else "",
             f" data loader: {note}" if note else "",
@@ -301,6 +325,7 @@ __all__ = [
     "Entry",
     "check_client_state",
     "dtype_name",
+    "file_place",
     "full_module_value",
     "inventory",
     "loader_for_rank",
@@ -313,4 +338,5 @@ __all__ = [
     "set_module_value",
     "set_rng_state",
     "to_plain",
+    "writes_files",
 ]
