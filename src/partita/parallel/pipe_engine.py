@@ -364,7 +364,8 @@ class PipelineEngine(Engine):
             pairs = [
                 (o, g) for o, g in zip(_floats(outputs), grads, strict=True) if o.requires_grad
             ]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            if pairs:  # else nothing this stage holds needs a gradient
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self.strategy.end_backward()
         # Done with this micro-batch; only a received input stays, for SendGrad to read.
         done = ["outputs", "losses", "grads", "labels"]
@@ -392,10 +393,8 @@ class PipelineEngine(Engine):
             self._recv_meta, self._recv_tuple = _recv_header(self.prev_rank, self.device)
         received = []
         for dtype, shape in self._recv_meta:
-            wire = torch.bool if dtype == torch.bool else dtype
-            buf = torch.empty(
-                shape, dtype=torch.uint8 if wire == torch.bool else wire, device=self.device
-            )
+            wire = torch.uint8 if dtype == torch.bool else dtype  # see `_wire`
+            buf = torch.empty(shape, dtype=wire, device=self.device)
             t = p2p.recv(buf, self.prev_rank, tag="activation")
             t = t.bool() if dtype == torch.bool else t
             t.requires_grad_(t.is_floating_point())
