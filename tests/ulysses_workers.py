@@ -549,7 +549,60 @@ def accelerate_reference() -> list[float]:
     return losses
 
 
+def trainer_main(out: str) -> None:
+    """Transformers' Trainer with ``TrainingArguments(parallelism_config=...)`` (sp 2, the
+    ``"deepspeed"`` backend) and a DeepSpeed config, SGD at constant `SGD_LR`, 2 ranks: each
+    step trains on one whole sequence. The Trainer's own sequence-parallel loss is recorded
+    as it returns it (its log rounds to 4 digits). Writes ``OUT/trainer_rank{R}.json``."""
+    import json
+
+    import transformers.trainer as trainer_module
+    from accelerate.utils import ParallelismConfig
+    from accelerate.utils.dataclasses import DeepSpeedSequenceParallelConfig
+    from transformers import Trainer, TrainingArguments
+
+    losses: list[float] = []
+    original = trainer_module.deepspeed_sp_compute_loss
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        losses.append(float((result[0] if isinstance(result, tuple) else result).item()))
+        return result
+
+    trainer_module.deepspeed_sp_compute_loss = recording  # type: ignore[attr-defined]
+    pc = ParallelismConfig(
+        sp_backend="deepspeed", sp_size=2,
+        sp_handler=DeepSpeedSequenceParallelConfig(
+            sp_seq_length=SEQ, sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
+        ),
+    )  # fmt: skip
+    ds_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "train_batch_size": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": 2},
+    }
+    args = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=1, max_steps=ACCEL_STEPS,
+        learning_rate=SGD_LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        deepspeed=ds_config, parallelism_config=pc, dataloader_drop_last=True, seed=0,
+        train_sampling_strategy="sequential",
+        data_seed=0,
+    )  # fmt: skip
+    model = hf_llama()
+    samples = hf_samples(ACCEL_STEPS)
+    trainer = Trainer(model=model, args=args, train_dataset=samples)
+    trainer.train()
+    with open(f"{out}/trainer_rank{dist.get_rank()}.json", "w") as f:
+        json.dump({"losses": losses, "engine": type(trainer.model_wrapped).__module__}, f)
+
+
 if __name__ == "__main__":
     import sys
 
-    accelerate_main(sys.argv[1])
+    if sys.argv[2:] == ["trainer"]:
+        trainer_main(sys.argv[1])
+    else:
+        accelerate_main(sys.argv[1])
