@@ -8,8 +8,9 @@ all-to-all over the group trades the split: before the local attention, query, k
 from sequence-sharded ``[b, s/sp, h, d]`` to head-sharded ``[b, s, h/sp, d]`` (each rank sends
 head block j of its slice to rank j and concatenates the slices it receives in rank order);
 after it, the output goes back the other way. The backward of an all-to-all is the inverse
-all-to-all, so autograd needs nothing else. Each all-to-all moves ``b * s * h * d / sp``
-elements per rank (minus the block it keeps).
+all-to-all, so autograd needs nothing else. Each all-to-all takes a rank's ``b * s * h * d /
+sp`` elements (the byte counters record that much, under ``all_to_all``/``ulysses``; the
+block a rank keeps does not cross a link).
 
 Grouped-query attention: key and value have ``kv`` heads, fewer than the ``h`` query heads.
 Query head i reads key/value head ``i // (h / kv)``; rank j receives query heads
