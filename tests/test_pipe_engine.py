@@ -210,3 +210,39 @@ def test_deepspeed_names_resolve_to_partitas_pipeline() -> None:
     assert importlib.import_module(f"{ds}.runtime.pipe.engine").PipelineEngine is PipelineEngine
     top = importlib.import_module(ds)
     assert top.PipelineModule is PipelineModule and top.PipelineEngine is PipelineEngine
+
+
+def test_repeating_loader_starts_over_and_is_deepspeeds_name() -> None:
+    import importlib
+
+    from partita.parallel.pipe_engine import RepeatingLoader
+
+    utils = importlib.import_module("partita.compat.deepspeed.utils")
+    assert utils.RepeatingLoader is RepeatingLoader  # DeepSpeed's pipeline tests import it there
+    loader = RepeatingLoader([1, 2, 3])
+    assert iter(loader) is loader
+    assert [next(loader) for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    with pytest.raises(StopIteration):  # an empty loader ends rather than looping forever
+        next(RepeatingLoader([]))
+
+
+def test_config_pipeline_section_sets_the_interval_and_refuses_other_keys() -> None:
+    from partita.config import ConfigError
+    from partita.parallel.pipe_engine import take_pipeline_section
+
+    class Module:  # stands in for a PipelineModule: only its interval setter is used
+        interval = 3
+
+        def set_checkpoint_interval(self, interval: int) -> None:
+            self.interval = interval
+
+    m = Module()
+    cfg = {"train_batch_size": 2, "pipeline": {"activation_checkpoint_interval": 0}}
+    assert take_pipeline_section(cfg, m) == {"train_batch_size": 2} and m.interval == 3
+    section = {"activation_checkpoint_interval": 2, "use_reentrant": False}
+    assert take_pipeline_section({"pipeline": section}, m) == {} and m.interval == 2
+    assert take_pipeline_section("ds.json", m) == "ds.json"  # a path goes to the loader as is
+    with pytest.raises(ConfigError, match="pipe_partitioned"):
+        take_pipeline_section({"pipeline": {"pipe_partitioned": False}}, m)
+    with pytest.raises(ConfigError, match="activation_checkpoint_interval"):
+        take_pipeline_section({"pipeline": {"activation_checkpoint_interval": -1}}, m)

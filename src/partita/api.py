@@ -123,6 +123,10 @@ def initialize(
     # (the batch arithmetic counts data-parallel ranks, not the world).
     dims = None if mpu is None else comm.ParallelDims.from_mpu(mpu)
     source = _config_source(args, config, config_params)
+    if engine_class is not Engine:  # the pipeline engine reads the config's "pipeline" section
+        from partita.parallel.pipe_engine import take_pipeline_section
+
+        source = take_pipeline_section(source, model)
     # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
     sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
     cfg: DeepSpeedConfig = (

@@ -36,7 +36,7 @@ now (a stage holds part of the model); the module's weights save and load per la
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -469,6 +469,39 @@ def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> No
         )
 
 
+_PIPELINE_KEYS = {"activation_checkpoint_interval", "use_reentrant"}
+
+
+def take_pipeline_section(source: Any, module: PipelineModule) -> Any:
+    """`source` (a config dict) without its ``"pipeline"`` section, which is applied to `module`:
+    ``activation_checkpoint_interval`` > 0 replaces the module's interval (0 leaves it), and
+    ``use_reentrant`` is accepted either way (partita checkpoints non-reentrantly, which
+    computes the same gradients). Other keys of the section are refused by name. A source that
+    is not a dict is returned as it is."""
+    if not isinstance(source, Mapping) or "pipeline" not in source:
+        return source
+    section = source["pipeline"] or {}
+    if not isinstance(section, Mapping):
+        raise config_error("pipeline", f"must be an object, got {section!r}")
+    unknown = sorted(set(section) - _PIPELINE_KEYS)
+    if unknown:
+        raise config_error(
+            "pipeline",
+            f"{unknown} not supported by partita's pipeline engine (it reads "
+            f"{sorted(_PIPELINE_KEYS)}; give stages and partitioning to PipelineModule)",
+        )
+    interval = section.get("activation_checkpoint_interval", 0)
+    if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
+        raise config_error(
+            "pipeline.activation_checkpoint_interval", f"must be an int >= 0, got {interval!r}"
+        )
+    if not isinstance(section.get("use_reentrant", True), bool):
+        raise config_error("pipeline.use_reentrant", "must be true or false")
+    if interval > 0:
+        module.set_checkpoint_interval(interval)
+    return {k: v for k, v in source.items() if k != "pipeline"}
+
+
 def _no_checkpoints(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} of a PipelineModule is not supported yet: each stage holds only its own "
@@ -538,4 +571,23 @@ def _forever(loader: Iterable[Any]) -> Iterator[Iterable[Any]]:
         yield loader
 
 
-__all__ = ["PipelineEngine", "check_pipeline_config"]
+class RepeatingLoader:
+    """An iterator over `loader` that starts a new pass whenever one ends (DeepSpeed's
+    ``deepspeed.utils.RepeatingLoader``): ``train_batch(data_iter=iter(RepeatingLoader(dl)))``."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self._it = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            self._it = iter(self.loader)
+            return next(self._it)
+
+
+__all__ = ["PipelineEngine", "RepeatingLoader", "check_pipeline_config"]

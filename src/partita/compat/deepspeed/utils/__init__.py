@@ -128,6 +128,10 @@ def z3_leaf_module(model: torch.nn.Module) -> bool:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "RepeatingLoader":  # imported lazily: the pipeline engine pulls in more
+        from partita.parallel.pipe_engine import RepeatingLoader
+
+        return RepeatingLoader
     feature = "sequence parallelism" if name == "groups" else None
     raise missing_attribute("deepspeed.utils", name, feature)
 
