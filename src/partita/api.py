@@ -91,6 +91,17 @@ def _engine_class(model: Any, mpu: Any) -> tuple[type[Engine], Any]:
     return PipelineEngine, model.mpu()
 
 
+def _job_dims(from_mpu: comm.ParallelDims | None, shard: int | None, sp: int) -> comm.ParallelDims:
+    """The job's parallel dimensions, once the process group is up (building groups is
+    collective): sequence groups, else hybrid shard groups (the two are refused together
+    before), else the mpu's, else data parallelism over the world."""
+    if sp > 1:
+        return comm.ParallelDims.sequence_parallel(sp)
+    if shard is not None:
+        return comm.ParallelDims.hybrid_shard(shard)
+    return from_mpu or comm.ParallelDims.world()
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -141,11 +152,7 @@ def initialize(
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
-    if shard is not None:
-        dims = comm.ParallelDims.hybrid_shard(shard)
-    if sp > 1:
-        dims = comm.ParallelDims.sequence_parallel(sp)
-    dims = dims or comm.ParallelDims.world()
+    dims = _job_dims(dims, shard, sp)
     set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)
