@@ -64,8 +64,9 @@ def distributed_grid() -> GridCache:
     return GridCache()
 
 
-_PYTEST_OWN = "PYTEST_CURRENT_TEST"
-"""Set by pytest itself in each phase of a test: not the test's doing."""
+_NOT_THE_TESTS = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+"""Set by pytest in each phase of a test, and by torch in the first call that asks inductor
+for its cache folder (its default path, the same every time): not a test's doing; kept."""
 
 
 @pytest.fixture(autouse=True)
@@ -86,14 +87,13 @@ def _restore_process_state() -> Iterator[None]:
     changed = sorted(
         name
         for name in set(environ) | set(os.environ)
-        if environ.get(name) != os.environ.get(name) and name != _PYTEST_OWN
+        if environ.get(name) != os.environ.get(name) and name not in _NOT_THE_TESTS
     )
     if changed:
-        own = os.environ.get(_PYTEST_OWN)
+        kept = {name: os.environ[name] for name in _NOT_THE_TESTS if name in os.environ}
         os.environ.clear()
         os.environ.update(environ)
-        if own is not None:
-            os.environ[_PYTEST_OWN] = own
+        os.environ.update(kept)
         warnings.warn(
             f"the test changed the environment ({', '.join(changed)}); restored", stacklevel=1
         )

@@ -48,6 +48,10 @@ _IMPORT_TIME_ENV = re.compile(
     rf"|{re.escape(env_vars.AS_DEEPSPEED.name)}$)"
 )
 _SET_PER_RANK = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS"})
+# Set by torch itself in whatever process first asks inductor for its cache folder (always the
+# same default path), and read then, not at import: a caller that had not yet asked when the
+# server started must not make every later run spawn.
+_SET_LAZILY_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 
 _server_env: tuple[int, dict[str, str]] | None = None
 """(fork server pid, the environment it was started with)."""
@@ -56,7 +60,8 @@ _server_lock = threading.Lock()
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if _IMPORT_TIME_ENV.match(k) and k not in _SET_PER_RANK}
+    skip = _SET_PER_RANK | _SET_LAZILY_BY_TORCH
+    return {k: v for k, v in env.items() if _IMPORT_TIME_ENV.match(k) and k not in skip}
 
 
 def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext, int]:
