@@ -286,6 +286,25 @@ def partita_group_bytes() -> dict[str, int]:
     return {g: comm.COUNTERS.bytes(group=g) for g in ("dp_shard", "dp_replicate")}
 
 
+def _setup_or_exit(
+    args: argparse.Namespace, model: torch.nn.Module, rank: int
+) -> tuple[StepFn, dict[str, Any]]:
+    """The configuration's step function and extra fields; a configuration the library refuses
+    ends the worker with its error as the row (written by rank 0)."""
+    try:
+        if args.worker == "ddp":
+            return setup_ddp(model)
+        if args.worker == "fsdp2-hsdp":
+            return setup_hsdp(model)
+        return setup_engine(args.worker, model, args.micro_batch)
+    except Exception as exc:
+        if rank == 0:
+            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            Path(args.result_file).write_text(json.dumps({"error": error}))
+        sys.stdout.flush()
+        os._exit(0)
+
+
 def worker(args: argparse.Namespace) -> None:
     """One configuration on one rank: build, time, count bytes, (rank 0) write the result."""
     torch.set_num_threads(args.threads)
@@ -299,21 +318,8 @@ def worker(args: argparse.Namespace) -> None:
     baseline = common.peak_rss_mb()
     model = common.build_gpt2(args.model, args.seed)
     params = common.count_params(model)
-    try:
-        if args.worker == "ddp":
-            step, extra = setup_ddp(model)
-        elif args.worker == "fsdp2-hsdp":
-            step, extra = setup_hsdp(model)
-        else:
-            step, extra = setup_engine(args.worker, model, args.micro_batch)
-    except Exception as exc:  # a configuration the library refuses: its error is the row
-        if rank == 0:
-            error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            Path(args.result_file).write_text(json.dumps({"error": error}))
-        sys.stdout.flush()
-        os._exit(0)
-
-    per_step: list[dict[str, int]] = []
+    step, extra = _setup_or_exit(args, model, rank)
+    per_step: list[dict[str, float]] = []
     own_per_step: list[dict[str, int]] = []
 
     def counted(batch: torch.Tensor) -> torch.Tensor:
@@ -334,7 +340,7 @@ def worker(args: argparse.Namespace) -> None:
     source = "counted (torch.distributed wrapped)"
     if args.worker == "ddp":  # DDP's C++ reducer calls the process group, not these functions
         grads = sum(p.numel() * p.element_size() for p in model.parameters())
-        last = {"payload/world": grads, "sent/world": grads * 2 * (world - 1) / world}
+        last = {"payload/world": float(grads), "sent/world": grads * 2 * (world - 1) / world}
         source = "computed: DDP all-reduces every gradient over the 4 ranks once per step"
     extra.update(
         params=params,
@@ -371,7 +377,7 @@ def columns(reference: dict[str, Any] | None) -> list[common.Column]:
     """Bytes per step per rank inside the shard group, across replicas, over all ranks, and the
     cross-replica bytes against FSDP2 HSDP's."""
 
-    def cross(res: dict[str, Any]) -> int:  # a collective over all 4 ranks crosses too
+    def cross(res: dict[str, Any]) -> float:  # a collective over all 4 ranks crosses too
         return link_bytes(res, "replicate") + link_bytes(res, "world")
 
     ref_cross = cross(reference) if reference else 0
