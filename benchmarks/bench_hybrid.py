@@ -413,6 +413,17 @@ def run_job(args: argparse.Namespace, impl: str, shared: list[str]) -> tuple[Any
     return result, ""
 
 
+def own_counter_lines(rows: list[common.Row]) -> str:
+    """Markdown lines with partita's own per-group counters of each row that has them."""
+    own = [
+        f"- {r.name}: partita's own counters per step: "
+        + ", ".join(f"{g} {mb(v)} MB" for g, v in r.result["partita_counters_per_step"].items())
+        for r in rows
+        if r.result and r.result.get("partita_counters_per_step")
+    ]
+    return "\n" + "\n".join(own) + "\n" if own else ""
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -455,14 +466,7 @@ def main() -> None:
         rows, rss_reference=ref_label, title=title, time_reference=ref_label,
         extra_columns=columns(reference),
     )  # fmt: skip
-    own = [
-        f"- {r.name}: partita's own counters per step: "
-        + ", ".join(f"{g} {mb(v)} MB" for g, v in r.result["partita_counters_per_step"].items())
-        for r in rows
-        if r.result and r.result.get("partita_counters_per_step")
-    ]
-    if own:
-        markdown += "\n" + "\n".join(own) + "\n"
+    markdown += own_counter_lines(rows)
     print("\n" + markdown)
     gaps = common.loss_gaps(rows, reference=IMPLS["ddp"])
     payload = {
