@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # benchmarks/ is not a package: found through the path entry above
+from bench_zero import StepFn, fused_adamw, setup_ddp, torch_step  # the same torch peers
 
 # A GPT-2 of a few million parameters over byte tokens (the corpus is bytes): 6 blocks of 256.
 common.MODEL_SHAPES.setdefault(
@@ -65,8 +66,6 @@ IMPLS: dict[str, str] = {
 }
 PEERS = ("fsdp2-hsdp", "deepspeed-mics", "deepspeed-z2", "ddp")
 REFERENCE = "fsdp2-hsdp"
-
-StepFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def parse_args() -> argparse.Namespace:
@@ -202,38 +201,6 @@ BYTES = GroupBytes()
 
 
 # --- worker ----------------------------------------------------------------------------------
-
-
-def fused_adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        params, lr=common.LR, betas=common.BETAS, eps=common.EPS,
-        weight_decay=common.WEIGHT_DECAY, fused=True,
-    )  # fmt: skip
-
-
-def torch_step(model: torch.nn.Module, forward: torch.nn.Module, opt: Any) -> StepFn:
-    """The torch peers' step, mirroring an engine's: forward, backward, clip, step."""
-
-    def step(batch: torch.Tensor) -> torch.Tensor:
-        loss = forward(batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), common.CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step
-
-
-def setup_ddp(model: torch.nn.Module) -> tuple[StepFn, dict[str, Any]]:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    dist.init_process_group("gloo")
-    opt = fused_adamw(model.parameters())
-    return torch_step(model, DistributedDataParallel(model), opt), {
-        "optimizer": "AdamW(fused=True)"
-    }
 
 
 def setup_hsdp(model: torch.nn.Module) -> tuple[StepFn, dict[str, Any]]:

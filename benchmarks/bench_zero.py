@@ -363,7 +363,8 @@ def alternate_check(step: StepFn, engine: Any) -> tuple[StepFn, list[bool]]:
     the others (ABBA: a drift in the machine's speed falls on both alike); the list records
     each call's setting. Every rank switches at the same call, so the identities still pair."""
     check = engine.strategy.divergence
-    enabled, checked = check.enabled, []
+    enabled = check.enabled
+    checked: list[bool] = []
 
     def paired(batch: torch.Tensor) -> torch.Tensor:
         check.enabled = enabled and len(checked) % 4 in (0, 3)
