@@ -52,6 +52,7 @@ _SET_PER_RANK = frozenset({"OMP_NUM_THREADS", "MKL_NUM_THREADS"})
 # same default path), and read then, not at import: a caller that had not yet asked when the
 # server started must not make every later run spawn.
 _SET_LAZILY_BY_TORCH = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+_NOT_COMPARED = _SET_PER_RANK | _SET_LAZILY_BY_TORCH
 
 _server_env: tuple[int, dict[str, str]] | None = None
 """(fork server pid, the environment it was started with)."""
@@ -60,8 +61,7 @@ _server_lock = threading.Lock()
 
 
 def _import_time_env(env: dict[str, str]) -> dict[str, str]:
-    skip = _SET_PER_RANK | _SET_LAZILY_BY_TORCH
-    return {k: v for k, v in env.items() if _IMPORT_TIME_ENV.match(k) and k not in skip}
+    return {k: v for k, v in env.items() if _IMPORT_TIME_ENV.match(k) and k not in _NOT_COMPARED}
 
 
 def start_context(env: dict[str, str]) -> tuple[SpawnContext | ForkServerContext, int]:
