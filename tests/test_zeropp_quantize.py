@@ -1,0 +1,84 @@
+"""Block-wise int8 quantization (`partita.precision.quantize`, [Note: block quantization]): each
+block's round trip within its analytic bound, the packed wire format, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partita.precision.quantize import (
+    INT8_MAX,
+    check_block_size,
+    dequantize_blocks,
+    pack,
+    packed_nbytes,
+    quantize_blocks,
+    unpack,
+)
+
+
+def _samples() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    normal = torch.randn(4096, generator=g)
+    spread = normal * torch.logspace(-6, 3, 4096)  # magnitudes over nine decades
+    zeros_in = normal.clone()
+    zeros_in[256:512] = 0.0  # a whole block of zeros
+    return [normal, spread, zeros_in, torch.full((512,), -3.5)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256, 512])
+def test_each_block_round_trips_within_half_a_quantization_step(block_size: int) -> None:
+    """|x - dequant(quant(x))| <= scale / 2 per element, scale = max|x| / 127 over its block
+    (the fp32 product adds at most one rounding of the result, hence the relative 2^-23)."""
+    for x in _samples():
+        values, scales = quantize_blocks(x, block_size)
+        assert values.dtype == torch.int8 and scales.dtype == torch.float32
+        assert int(values.abs().max()) <= INT8_MAX
+        blocks = x.reshape(-1, block_size)
+        want_scale = blocks.abs().amax(dim=1) / INT8_MAX
+        assert torch.equal(scales, want_scale)
+        error = (dequantize_blocks(values, scales) - x).reshape(-1, block_size).abs()
+        bound = scales.unsqueeze(1) / 2 + blocks.abs() * 2.0**-23
+        assert bool((error <= bound).all()), float((error - bound).max())
+
+
+def test_zero_blocks_and_exact_grid_values_are_exact() -> None:
+    x = torch.zeros(64)
+    x[32:] = torch.arange(-16, 16, dtype=torch.float32) * 0.5  # multiples of its step
+    x[63] = INT8_MAX * 0.5  # the block's max: step exactly 0.5
+    values, scales = quantize_blocks(x, 32)
+    assert float(scales[0]) == 0.0
+    assert torch.equal(dequantize_blocks(values, scales), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_other_dtypes_come_back_in_their_own_dtype(dtype: torch.dtype) -> None:
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(1)).to(dtype)
+    values, scales = quantize_blocks(x, 128)
+    back = dequantize_blocks(values, scales, dtype)
+    assert back.dtype == dtype
+    step = scales.repeat_interleave(128)
+    # Half a step, then the cast to `dtype` rounds once more (relative eps of `dtype`).
+    eps = torch.finfo(dtype).eps
+    assert bool(((back.double() - x.double()).abs() <= step / 2 + x.double().abs() * eps).all())
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 1000])
+def test_packed_buffer_carries_values_and_scales(numel: int) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    buf = pack(x, 256)
+    assert buf.dtype == torch.uint8
+    assert buf.numel() == packed_nbytes(numel, 256) == -(-numel // 256) * (256 + 4)
+    padded = torch.cat([x, x.new_zeros(-numel % 256)])
+    want = dequantize_blocks(*quantize_blocks(padded, 256))[:numel]
+    assert torch.equal(unpack(buf, numel, 256, torch.float32), want)
+
+
+def test_a_block_size_that_does_not_divide_is_named() -> None:
+    quantize_blocks(torch.zeros(1000), 100)  # divides: fine
+    with pytest.raises(ValueError, match=r"block size 300 does not divide the tensor's 1000"):
+        quantize_blocks(torch.zeros(1000), 300)
+    with pytest.raises(ValueError, match=r"block size 0 must be a positive integer"):
+        check_block_size(10, 0)
+    with pytest.raises(ValueError, match="packed buffer"):
+        unpack(torch.zeros(10, dtype=torch.uint8), 100, 64, torch.float32)
