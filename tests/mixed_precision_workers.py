@@ -106,6 +106,7 @@ def mixed_case(
             fp32_landing=stage >= 1,
             prescale=bool(config.get("prescale_gradients", False)),
             predivide=float(config.get("gradient_predivide_factor", 1.0)),
+            average=config.get("gradient_allreduce_op", "mean").lower() == "mean",
             clip=float(config["gradient_clipping"]),
             model_kwargs=model_kwargs or {},
         )
@@ -241,10 +242,14 @@ class RefSetup:
     """Max global norm of the unscaled gradients (0: no clipping)."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     """Arguments of `models.make_model`."""
+    average: bool = True
+    """False for ``gradient_allreduce_op: "sum"``: no factor on either side of the sum."""
 
     @property
     def factors(self) -> tuple[float, float]:
         """(before, after): what the gradients are multiplied by around the sum."""
+        if not self.average:
+            return 1.0, 1.0
         if self.prescale:
             return 1.0 / self.world, 1.0
         return 1.0 / self.predivide, self.predivide / self.world

@@ -165,9 +165,9 @@ def test_message_lists_every_problem_with_its_path() -> None:
 RULES = [
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled", "both enabled"),
     (
-        {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
-        "zero_optimization.offload_param",
-        "needs zero_optimization.stage 3 (got stage 2)",
+        {"gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}},
+        "gradient_allreduce_op",
+        "'sum' is not supported with ZeRO stage 3",
     ),
     (
         {"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
@@ -237,14 +237,42 @@ def test_cross_field_rules_are_all_reported() -> None:
         {
             "fp16": {"enabled": True},
             "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 1, "offload_param": {"device": "nvme"}},
+            "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme"}},
         }
     )
     assert [p for p, _ in _problems(raw)] == [
         "fp16.enabled",
-        "zero_optimization.offload_param.nvme_path",
-        "zero_optimization.offload_param",
+        "zero_optimization.offload_optimizer.nvme_path",
+        "zero_optimization.offload_optimizer",
     ]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_param_below_stage3_is_ignored_with_a_warning(
+    stage: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # DeepSpeed ignores the block below stage 3 (even on NVMe without a path); so does partita,
+    # saying so, and the engine places no parameter anywhere else.
+    from partita.engine_setup import offload_placement
+
+    raw = _merged({"zero_optimization": {"stage": stage, "offload_param": {"device": "nvme"}}})
+    with caplog.at_level("WARNING", logger="partita.config"):
+        cfg = load_config(raw, world_size=1)
+    assert f"offload_param has no effect at stage {stage}" in caplog.text
+    assert offload_placement(cfg).params.where == "device"
+
+
+@pytest.mark.parametrize(("value", "expected"), [("mean", "mean"), ("SUM", "sum"), ("Sum", "sum")])
+def test_gradient_allreduce_op_values(value: str, expected: str) -> None:
+    cfg = load_config(_merged({"gradient_allreduce_op": value}), world_size=1)
+    assert cfg.gradient_allreduce_op == expected
+    assert load_config(_merged({}), world_size=1).gradient_allreduce_op == "mean"
+
+
+def test_gradient_allreduce_op_refuses_other_ops() -> None:
+    problems = _problems(_merged({"gradient_allreduce_op": "max"}))
+    assert [p for p, _ in problems] == ["gradient_allreduce_op"]
+    assert "Invalid gradient_allreduce_op 'max': use 'mean' or 'sum'" in problems[0][1]
 
 
 def test_direct_model_validation_also_applies_rules() -> None:
@@ -271,9 +299,9 @@ def test_direct_model_validation_also_applies_rules() -> None:
         ({"compression_training": {}}, "compression_training"),
         ({"data_efficiency": {"enabled": True}}, "data_efficiency"),
         ({"curriculum_learning": {"enabled": True}}, "curriculum_learning"),
-        ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
         ({"optimizer": {"type": "Adam", "legacy_fusion": True}}, "optimizer.legacy_fusion"),
         ({"zero_optimization": {"zenflow": {"topk_ratio": 0.1}}}, "zero_optimization.zenflow"),
+        ({"zero_optimization": {"zenflow": {}}}, "zero_optimization.zenflow"),  # on, defaults
         ({"checkpoint": {"writer": {"type": "fast"}}}, "checkpoint.writer"),
     ],
 )

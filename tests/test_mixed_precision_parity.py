@@ -155,6 +155,15 @@ def _cases(world: int) -> list[dict[str, Any]]:
                     "extra": {"prescale_gradients": True},
                 },
             ]
+        if world > 1 and stage < 3:  # the plain sum, no factor (stage 3 refuses it)
+            cases += [
+                {
+                    "precision": "bf16",
+                    "stage": stage,
+                    "steps": STEPS,
+                    "extra": {"gradient_allreduce_op": "sum", "gradient_predivide_factor": 2.0},
+                },
+            ]
     return cases
 
 

@@ -324,6 +324,11 @@ class DeepSpeedEngineMethods:
         """``gradient_predivide_factor``."""
         return float(self._config.gradient_predivide_factor)
 
+    @property
+    def gradient_average(self) -> bool:
+        """False when ``gradient_allreduce_op`` is ``"sum"`` (DeepSpeed's engine attribute)."""
+        return self._config.gradient_allreduce_op == "mean"
+
     # --- optimizer and scheduler --------------------------------------------------------------
     def optimizer_name(self) -> str | None:
         """The config optimizer's ``type`` (DeepSpeed's own optimizers in lower case), else the

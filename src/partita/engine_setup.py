@@ -329,9 +329,8 @@ def check_offload_paths(
     """NVMe paths exist, are writable and have room for this rank's swap files (before any
     collective, so a bad path fails every rank at once instead of hanging some)."""
     zero = config.zero_optimization
-    if not any(
-        b is not None and b.device == "nvme" for b in (zero.offload_optimizer, zero.offload_param)
-    ):
+    param = zero.offload_param if zero.stage == 3 else None  # ignored below stage 3 (rules)
+    if not any(b is not None and b.device == "nvme" for b in (zero.offload_optimizer, param)):
         return
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     total = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -345,7 +344,9 @@ def offload_placement(config: DeepSpeedConfig) -> OffloadPlacement:
     """Where masters with optimizer state, and stage-3 parameter shards, live: decided here,
     once, from the ``offload_optimizer`` and ``offload_param`` blocks (swap files opened)."""
     zero = config.zero_optimization
-    opt, param = zero.offload_optimizer, zero.offload_param
+    # offload_param means nothing below stage 3, as in DeepSpeed (a warning says so at load).
+    opt = zero.offload_optimizer
+    param = zero.offload_param if zero.stage == 3 else None
     optimizer = OptimizerPlacement()
     if opt is not None and opt.device in ("cpu", "nvme"):
         nvme = opt.device == "nvme" and zero.stage == 3
@@ -395,7 +396,10 @@ def strategy(
     group = dims.zero_group
     replicas = dims.replicate_group if dims.hybrid else None
     scaling = ReduceScaling(
-        len(dims.grad_ranks), config.prescale_gradients, config.gradient_predivide_factor
+        len(dims.grad_ranks),
+        config.prescale_gradients,
+        config.gradient_predivide_factor,
+        average=config.gradient_allreduce_op == "mean",
     )
     tensor = tensor_parallel_norm(module, dims)
     if zero.stage == 0:

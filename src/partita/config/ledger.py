@@ -265,6 +265,7 @@ LEDGER: dict[str, Entry] = {
     "communication_data_type": _read(_SETUP),
     "prescale_gradients": _read(_SETUP),
     "gradient_predivide_factor": _read(_SETUP),
+    "gradient_allreduce_op": _read(_SETUP),
     "zero_allow_untested_optimizer": _inert(
         "partita has no list of tested optimizers: every torch optimizer runs under ZeRO"
     ),

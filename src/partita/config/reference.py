@@ -210,6 +210,8 @@ def _accepted_values(entry: Unsupported) -> str:
         return "switched off: `null`, `false`, `{}` or `enabled: false`"
     cells = entry.inert.__closure__ or ()
     inert = next((c.cell_contents for c in cells if isinstance(c.cell_contents, tuple)), ())
+    if not inert:
+        return "`null` only"
     return "`null` or " + ", ".join(_value(v) for v in inert)
 
 

@@ -93,6 +93,21 @@ class DeepSpeedConfig(Section):
         description="Divide gradients by this before the reduction and by world_size / factor "
         "after it.",
     )
+    gradient_allreduce_op: str = Field(
+        default="mean",
+        description="How data-parallel gradients combine: 'mean' (the average, the default) or "
+        "'sum' (the plain sum: no division by the world size, no predivide factor); matched "
+        "ignoring case. 'sum' is for ZeRO stages 0-2.",
+    )
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: Any) -> Any:
+        op = value.lower() if isinstance(value, str) else value
+        if op not in ("mean", "sum"):
+            raise ValueError(f"Invalid gradient_allreduce_op {value!r}: use 'mean' or 'sum'")
+        return op
+
     zero_allow_untested_optimizer: Bool = Field(
         default=False, description="Allow ZeRO with an optimizer that is not on the tested list."
     )

@@ -49,15 +49,19 @@ class _Bucket:
 class ReduceScaling:
     """How gradients are averaged, following DeepSpeed's ``prescale_gradients`` and
     ``gradient_predivide_factor``: divide by the factor before the sum and by
-    world_size/factor after it (or by world_size before, when prescaling)."""
+    world_size/factor after it (or by world_size before, when prescaling). With ``average``
+    False (``gradient_allreduce_op: "sum"``) the plain sum: neither divides, as in DeepSpeed."""
 
     world_size: int
     prescale: bool = False
     predivide_factor: float = 1.0
+    average: bool = True
 
     @property
     def before(self) -> float:
         """Multiplier applied before the all-reduce."""
+        if not self.average:
+            return 1.0
         if self.prescale:
             return 1.0 / self.world_size
         return 1.0 / self.predivide_factor
@@ -65,6 +69,8 @@ class ReduceScaling:
     @property
     def after(self) -> float:
         """Multiplier applied after the all-reduce."""
+        if not self.average:
+            return 1.0
         if self.prescale:
             return 1.0
         return self.predivide_factor / self.world_size
