@@ -41,12 +41,23 @@ ATTENTION = [
     {"kind": "attention", "sp": 4, "batch_dim_idx": 1, "kv_heads": 4},  # [s, b, h, d]
 ]
 REFUSALS = ["sp3", "sp8", "dp_size_bad", "dp_size_ok", "heads", "kv_heads", "seq_len"]
+RESUMES = {  # saved at (sp, stage), then loaded at each of `loads`
+    (2, 2): [(2, 2), (1, 1), (4, 3)],
+    (4, 3): [(4, 3), (2, 0)],
+}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
+    root = tmp_path_factory.mktemp("sp_checkpoints")
+    resumes = [
+        {"kind": "resume", "sp": sp, "stage": stage, "save_dir": str(root / f"sp{sp}_z{stage}"),
+         "loads": loads}
+        for (sp, stage), loads in RESUMES.items()
+    ]  # fmt: skip
     cases = [*TRAIN, RERUN, *EXTRA.values(), *SGD.values(), *HF.values(), *ATTENTION, *refusals]
+    cases += resumes
     per_case = iter(run_distributed_grid(ulysses_grid, WORLD, cases, timeout=300))
     return {
         "train": {(c["sp"], c["stage"]): next(per_case) for c in TRAIN},
@@ -56,6 +67,7 @@ def results() -> dict:
         "hf": {key: next(per_case) for key in HF},
         "attention": [next(per_case) for _ in ATTENTION],
         "refusals": {what: next(per_case) for what in REFUSALS},
+        "resume": {key: next(per_case) for key in RESUMES},
     }
 
 
@@ -194,3 +206,23 @@ def test_head_counts_split_or_repeat_or_refuse() -> None:
     for heads, kv, sp in ((6, 6, 4), (12, 3, 2), (12, 6, 4)):
         with pytest.raises(ValueError, match=f"{sp}"):
             check_heads(heads, kv, sp)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("saved", list(RESUMES), ids=lambda k: f"sp{k[0]}-stage{k[1]}")
+def test_checkpoint_under_sequence_parallelism_resumes_and_reshards(
+    results: dict, saved: tuple[int, int]
+) -> None:
+    """Saved after step 2 of 5 at (sp, stage): loaded at the same (sp, stage), the last 3 steps
+    and the final weights are bitwise those of the uninterrupted run; loaded at another
+    sequence-parallel size and stage (down to plain data parallelism over the 4 ranks), the
+    last 3 losses stay within rtol 1e-6 of one process on the same tokens."""
+    want = reference(STEPS, batch=4, dtype=torch.float32)["losses"]
+    for got in results["resume"][saved]:
+        assert_losses(got["whole"], want)
+        same = got[saved]
+        assert same == got["whole"][2:]
+        for x, y in zip(got[("params", *saved)], got["whole_params"], strict=True):
+            assert torch.equal(x, y)
+        for load in RESUMES[saved][1:]:
+            assert_losses(got[load], want[2:])

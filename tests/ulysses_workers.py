@@ -361,9 +361,71 @@ def refusal(what: str) -> str:
     return ""
 
 
+RESUME_BATCH = 4
+"""Sequences per step in the checkpoint cases, whatever the data-parallel size."""
+
+
+def _engine(sp: int, stage: int) -> tuple[Any, TinyLlama]:
+    """An engine of `RESUME_BATCH` sequences per step at `sp` over the 4 ranks."""
+    model = TinyLlama()
+    cfg = config(sp, stage)
+    cfg["train_micro_batch_size_per_gpu"] = RESUME_BATCH // (dist.get_world_size() // sp)
+    engine, _, _, _ = partita.initialize(model=model, config=cfg)
+    if sp > 1:  # else plain attention over whole sequences
+        model.set_sequence_group(engine.get_sequence_parallel_group())
+    return engine, model
+
+
+def _run(engine: Any, steps: range) -> list[float]:
+    """Steps `steps` of the shared batch sequence; each the loss over every rank."""
+    dims = engine.dims
+    micro = RESUME_BATCH // dims.dp_world_size
+    local = SEQ // dims.sp_world_size
+    positions = torch.arange(dims.sp_rank * local, (dims.sp_rank + 1) * local)
+    losses = []
+    for tokens, targets in batches(steps.stop, RESUME_BATCH)[steps.start :]:
+        mine = slice(dims.dp_rank * micro, (dims.dp_rank + 1) * micro)
+        tok, tgt = tokens[mine], targets[mine]
+        if dims.sp_world_size > 1:
+            tok, tgt = (shard_sequence(t, dims.sp_group) for t in (tok, tgt))
+        loss = engine(tok, tgt, positions)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / dist.get_world_size()).item())
+    return losses
+
+
+def resume(sp: int, stage: int, save_dir: str, loads: list[tuple[int, int]]) -> dict[str, Any]:
+    """Trains `STEPS` steps at (`sp`, `stage`), saving a checkpoint after the second; then,
+    for each (sp, stage) of `loads`, a new engine loads it and trains the remaining steps.
+    The losses of every run, and each run's final weights."""
+    engine, _ = _engine(sp, stage)
+    first = _run(engine, range(2))
+    engine.save_checkpoint(save_dir, tag="two")
+    out: dict[str, Any] = {"whole": first + _run(engine, range(2, STEPS))}
+    out["whole_params"] = _full_params(engine, stage)
+    engine.destroy()
+    for load_sp, load_stage in loads:
+        engine, _ = _engine(load_sp, load_stage)
+        engine.load_checkpoint(save_dir, tag="two")
+        out[(load_sp, load_stage)] = _run(engine, range(2, STEPS))
+        out[("params", load_sp, load_stage)] = _full_params(engine, load_stage)
+        engine.destroy()
+    return out
+
+
 def ulysses_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid: ``train``, ``attention`` or ``refusal`` with its arguments."""
-    kinds = {"train": train, "hf": hf_train, "attention": attention_parity, "refusal": refusal}
+    """One case of the grid: ``train``, ``hf``, ``attention``, ``resume`` or ``refusal``
+    with its arguments."""
+    kinds = {
+        "train": train,
+        "hf": hf_train,
+        "attention": attention_parity,
+        "resume": resume,
+        "refusal": refusal,
+    }
     return kinds[kind](**kwargs)
 
 

@@ -401,7 +401,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import save_checkpoint
 
         self._require_resident_states("save_checkpoint()")
-        self._refuse_hybrid("save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -411,16 +410,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
             exclude_frozen_parameters=exclude_frozen_parameters,
             async_save=async_save,
         )
-
-    def _refuse_hybrid(self, what: str) -> None:
-        """Checkpoints name shards by data-parallel rank (by shard rank under hybrid sharding);
-        under sequence parallelism the shards are cut over more ranks than that."""
-        if self.dims.sp_world_size > 1:
-            raise NotImplementedError(
-                f"{what} with sequence_parallel_size > 1 is not supported yet (ZeRO's shards "
-                "are cut over every rank, the checkpoint names them by data-parallel rank); "
-                "save_16bit_model() writes the full weights"
-            )
 
     def load_checkpoint(
         self,
@@ -438,7 +427,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import load_checkpoint
 
         self._require_resident_states("load_checkpoint()")
-        self._refuse_hybrid("load_checkpoint()")
         return load_checkpoint(
             self,
             load_dir,

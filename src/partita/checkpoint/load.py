@@ -28,6 +28,7 @@ from partita.checkpoint.state import (
     restore_optimizer_groups,
     restore_rank_state,
     set_module_value,
+    state_place,
 )
 from partita.checkpoint.subject import CheckpointSubject
 from partita.optim.cpu_adam import torch_class_name
@@ -258,7 +259,7 @@ def _restore_training_state(
 def _restore_rank_state(engine: CheckpointSubject, meta: dict[str, Any]) -> None:
     """RNG and data loader position, per data-parallel rank; at another data-parallel world
     size what is well defined (see `partita.checkpoint.state.restore_rank_state`)."""
-    restore_rank_state(engine, meta, engine.dims.dp_rank, engine.dims.dp_world_size)
+    restore_rank_state(engine, meta, *state_place(engine.dims))
 
 
 __all__ = ["load_checkpoint"]

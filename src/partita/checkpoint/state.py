@@ -32,7 +32,17 @@ def file_place(dims: ParallelDims) -> tuple[int, int]:
     strategy owns, from whatever files hold them."""
     if dims.hybrid:
         return dims.shard_ranks.index(dims.rank), len(dims.shard_ranks)
-    return dims.dp_rank, dims.dp_world_size
+    # Under sequence parallelism ZeRO cuts over the sequence-data-parallel group (every rank
+    # holding the parameters), more ranks than the data-parallel ones.
+    return dims.grad_ranks.index(dims.rank), len(dims.grad_ranks)
+
+
+def state_place(dims: ParallelDims) -> tuple[int, int]:
+    """This rank's place ``(rank, world size)`` among the per-rank RNG and data loader states
+    a checkpoint keeps: one per rank ZeRO reduces over (every data-parallel rank, times the
+    sequence ranks under sequence parallelism: each rank of a sequence group draws its own
+    random numbers)."""
+    return dims.grad_ranks.index(dims.rank), len(dims.grad_ranks)
 
 
 def writes_files(dims: ParallelDims) -> bool:
@@ -41,7 +51,7 @@ def writes_files(dims: ParallelDims) -> bool:
     group when each holds its own tensor slice; the others hold copies of their state."""
     if dims.tp_world_size > 1:
         return True
-    return 0 in (dims.shard_ranks if dims.hybrid else dims.dp_ranks)
+    return 0 in (dims.shard_ranks if dims.hybrid else dims.grad_ranks)
 
 
 @dataclass(frozen=True)
