@@ -14,8 +14,7 @@ from partita.env import AS_DEEPSPEED
 # DeepSpeed modules (dotted, without the leading "deepspeed.") -> the feature they belong to.
 FEATURES: dict[str, str] = {
     "sequence": "sequence parallelism beyond Ulysses attention (FPDT, AutoSP, vocab-parallel loss)",
-    "runtime.sequence_parallel": "ALST's sequence-tiled compute (TiledMLP, "
-    "TiledFusedLogitsLoss, sequence_tiled_compute)",
+    "runtime.sequence_parallel": "ALST's debugging helpers (AutogradComputeMLP)",
     "pipe": "pipeline parallelism",
     "runtime.pipe": "pipeline parallelism",
     "moe": "DeepSpeed-MoE expert parallelism",

@@ -1,7 +1,8 @@
 """``deepspeed.runtime.sequence_parallel.ulysses_sp``: ALST's Ulysses for Hugging Face models
 (``UlyssesSPAttentionHF``, its ``register_with_transformers``, ``UlyssesSPDataLoaderAdapter``)
-over `partita.parallel.ulysses`; the tiled compute (``TiledMLP``, ``TiledFusedLogitsLoss``,
-``sequence_tiled_compute``) is not offered yet and is refused by name."""
+over `partita.parallel.ulysses`; the sequence-tiled compute (``TiledMLP``,
+``TiledFusedLogitsLoss``, ``sequence_tiled_compute``, ``SequenceTiledCompute``) over
+`partita.tiling.sequence`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from partita import comm
 from partita.compat.deepspeed._missing import module_getattr
 from partita.parallel.ulysses import SequenceShardingLoader, UlyssesHFAttention, check_heads
+from partita.tiling.sequence import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 
 __getattr__ = module_getattr("deepspeed.runtime.sequence_parallel.ulysses_sp")
 
@@ -154,4 +156,44 @@ class UlyssesSPAttentionHF(torch.nn.Module):
         return mpu
 
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+class SequenceTiledCompute:
+    """DeepSpeed's positional form, ``SequenceTiledCompute.apply(fn, seqlen, shards,
+    keys_to_shard, keys_to_pass, grad_requiring_tensor_key, compute_params,
+    output_unshard_dimension, output_reduction, *values)`` (the sharded values, then the passed
+    ones), over `sequence_tiled_compute`."""
+
+    @staticmethod
+    def apply(
+        fn: Any,
+        seqlen: int,
+        shards: int,
+        keys_to_shard: list[str],
+        keys_to_pass: list[str],
+        grad_requiring_tensor_key: str,
+        compute_params: Any,
+        output_unshard_dimension: int,
+        output_reduction: str | None,
+        *values: Any,
+    ) -> torch.Tensor:
+        """See the class docstring."""
+        if len(values) != len(keys_to_shard) + len(keys_to_pass):
+            raise ValueError(
+                f"SequenceTiledCompute.apply: {len(values)} values for {len(keys_to_shard)} "
+                f"keys to shard and {len(keys_to_pass)} keys to pass"
+            )
+        n = len(keys_to_shard)
+        return sequence_tiled_compute(
+            fn, seqlen, shards, dict(zip(keys_to_shard, values[:n], strict=True)),
+            dict(zip(keys_to_pass, values[n:], strict=True)), grad_requiring_tensor_key,
+            compute_params, output_unshard_dimension, output_reduction,
+        )  # fmt: skip
+
+
+__all__ = [
+    "SequenceTiledCompute",
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
+    "sequence_tiled_compute",
+]
