@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from partita import cluster_env, comm, engine_setup, env
+from partita import cluster_env, comm, engine_setup, engine_tensor, env
 from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
@@ -64,6 +64,11 @@ def _world_size(dims: comm.ParallelDims | None) -> int:
     if comm.is_initialized():
         return comm.get_world_size()
     return cluster_env.detect().world_size
+
+
+def _job_world() -> int:
+    """Ranks in the job (every dimension), known before any collective runs."""
+    return comm.get_world_size() if comm.is_initialized() else cluster_env.detect().world_size
 
 
 def _check_same_config_on_every_rank(cfg: DeepSpeedConfig) -> None:
@@ -140,22 +145,30 @@ def initialize(
         source = take_pipeline_section(source, model)
     # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
     sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
+    # So do the ranks of one tensor slice (an mpu's data-parallel size excludes them already).
+    tp = engine_tensor.autotp_size(source, _job_world())
+    batch_world = _world_size(dims) // sp // (1 if mpu is not None else tp)
     cfg: DeepSpeedConfig = (
         source
         if isinstance(source, DeepSpeedConfig)
-        else load_config(source, world_size=_world_size(dims) // sp)
+        else load_config(source, world_size=batch_world)
     )
     engine_setup.check_supported(cfg)
     engine_setup.check_sequence_parallel(cfg, None if mpu else _world_size(dims))
     shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))  # before collectives
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
+    engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
+    if tp > 1:  # the tensor groups (or the mpu's): ZeRO runs over each slice's lane
+        dims = engine_tensor.tensor_dims(tp, dims)
     dims = _job_dims(dims, shard, sp)
     set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)
+    engine_tensor.parallelize_model(model, dims)  # before the engine broadcasts over dp
+    engine_tensor.clear_recorded()  # tp_model_init's arguments were this job's
     engine = engine_class(
         model,
         cfg,

@@ -84,10 +84,6 @@ REFUSED: Mapping[str, str] = {
     "get_autotp_backend": _NO_DEEPCOMPILE,
     "get_deepcompile_backend": _NO_DEEPCOMPILE,
     "get_deepspeed_compile_backend": _NO_DEEPCOMPILE,
-    "tensor_parallel_config": "partita trains without AutoTP (tensor parallelism is for "
-    "inference: partita.inference)",
-    "autotp_size": "partita trains without AutoTP (tensor parallelism is for inference: "
-    "partita.inference)",
     "zenflow_config": "partita has no ZenFlow",
     "swap_tensor_config": "NVMe swapping is configured by zero_optimization.offload_* and aio",
     "checkpoint_serialization_enabled": "partita writes its own sharded format (safetensors "
@@ -202,6 +198,26 @@ class DeepSpeedEngineMethods:
     def get_model_parallel_rank(self) -> int:
         """This rank's model-parallel index: its tensor-parallel rank (no pipeline stages)."""
         return int(self.dims.tp_rank)
+
+    def get_tensor_parallel_world_size(self) -> int:
+        """Ranks each tensor-parallel layer is split across (1 without tensor parallelism)."""
+        return int(self.dims.tp_world_size)
+
+    def get_tensor_parallel_group(self) -> Any:
+        """The tensor-parallel group (None: the default group, or no tensor parallelism:
+        `get_tensor_parallel_world_size` says which)."""
+        return self.dims.tp_group
+
+    def autotp_size(self) -> int:
+        """DeepSpeed's ``autotp_size()``: the tensor-parallel size when the model is split
+        (also when `tp_model_init` set it), else the config's value (0: off)."""
+        if self.dims.tp_world_size > 1:
+            return int(self.dims.tp_world_size)
+        return int(self._config.tensor_parallel.autotp_size)
+
+    def tensor_parallel_config(self) -> Any:
+        """The config's ``tensor_parallel`` section."""
+        return self._config.tensor_parallel
 
     def get_sequence_parallel_group(self) -> Any:
         """The sequence-parallel group (``sequence_parallel_size`` > 1); an AttributeError

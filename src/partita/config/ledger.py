@@ -81,6 +81,7 @@ _STAGE3 = "zero/stage3/strategy.py"
 _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"
+_TENSOR = "engine_tensor.py"
 _FP32_MASTERS = "partita keeps fp32 master weights and optimizer states"
 _NO_PIPELINE = "pipeline parallelism is not supported by partita"
 # deepspeed.checkpointing.checkpoint (partita.activations) reads the section; initialize()
@@ -323,6 +324,51 @@ LEDGER: dict[str, Entry] = {
     ),
     "data_types.buffer_dtype": _refused(
         "module buffers keep the training dtype; there is no separate buffer dtype", "fp32"
+    ),
+    "tensor_parallel.autotp_size": _read(_TENSOR),
+    "tensor_parallel.tensor_parallel.tp_size": _read(_TENSOR),
+    "tensor_parallel.dtype": _inert(
+        "partita trains in the precision of the fp16 / bf16 sections (DeepSpeed's AutoTP "
+        "training does too)"
+    ),
+    "tensor_parallel.tp_overlap_comm": _inert(
+        "overlaps DeepSpeed's column-parallel gradient all-reduce with compute; the numbers "
+        "are the same"
+    ),
+    "tensor_parallel.keep_module_on_host": _inert(
+        "where DeepSpeed's AutoTP keeps weights while it slices them; partita slices the "
+        "model where it is and the engine places it"
+    ),
+    "tensor_parallel.vocab_parallel_lm_head": _refused(
+        "a vocabulary-parallel loss (an untied head is split by vocabulary and its logits "
+        "gathered; use false or null)",
+        True,
+        accepts=lambda value, cfg: not value,
+    ),
+    "tensor_parallel.vocab_parallel_ce_backend": _refused("the Liger cross-entropy", "liger"),
+    "tensor_parallel.tensor_parallel.tp_grain_size": _refused(
+        "uneven splits (every split is even, or refused by name)", 64
+    ),
+    "tensor_parallel.tensor_parallel.mpu": _refused(
+        "an mpu in the config; pass initialize(mpu=...)", "mpu"
+    ),
+    "tensor_parallel.tensor_parallel.tp_group": _refused(
+        "a tensor group in the config; partita builds the groups from autotp_size", "group"
+    ),
+    "tensor_parallel.injection_policy_tuple": _refused(
+        "an AutoTP injection policy for training (the model's tp plan and the name rules "
+        "decide)",
+        ["o_proj"],
+    ),
+    "tensor_parallel.partition_config": _refused(
+        "custom AutoTP layer specs (the model's tp plan and the name rules decide)",
+        {"layer_specs": []},
+    ),
+    "tensor_parallel.preset_model": _refused(
+        "AutoTP presets (the model's tp plan and the name rules decide)", "llama"
+    ),
+    "tensor_parallel.replace_with_kernel_inject": _refused(
+        "DeepSpeed's inference kernels", True
     ),
 }
 """Dotted schema path -> what partita does with it (see the module docstring)."""

@@ -20,6 +20,7 @@ from .sections.optim import OptimizerConfig, SchedulerConfig
 from .sections.precision import BF16Config, DataTypesConfig, DTypeName, FP16Config
 from .sections.profiling import CommsLoggerConfig, FlopsProfilerConfig
 from .sections.runtime import ActivationCheckpointingConfig, AioConfig, CheckpointConfig
+from .sections.tensor import TensorParallelConfig
 from .sections.zero import ZeroConfig
 
 __all__ = ["DeepSpeedConfig"]
@@ -132,6 +133,11 @@ class DeepSpeedConfig(Section):
         default=1,
         description="Ulysses sequence parallelism: ranks that split each sequence (consecutive "
         "ranks; a divisor of the world size). The data-parallel size is world / this.",
+    )
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig,
+        description="Tensor-parallel training (DeepSpeed's AutoTP): autotp_size consecutive "
+        "ranks split each linear; the data-parallel size is world / autotp_size.",
     )
     tensorboard: TensorBoardConfig = Field(
         default_factory=TensorBoardConfig, description="TensorBoard monitor."

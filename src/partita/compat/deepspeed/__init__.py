@@ -59,6 +59,7 @@ __all__ = [
     "init_distributed",
     "init_inference",
     "initialize",
+    "tp_model_init",
     "launcher",
     "logger",
     "ops",
@@ -77,9 +78,16 @@ def init_inference(model: Any, config: Any = None, **kwargs: Any) -> Any:
     return _init_inference(model, config, **kwargs)
 
 
+def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:
+    """DeepSpeed's ``tp_model_init``: records the tensor-parallel size for the next
+    ``initialize``, which splits the model (see `partita.engine_tensor.tp_model_init`)."""
+    from partita.engine_tensor import tp_model_init as _tp_model_init
+
+    return _tp_model_init(model, tp_size, dtype, config, **kwargs)
+
+
 # DeepSpeed top-level names partita does not implement, with the feature each belongs to.
 _UNSUPPORTED = {
-    "tp_model_init": "AutoTP training (tensor_parallel.autotp_size > 1)",
     "InferenceEngine": "DeepSpeed inference",
     "DeepSpeedHybridEngine": "the RLHF hybrid engine",
     "moe": "DeepSpeed-MoE expert parallelism",

@@ -1,0 +1,176 @@
+"""What `initialize` builds for tensor-parallel training (DeepSpeed's AutoTP training): the
+tensor-parallel size, from ``tensor_parallel.autotp_size`` or `tp_model_init`, checked with the
+model's shapes before any collective; the groups (``ParallelDims.tensor_parallel``: blocks of
+``autotp_size`` consecutive ranks, data-parallel lanes across them, ZeRO over each lane); the
+split model. Composition only: the layers live in `partita.parallel.tensor`
+([Note: tensor-parallel training])."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.config import ConfigError, DeepSpeedConfig, config_error
+from partita.config.reader import read_config_file
+from partita.inference.plan import PlanError
+
+__all__ = [
+    "autotp_size",
+    "check_tensor_parallel",
+    "parallelize_model",
+    "tensor_dims",
+    "tp_model_init",
+]
+
+KEY = "tensor_parallel.autotp_size"
+
+
+@dataclass(frozen=True)
+class _InitArgs:
+    """What `tp_model_init` recorded."""
+
+    tp_size: int
+    dtype: torch.dtype | None
+
+
+_RECORDED: list[_InitArgs] = []
+
+
+def tp_model_init(
+    model: torch.nn.Module,
+    tp_size: int,
+    dtype: torch.dtype | None = None,
+    config: Any = None,
+    **kwargs: Any,
+) -> torch.nn.Module:
+    """DeepSpeed's ``tp_model_init``: records the tensor-parallel size (and dtype) for the next
+    `initialize`, which splits the model; returns `model` unchanged, as DeepSpeed 0.19 does.
+    A second call with other values, or a ``tp_group`` (partita builds the groups), raises."""
+    if kwargs.get("tp_group") is not None:
+        raise ValueError(
+            "tp_model_init(tp_group=...): partita builds the tensor groups from tp_size "
+            "(consecutive ranks); drop tp_group"
+        )
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init: tp_size {tp_size!r} must be a positive integer")
+    args = _InitArgs(tp_size, dtype)
+    if _RECORDED and _RECORDED[0] != args:
+        raise ValueError(
+            f"tp_model_init: conflicting calls (tp_size {_RECORDED[0].tp_size} then {tp_size}, "
+            f"dtype {_RECORDED[0].dtype} then {dtype})"
+        )
+    _RECORDED[:] = [args]
+    return model
+
+
+def _raw_section(source: Any) -> Mapping[str, Any] | None:
+    """The config's ``tensor_parallel`` section before validation (None: absent/unreadable)."""
+    if isinstance(source, DeepSpeedConfig):
+        return source.tensor_parallel.to_dict()
+    raw: Any = None
+    if isinstance(source, Mapping):
+        raw = source
+    elif isinstance(source, str | os.PathLike) and not str(source).lstrip().startswith("{"):
+        try:
+            raw = read_config_file(source)
+        except (OSError, ValueError, ConfigError):
+            return None
+    section = raw.get("tensor_parallel") if isinstance(raw, Mapping) else None
+    return section if isinstance(section, Mapping) else None
+
+
+def autotp_size(source: Any, world: int) -> int:
+    """The tensor-parallel size (1: off) from the config `source` (a dict, a path or a
+    `DeepSpeedConfig`) and `tp_model_init`, read before the config is validated (the batch
+    arithmetic counts ``world / autotp_size`` data-parallel ranks) and checked against the
+    `world` with the key named, before any collective."""
+    section = _raw_section(source) or {}
+    raw = section.get("autotp_size")
+    if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 0):
+        return 1  # of the wrong type: validation names it
+    size = max(int(raw or 0), 1)
+    if _RECORDED:
+        recorded = _RECORDED[0].tp_size
+        if raw is not None and max(int(raw), 1) != recorded:
+            raise config_error(
+                KEY, f"{raw}, but tp_model_init(tp_size={recorded}) asked for {recorded}"
+            )
+        size = recorded
+    if size > 1 and world % size:
+        raise config_error(
+            KEY,
+            f"{size} does not divide the world size {world} (tensor groups of consecutive "
+            "ranks, of equal size)",
+        )
+    return size
+
+
+def check_tensor_parallel(
+    config: DeepSpeedConfig, model: Any, tp: int, world: int, sequence_parallel: int, mpu: Any
+) -> None:
+    """Raises, naming the key and the value, when the config or the model cannot train at
+    tensor-parallel size `tp`; reads shapes only (no collective: every rank raises alike)."""
+    section = config.tensor_parallel
+    if not _RECORDED and max(section.autotp_size, 1) != tp:  # the raw read missed the file
+        raise config_error(KEY, f"{section.autotp_size}: read as {tp} before validation")
+    inner = section.tensor_parallel.tp_size
+    if inner not in (1, tp) and tp > 1:
+        raise config_error(
+            "tensor_parallel.tensor_parallel.tp_size",
+            f"{inner} does not match tensor_parallel.autotp_size {tp}",
+        )
+    if tp == 1:
+        return
+    if sequence_parallel > 1:
+        raise config_error(
+            KEY,
+            f"{tp}: tensor parallelism together with sequence_parallel_size "
+            f"{sequence_parallel} is not supported by partita yet",
+        )
+    if int(config.zero_optimization.mics_shard_size) != -1:
+        raise config_error(
+            KEY,
+            f"{tp}: tensor parallelism together with zero_optimization.mics_shard_size "
+            "(hybrid sharding) is not supported by partita yet",
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise config_error(KEY, f"{tp}: tensor parallelism needs an nn.Module model")
+    from partita.parallel.tensor import check_tensor_parallel as check_model
+
+    try:
+        check_model(model, tp, world)
+    except (PlanError, ValueError) as error:
+        raise config_error(KEY, f"{tp}: {error}") from None
+
+
+def tensor_dims(tp: int, from_mpu: comm.ParallelDims | None) -> comm.ParallelDims:
+    """The job's dimensions for tensor size `tp` > 1: the mpu's when it brings a tensor group
+    of that size, else blocks of `tp` consecutive ranks (collective over the world)."""
+    if from_mpu is None:
+        return comm.ParallelDims.tensor_parallel(tp)
+    if from_mpu.tp_world_size != tp:
+        raise config_error(
+            KEY,
+            f"{tp}, but the mpu's tensor-parallel group has {from_mpu.tp_world_size} ranks",
+        )
+    return from_mpu
+
+
+def parallelize_model(model: Any, dims: comm.ParallelDims) -> None:
+    """Splits `model` over the tensor group of `dims` (nothing without one); collective over
+    that group."""
+    if dims.tp_world_size == 1:
+        return
+    from partita.parallel.tensor import parallelize
+
+    parallelize(model, dims.tp_group, dims.tp_ranks, dims.tp_rank)
+
+
+def clear_recorded() -> None:
+    """Forgets `tp_model_init`'s arguments (one job's; tests run several in one process)."""
+    _RECORDED.clear()

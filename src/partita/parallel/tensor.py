@@ -1,0 +1,315 @@
+"""Tensor-parallel training: column- and row-parallel linears on the mesh's ``tp`` dimension.
+
+[Note: tensor-parallel training]
+Which linear splits how comes from the inference planner (`partita.inference.plan`: Hugging
+Face's ``base_model_tp_plan``, then DeepSpeed AutoTP's name rules; fused QKV and grouped
+key/value heads split per head), so training and inference agree on every slice. Training
+adds the backward: each collective of the forward has its adjoint.
+
+- A column-parallel linear reads the replicated residual stream and writes its share of the
+  output features. Forward: identity on its input. Backward: each rank holds only its share of
+  the input's gradient (the part that flowed through its columns), so the gradient of the input
+  is all-reduced over the tensor group (`copy_to_tensor_region`).
+- A row-parallel linear reads split features and writes a partial sum of the output. Forward:
+  the partial outputs are all-reduced (`reduce_from_tensor_region`); its bias is replicated and
+  added once, after the sum. Backward: identity (the output's gradient is the same on every
+  rank, and so is what each rank's slice needs).
+- An untied output head splits its vocabulary rows (DeepSpeed AutoTP training's lm_head
+  ``gather_output``): each rank computes its logits' columns and an all-gather assembles them
+  (`gather_from_tensor_region`), whose backward keeps this rank's columns of the gradient.
+
+So a block costs two all-reduces forward and two backward, and everything between the blocks
+(norms, embeddings, the loss) runs replicated on whole activations, with equal gradients on
+every tensor rank. The parameters keep their identity (only ``.data`` becomes the slice), so an
+optimizer built before `initialize` still steps them, and their names: a checkpoint's keys are
+the model's. Split parameters carry ``tensor_model_parallel = True`` (Megatron's flag), which
+the gradient norm reads to count replicated parameters once (`partita.zero.shard_step`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from partita.comm import all_gather, all_reduce, broadcast
+from partita.comm.process_group import ProcessGroup
+from partita.inference.plan import PlanError, ShardPlan, build_plan
+from partita.inference.shard import take_slice
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelModel",
+    "check_tensor_parallel",
+    "copy_to_tensor_region",
+    "gather_from_tensor_region",
+    "parallelize",
+    "reduce_from_tensor_region",
+]
+
+TAG = "tp"
+"""The tag tensor-parallel collectives are counted under in `partita.comm.COUNTERS`."""
+_TRAINING_STYLES = frozenset({"colwise", "rowwise", "fused_qkv", "replicate", "vocab_head"})
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient over the tensor group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share it
+        all_reduce(grad, group=ctx.group, tag=TAG)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward over the tensor group; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        out = x.clone(memory_format=torch.contiguous_format)
+        all_reduce(out, group=group, tag=TAG)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    """All-gather along the last dimension forward; this rank's columns of the gradient
+    backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup | None, size: int, rank: int
+    ) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, x.shape[-1]
+        local = x.contiguous()
+        gathered = local.new_empty((size, *local.shape))
+        all_gather(gathered, local, group=group, tag=TAG)
+        return gathered.movedim(0, -2).reshape(*local.shape[:-1], size * ctx.width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return grad.narrow(-1, ctx.rank * ctx.width, ctx.width).contiguous(), None, None, None
+
+
+def copy_to_tensor_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """`x` unchanged; its gradient all-reduced over `group` (a column-parallel input)."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tensor_region(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """`x` summed over `group`; its gradient passed through (a row-parallel output)."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_tensor_region(
+    x: torch.Tensor, group: ProcessGroup | None, size: int, rank: int
+) -> torch.Tensor:
+    """The `size` ranks' `x` side by side along the last dimension, in rank order; the
+    gradient keeps rank `rank`'s columns."""
+    return _GatherFromRegion.apply(x, group, size, rank)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    # transposed: Hugging Face's Conv1D stores its weight as [in, out].
+    return x @ weight if transposed else nn.functional.linear(x, weight)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a layer sits on the tensor dimension."""
+
+    group: ProcessGroup | None
+    size: int
+    rank: int
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear holding this rank's output features (see [Note: tensor-parallel training]);
+    with `gather_output`, its output is the whole width (an output head)."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        place: _Place,
+        transposed: bool = False,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.place = place
+        self.transposed = transposed
+        self.gather_output = gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's output features (all of them with `gather_output`)."""
+        y = _matmul(copy_to_tensor_region(x, self.place.group), self.weight, self.transposed)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.gather_output:
+            y = gather_from_tensor_region(y, self.place.group, self.place.size, self.place.rank)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"tp={self.place.rank}/{self.place.size}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """A linear holding this rank's input features; the partial outputs are summed over the
+    tensor group and the (replicated) bias added once (see [Note: tensor-parallel training])."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        place: _Place,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.place = place
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole output, identical on every rank of the group."""
+        y = reduce_from_tensor_region(_matmul(x, self.weight, self.transposed), self.place.group)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"tp={self.place.rank}/{self.place.size}"
+
+
+@dataclass(frozen=True)
+class TensorParallelModel:
+    """What `parallelize` did: the plan and the modules it replaced, by name and style."""
+
+    plan: ShardPlan
+    replaced: dict[str, str]
+
+
+def check_tensor_parallel(model: nn.Module, tp_size: int, world_size: int) -> ShardPlan:
+    """Raises, naming the value, unless `model` splits over `tp_size` ranks for training and
+    `tp_size` divides `world_size`; reads shapes only (no collective: every rank raises alike).
+    Returns tensor rank 0's plan."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tensor_parallel.autotp_size: {tp_size!r} must be a positive integer")
+    if world_size % tp_size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size: {tp_size} does not divide the world size "
+            f"{world_size} (tensor groups of consecutive ranks, equal size)"
+        )
+    _check_heads(model, tp_size)
+    plan = build_plan(model, tp_size, 0)
+    for name, style in plan.styles.items():
+        if style not in _TRAINING_STYLES:
+            raise PlanError(
+                f"{name}: style {style!r} is not supported for tensor-parallel training "
+                f"(supported: {', '.join(sorted(_TRAINING_STYLES))})"
+            )
+    if plan.head_ranges:
+        raise PlanError(
+            f"{next(iter(plan.head_ranges))}: ALiBi attention is not supported for "
+            "tensor-parallel training"
+        )
+    if plan.vocab and plan.vocab_size % tp_size:
+        raise PlanError(
+            f"{next(iter(plan.vocab))}: vocabulary size {plan.vocab_size} does not split evenly "
+            f"over tensor_parallel.autotp_size {tp_size}"
+        )
+    return plan
+
+
+def _check_heads(model: nn.Module, tp_size: int) -> None:
+    """Query and key/value heads must split evenly: a rank holding part of a head would
+    compute attention on half-heads (the planner keeps a single key/value head whole for
+    inference, which a training split of its projection would not)."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "model_type", "") == "falcon" or not isinstance(heads, int):
+        return  # fused layouts: the planner checks them
+    for what, count in (("attention heads", heads), ("key/value heads", kv)):
+        if isinstance(count, int) and count % tp_size:
+            raise PlanError(
+                f"{type(model).__name__}: {count} {what} do not split evenly over "
+                f"tensor_parallel.autotp_size {tp_size}"
+            )
+
+
+def _slice_parameter(param: nn.Parameter, plan: ShardPlan, name: str) -> None:
+    """Makes `param` hold this rank's slice (in place: its identity is kept)."""
+    spec = plan.slices.get(name)
+    if spec is None or spec.zero:  # replicated, or a row-parallel bias (added after the sum)
+        return
+    with torch.no_grad():
+        param.data = take_slice(param.data, spec)
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, new)
+
+
+def _split_linear(model: nn.Module, name: str, style: str, place: _Place, plan: ShardPlan) -> None:
+    old = model.get_submodule(name)
+    weight, bias = old.weight, getattr(old, "bias", None)
+    assert isinstance(weight, nn.Parameter)
+    for pname, param in (("weight", weight), ("bias", bias)):
+        if isinstance(param, nn.Parameter):
+            _slice_parameter(param, plan, f"{name}.{pname}")
+    transposed = type(old).__name__ == "Conv1D"
+    new: nn.Module
+    if style == "rowwise":
+        new = RowParallelLinear(weight, bias, place, transposed)
+    else:
+        new = ColumnParallelLinear(weight, bias, place, transposed, style == "vocab_head")
+    _replace(model, name, new)
+
+
+def _broadcast_model(model: nn.Module, place: _Place, ranks: tuple[int, ...]) -> None:
+    """Every tensor rank starts from tensor rank 0's whole model, so the slices are of one
+    model and the replicated parameters agree."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            broadcast(tensor.data, src=ranks[0], group=place.group, tag="init")
+
+
+def parallelize(
+    model: nn.Module, group: ProcessGroup | None, ranks: tuple[int, ...], rank: int
+) -> TensorParallelModel:
+    """Splits `model` in place over the tensor group `group` (global `ranks`, in tensor-rank
+    order; this process is tensor rank `rank`): column- and row-parallel linears replace the
+    planned ones, attention modules get this rank's head counts. Collective over `group`
+    (every rank of it calls it); `check_tensor_parallel` first, so bad shapes raise before."""
+    size = len(ranks)
+    check_tensor_parallel(model, size, size)
+    plan = build_plan(model, size, rank)
+    place = _Place(group, size, rank)
+    _broadcast_model(model, place, ranks)
+    replaced: dict[str, str] = {}
+    for name, style in plan.styles.items():
+        if style in ("colwise", "fused_qkv", "rowwise", "vocab_head"):
+            _split_linear(model, name, style, place, plan)
+            replaced[name] = style
+    for name, values in plan.attrs.items():
+        if name in replaced:  # Conv1D's width ("nf"): the new module reads its weight
+            continue
+        module = model.get_submodule(name)
+        for attr, value in values.items():
+            setattr(module, attr, value)
+    return TensorParallelModel(plan, replaced)

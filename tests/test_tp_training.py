@@ -1,0 +1,109 @@
+"""Tensor-parallel training (``tensor_parallel.autotp_size``, `partita.parallel.tensor`): tiny
+Hugging Face Llama (grouped key/value heads, untied head split by vocabulary) and GPT-2 (fused
+QKV Conv1D, tied head) at 4 CPU ranks as tp 2 x dp 2 and tp 4, ZeRO stages 0-3, fp32, clipping
+active, against one process with ``torch.optim`` on the whole batch; a rerun bitwise;
+`tp_model_init`; the tensor collectives' bytes equal to the plan's; the refusals, each naming
+the value before any collective. One spawn runs every case ([Note: tensor-parallel training]
+in `partita.parallel.tensor`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from models import assert_losses
+from partita.testing import run_distributed_grid
+from tp_training_workers import CLIP, MICRO, SEQ, STEPS, reference, tp_grid
+
+WORLD = 4
+TRAIN = [
+    *[("llama", 2, stage) for stage in (0, 1, 2, 3)],
+    ("llama", 4, 1),
+    ("gpt2", 2, 2),
+    ("gpt2", 4, 3),
+]
+RERUN = ("llama", 2, 2)
+"""Run again, its size from `tp_model_init` instead of the config: the same numbers bitwise."""
+REFUSALS = {
+    "tp3": "autotp_size: 3 does not divide the world size 4",
+    "heads": "2 attention heads do not split evenly over tensor_parallel.autotp_size 4",
+    "kv_heads": "2 key/value heads do not split evenly over tensor_parallel.autotp_size 4",
+    "vocab": "vocabulary size 66 does not split evenly over tensor_parallel.autotp_size 4",
+    "features": "gate_proj (output features): size 66 does not split evenly over tp_size 4",
+    "inner_tp_size": "tensor_parallel.tensor_parallel.tp_size: 4 does not match",
+    "vocab_parallel_lm_head": "tensor_parallel.vocab_parallel_lm_head: not supported",
+    "preset": "tensor_parallel.preset_model: not supported",
+}
+
+
+def _train(case: tuple[str, int, int], via: str = "config") -> dict[str, Any]:
+    kind, tp, stage = case
+    return {"case": "train", "model_kind": kind, "tp": tp, "stage": stage, "via": via}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    cases = [
+        *[_train(c) for c in TRAIN],
+        _train(RERUN, via="tp_model_init"),
+        *[{"case": "refusal", "what": what} for what in REFUSALS],
+    ]
+    per_case = iter(run_distributed_grid(tp_grid, WORLD, cases, timeout=300))
+    return {
+        "train": {c: next(per_case) for c in TRAIN},
+        "rerun": next(per_case),
+        "refusals": {what: next(per_case) for what in REFUSALS},
+    }
+
+
+@functools.cache
+def _reference(kind: str, dp: int) -> dict[str, list[float]]:
+    return reference(kind, dp)
+
+
+@pytest.mark.parametrize("case", TRAIN, ids=lambda c: f"{c[0]}-tp{c[1]}-stage{c[2]}")
+def test_losses_match_one_process_on_the_whole_batch(
+    results: dict[str, Any], case: tuple[str, int, int]
+) -> None:
+    kind, tp, _ = case
+    ref = _reference(kind, WORLD // tp)
+    assert all(n > CLIP for n in ref["norms"]), ref  # clipping acts at every step
+    for rank, run in enumerate(results["train"][case]):
+        assert_losses(run["losses"], ref["losses"])
+        assert_losses(run["norms"], ref["norms"])
+        assert run["dims"] == (rank % tp, tp, rank // tp, WORLD // tp, tp), rank
+        assert run["train_batch_size"] == MICRO * (WORLD // tp)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_tensor_collectives_move_what_the_plan_says(results: dict[str, Any], kind: str) -> None:
+    """Per block: two row-parallel all-reduces forward; backward one all-reduce per
+    column-parallel input (Llama: q, k, v, gate, up; GPT-2: c_attn, c_fc). Llama's untied
+    head adds one all-gather of the logits forward and one all-reduce backward. Each moves a
+    whole micro-batch of fp32 activations (or logits)."""
+    act = MICRO * SEQ * 32 * 4
+    per_block = 2 + (5 if kind == "llama" else 2)
+    head = act + MICRO * SEQ * 64 * 4 if kind == "llama" else 0
+    case = ("llama", 2, 1) if kind == "llama" else ("gpt2", 2, 2)
+    for run in results["train"][case]:
+        assert run["tp_bytes"] == [2 * per_block * act + head] * STEPS
+
+
+def test_split_parameters_are_marked(results: dict[str, Any]) -> None:
+    split = results["train"][("llama", 2, 0)][0]["split"]
+    assert "lm_head.weight" in split and "model.layers.1.mlp.down_proj.weight" in split
+    assert not any("norm" in name or "embed" in name for name in split), split
+
+
+def test_rerun_through_tp_model_init_is_bitwise(results: dict[str, Any]) -> None:
+    for first, again in zip(results["train"][RERUN], results["rerun"], strict=True):
+        assert again["dims"] == first["dims"]
+        assert first["losses"] == again["losses"] and first["norms"] == again["norms"]
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+def test_refusal_names_the_value(results: dict[str, Any], what: str) -> None:
+    for message in results["refusals"][what]:
+        assert message.startswith("ConfigError") and REFUSALS[what] in message, message
