@@ -5,6 +5,7 @@ micro-batches with torch.optim."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -281,11 +282,56 @@ def reshard(case: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+RESUME_LOADS = [(2, 1), (4, 0), (1, 1)]
+"""(pipeline stages, ZeRO stage) of the engines that load the pp 2 x dp 2 checkpoint."""
+
+
+def _resume_run(
+    case: dict[str, Any], stages: int, zero: int, seed: int, start: int, save: bool
+) -> list[float]:
+    """The tied model at `stages` stages over the 4 ranks (dp = 4 / stages), the same 16
+    sequences per step whatever dp is; from step `start` on, after loading the checkpoint
+    when `start` > 0, saving it after step 2 when `save`."""
+    micro = case["micro"]
+    flat = [
+        [mb for rank in step for mb in rank]
+        for step in micro_batches(case["steps"], micro, case["gas"], 2)
+    ]
+    gas = len(flat[0]) * stages // 4
+    module = PipelineModule(
+        layer_specs(True), num_stages=stages, loss_fn=lm_loss, seed_layers=True, base_seed=seed
+    )
+    engine, _, _, _ = partita.initialize(model=module, config=config(micro, gas, zero))
+    if start:
+        engine.load_checkpoint(case["dir"], tag="two")
+    r = engine.grid.get_data_parallel_rank()
+    losses = []
+    for i, step in enumerate(flat[start:], start):
+        losses.append(float(engine.train_batch(iter(step[r * gas : (r + 1) * gas]))))
+        if save and i == 1:
+            engine.save_checkpoint(case["dir"], tag="two")
+    engine.destroy()
+    return losses
+
+
+def resume(case: dict[str, Any]) -> dict[Any, Any]:
+    """Engine checkpoints of a pipeline: trained at pp 2 x dp 2 (ZeRO 1, tied embedding),
+    saved after step 2; freshly built, differently seeded modules load it at each of
+    `RESUME_LOADS` and train the remaining steps. Every run's losses."""
+    out: dict[Any, Any] = {"whole": _resume_run(case, 2, 1, BASE_SEED, 0, True)}
+    out["files"] = sorted(os.listdir(os.path.join(case["dir"], "two")))
+    for stages, zero in RESUME_LOADS:
+        out[(stages, zero)] = _resume_run(case, stages, zero, 7, 2, False)
+    return out
+
+
 def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
-    """One case of the grid: ``kind`` "train" (`pipe_train`), "bad" (`bad_input`) or
-    "reshard" (`reshard`)."""
+    """One case of the grid: ``kind`` "train" (`pipe_train`), "bad" (`bad_input`),
+    "reshard" (`reshard`) or "resume" (`resume`)."""
     if kind == "reshard":
         return reshard(case)
+    if kind == "resume":
+        return resume(case)
     return pipe_train(case) if kind == "train" else bad_input(case)
 
 

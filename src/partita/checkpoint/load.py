@@ -22,6 +22,7 @@ from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
 from partita.checkpoint.rendezvous import WHOLE_JOB, Arrival, arrive, gather_agreed
 from partita.checkpoint.slices import check_degree, saved_degree
+from partita.checkpoint.stages import check_stage_names, pipeline_place, stage_meta
 from partita.checkpoint.state import (
     Entry,
     inventory,
@@ -128,13 +129,20 @@ def _find(load_dir: str, tag: str | None) -> tuple[str, str, dict[str, Any] | No
 
 
 def _check_names(
-    entries: list[Entry], saved: dict[str, dict[str, Any]], strict: bool, folder: str, rank: int
+    entries: list[Entry],
+    saved: dict[str, dict[str, Any]],
+    strict: bool,
+    folder: str,
+    rank: int,
+    part: bool = False,
 ) -> None:
+    """Strict: the module's tensors and the checkpoint's are the same names; with `part`
+    (pipeline stages, see [Note: pipeline stage checkpoints]) the module's are among them."""
     here = {e.name for e in entries if e.kind != "alias"}
     stored = {n for n, i in saved.items() if i["kind"] != "alias"}
     excluded = {n for n, i in saved.items() if i.get("stored") is False}
     missing = sorted(here - stored)
-    unexpected = sorted(stored - here)
+    unexpected = [] if part else sorted(stored - here)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{folder}: module state mismatch (load_module_strict=True): missing from the "
@@ -153,7 +161,8 @@ def _load_tensors(
 ) -> None:
     entries = inventory(engine)
     saved = src.tensors
-    _check_names(entries, saved, strict, src.folder, engine.dims.rank)
+    part = check_stage_names(src.meta, pipeline_place(engine))
+    _check_names(entries, saved, strict, src.folder, engine.dims.rank, part)
     if load_opt:
         _check_optimizer(engine, src.meta)
     keys = list(src.meta.get("optimizer_state_keys") or []) if load_opt else []
@@ -259,6 +268,7 @@ def _restore_training_state(
 def _restore_rank_state(engine: CheckpointSubject, meta: dict[str, Any]) -> None:
     """RNG and data loader position, per data-parallel rank; at another data-parallel world
     size what is well defined (see `partita.checkpoint.state.restore_rank_state`)."""
+    meta = stage_meta(meta, pipeline_place(engine))
     restore_rank_state(engine, meta, *state_place(engine.dims))
 
 

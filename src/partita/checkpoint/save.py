@@ -69,6 +69,13 @@ from partita.checkpoint.rendezvous import (
     remove_stale_markers,
 )
 from partita.checkpoint.slices import slice_file_name, tensor_layout
+from partita.checkpoint.stages import (
+    merge_tables,
+    pipeline_place,
+    stage_file_name,
+    stage_states,
+    tied_copies,
+)
 from partita.checkpoint.state import (
     Entry,
     check_client_state,
@@ -128,15 +135,24 @@ def save_checkpoint(
         # stays on this rank (`box`): only errors travel in the collective.
         box: list[_Snapshot] = []
 
-        def take() -> dict[str, Any] | None:
+        def take() -> Any:
             box.append(_snapshot(engine, opened[0], agreed, is_async, *options))
-            # Hybrid sharding: the ranks that write no file read their own data too.
-            return _rank_state(engine) if engine.dims.hybrid else None
+            # Hybrid sharding: the ranks that write no file read their own data too. A
+            # pipeline: each stage's first rank its stage's tensors (rank 0 holds its own).
+            if engine.dims.hybrid:
+                return _rank_state(engine)
+            if place is not None and engine.dims.dp_rank == 0:
+                return place[0], _tensor_table(engine, exclude_frozen_parameters)
+            return None
 
+        place = pipeline_place(engine)
         states = gather_agreed(take, WHOLE_JOB)
         snap = box[0]
         if snap.manifest is not None and engine.dims.hybrid:
             snap.manifest["rank_states"] = [states[r] for r in engine.dims.dp_ranks]
+        if snap.manifest is not None and place is not None:
+            tables = sorted((s for s in states if s is not None), key=lambda s: s[0])
+            snap.manifest["tensors"] = merge_tables([table for _, table in tables])
     except BaseException:
         staging.close()
         raise
@@ -198,7 +214,8 @@ def _write_and_commit(snap: _Snapshot, staging: Staging, group: Any, start: floa
     try:
         written = gather_agreed(lambda: _write_shard(snap), group)
         reports = sorted(
-            (r for r in written if r is not None), key=lambda r: (r.get("tp_rank", 0), r["rank"])
+            (r for r in written if r is not None),
+            key=lambda r: (r.get("pp_rank", 0), r.get("tp_rank", 0), r["rank"]),
         )
         gather_agreed(
             lambda: _commit(staging, snap.manifest, reports) if snap.rank == 0 else None, group
@@ -351,13 +368,18 @@ def _shard_state(
     [Note: checkpoints of replicas]). With `borrow` (a synchronous save) the producers give
     views of the engine's state where no copy is needed (see `_local_state`)."""
     dims = engine.dims
-    if not writes_files(dims):
+    place = pipeline_place(engine)  # every stage writes its own files
+    if not (writes_files(dims) or place is not None):
         return None, None
     rank, world = file_place(dims)
     entries = inventory(engine)
-    specs, producers, ranges = _shard_tensors(engine, entries, exclude_frozen, borrow)
+    copies = tied_copies(engine)  # an earlier stage saves these
+    mine = [e for e in entries if id(e.tensor) not in copies]
+    specs, producers, ranges = _shard_tensors(engine, mine, exclude_frozen, borrow)
     report: dict[str, Any] = {"rank": rank, "file": None, "bytes": 0, "digest": None}
     report["world"] = world
+    if place is not None:
+        report["pp"] = place
     if dims.tp_world_size > 1:
         report["tp"] = (dims.tp_rank, dims.tp_world_size)
         # This slice's shapes of the split tensors (slices may differ in size).
@@ -409,15 +431,18 @@ def _write_shard(snap: _Snapshot) -> dict[str, Any] | None:
     report = dict(snap.report)
     shard, snap.shard = snap.shard, None  # freed once written
     rank, world = report["rank"], report.pop("world")
-    tp = report.pop("tp", None)
+    tp, pp = report.pop("tp", None), report.pop("pp", None)
     if tp is not None:
         report["tp_rank"] = tp[0]
+    if pp is not None:
+        report["pp_rank"] = pp[0]
     if shard.specs:
-        name = (
-            shard_file_name(rank, world)
-            if tp is None
-            else slice_file_name(tp[0], tp[1], rank, world)
-        )
+        if pp is not None:
+            name = stage_file_name(pp[0], pp[1], rank, world)
+        elif tp is not None:
+            name = slice_file_name(tp[0], tp[1], rank, world)
+        else:
+            name = shard_file_name(rank, world)
         path = os.path.join(snap.folder, name)
         produce = _one_use(shard.producers)
         try:
@@ -480,6 +505,7 @@ def _manifest(
         "save_latest": save_latest,
         "world_size": file_place(engine.dims)[1],
         **({"tp_world_size": engine.dims.tp_world_size} if engine.dims.tp_world_size > 1 else {}),
+        **({"pp_world_size": place[1]} if (place := pipeline_place(engine)) else {}),
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.param_states.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),
@@ -521,13 +547,15 @@ def _complete_manifest(base: dict[str, Any], reports: list[dict[str, Any]]) -> d
     manifest["scalar_state_keys"] = sorted({k for r in reports for k in r["scalar_keys"]})
     manifest["files"] = {
         r["file"]: {"rank": r["rank"], "bytes": r["bytes"], "digest": r["digest"],
-                    "ranges": r["ranges"], **({"tp_rank": r["tp_rank"]} if "tp_rank" in r
-                                              else {})}
+                    "ranges": r["ranges"],
+                    **{k: r[k] for k in ("tp_rank", "pp_rank") if k in r}}
         for r in reports
         if r["file"]
     }  # fmt: skip
     if "tp_world_size" in manifest:
         return _complete_slices(manifest, reports)
+    if "pp_world_size" in manifest:
+        return stage_states(manifest, reports)
     # Hybrid sharding: every data-parallel rank's, not only the writers' (see the module note).
     ranks = manifest.pop("rank_states", None) or reports
     manifest["rng"] = [r["rng"] for r in ranks]

@@ -28,9 +28,10 @@ engine's) plus an executor of `partita.parallel.pipe_schedule` instructions:
 
 ZeRO stages 2 and 3 are refused, as DeepSpeed refuses them (stage 2 reduces inside each
 backward, before the tied sum; stage 3 would gather parameters stage by stage), and so is a
-topology with a model (tensor) axis over more than one rank. Engine checkpoints are refused for
-now (a stage holds part of the model); the module's weights save and load per layer
-(`PipelineModule.save_state_dict` / ``load_state_dir``) at any pipeline degree.
+topology with a model (tensor) axis over more than one rank. Engine checkpoints hold every
+stage, each stage's group writing its own files ([Note: pipeline stage checkpoints] in
+`partita.checkpoint.stages`), and load at any pipeline degree; the module's weights also save
+and load per layer (`PipelineModule.save_state_dict` / ``load_state_dir``).
 """
 
 from __future__ import annotations
@@ -148,21 +149,26 @@ class PipelineEngine(Engine):
         """Disabled in pipeline mode: use `train_batch`."""
         raise PipelineError("Only train_batch() is accessible in pipeline mode.")
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        """Not yet: checkpoints name shards by data-parallel rank over one whole model, and a
-        stage holds a part of it (per-stage checkpoints are still to come)."""
-        raise _no_checkpoints("save_checkpoint()")
+    # --- checkpoints ([Note: pipeline stage checkpoints] in `partita.checkpoint.stages`) ------
+    def pipeline_place(self) -> tuple[int, int]:
+        """``(stage, stages)``: every stage's data-parallel group writes its own shard files
+        of one checkpoint, loadable at any other pipeline degree."""
+        return self.stage_id, self.num_stages
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, Any]:
-        """Not yet (see `save_checkpoint`)."""
-        raise _no_checkpoints("load_checkpoint()")
+    def pipeline_tied_copies(self) -> list[torch.Tensor]:
+        """Tied parameters an earlier stage saves (their values and state are this stage's
+        too)."""
+        module = self.module
+        assert isinstance(module, PipelineModule)
+        return list(module.replicated_tied_parameters())
 
     def save_16bit_model(self, *args: Any, **kwargs: Any) -> bool:
-        """Not yet (see `save_checkpoint`)."""
+        """Not yet: a stage holds only its own layers (``save_checkpoint`` saves every stage;
+        ``engine.module.save_state_dict(dir)`` writes the weights per layer)."""
         raise _no_checkpoints("save_16bit_model()")
 
     def consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not yet (see `save_checkpoint`): ``self.module.state_dict()`` holds this stage's
+        """Not yet (see `save_16bit_model`): ``self.module.state_dict()`` holds this stage's
         layers, under their global layer indices."""
         raise _no_checkpoints("consolidated_16bit_state_dict()")
 
@@ -505,9 +511,8 @@ def take_pipeline_section(source: Any, module: PipelineModule) -> Any:
 def _no_checkpoints(what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{what} of a PipelineModule is not supported yet: each stage holds only its own "
-        "layers; engine.module.save_state_dict(dir) writes the weights per layer and "
-        "PipelineModule.load_state_dir(dir), before initialize, loads them at any pipeline "
-        "degree (optimizer state is not saved)"
+        "layers; engine.save_checkpoint(dir) saves every stage (loadable at any pipeline "
+        "degree), engine.module.save_state_dict(dir) the weights per layer"
     )
 
 
