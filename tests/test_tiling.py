@@ -240,6 +240,27 @@ def test_tiled_mlp_random_float64_and_gradient_accumulation() -> None:
     assert_twins(a, b, rtol=F64_RTOL)
 
 
+@pytest.mark.parametrize("how", ["partita", "torch_reentrant"])
+def test_tiled_mlp_under_activation_checkpointing_equals_the_mlp_bitwise(how: str) -> None:
+    """Checkpointing reruns the tiled forward, whose backward then recomputes again (three
+    forwards of the MLP); the gradients stay the untiled ones."""
+    from torch.utils.checkpoint import checkpoint
+
+    import partita.activations
+
+    def tiled(module: nn.Module, xi: torch.Tensor) -> torch.Tensor:
+        def body(h: torch.Tensor) -> torch.Tensor:
+            return TiledMLP.apply(mlp_fn, module, h, 3, None) * 2
+
+        if how == "partita":
+            return partita.activations.checkpoint(body, xi)
+        return checkpoint(body, xi, use_reentrant=True)
+
+    x = ints(2, 9, H, seed=11)
+    a, b = run_twins(make_mlp, x, lambda m, xi: m(xi) * 2, tiled, ints(2, 9, H, seed=12))
+    assert_twins(a, b)
+
+
 def count_hooks(module: nn.Module) -> dict[str, int]:
     counts = {name: 0 for name, _ in module.named_parameters()}
     for name, p in module.named_parameters():
@@ -527,9 +548,17 @@ TRAIN = [
 ]
 
 
+GATHERS = [{"kind": "gathers", "parts": parts} for parts in ("", "mlp", "loss")]
+
+
 @pytest.fixture(scope="module")
-def trained() -> list[list[dict]]:
-    return run_distributed_grid(tiling_grid, WORLD, TRAIN, timeout=300)
+def grid() -> list[list[Any]]:
+    return run_distributed_grid(tiling_grid, WORLD, TRAIN + GATHERS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(grid: list[list[Any]]) -> list[list[dict]]:
+    return grid[: len(TRAIN)]
 
 
 @pytest.mark.parity
@@ -560,3 +589,17 @@ def test_zero3_gathers_each_tile_as_a_unit_of_its_own(trained: list[list[dict]])
     head = {f"head.linears.{o}.{i}": (4 - o) * 2 for o in range(2) for i in range(3)}
     for name, numel in {**proj, **head}.items():
         assert units.get(name) == numel, (name, units)
+
+
+def test_zero3_backward_gathers_with_tiled_mlps_as_without(grid: list[list[Any]]) -> None:
+    """A tiled MLP's recomputation runs its block once per shard: under ZeRO-3 (units released
+    as soon as used, no prefetch) the backward still gathers each unit once, in the untiled
+    order and with the same elements live, on every rank. The LM head of a tiled loss is
+    called only inside the loss (no forward with a graph of its own), so the reuse distance
+    does not release it: it stays gathered (its 64 elements live) until the end of backward,
+    the behaviour docs/parallelism.md states."""
+    untiled, tiled_mlp, tiled_loss = grid[len(TRAIN) :]
+    for plain, mlp, loss in zip(untiled, tiled_mlp, tiled_loss, strict=True):
+        assert [name for name, _ in plain] == ["head", "mlps.1", "mlps.0", "proj"]
+        assert mlp == plain
+        assert loss == [("head", 64)] + [(name, live + 64) for name, live in plain[1:]]

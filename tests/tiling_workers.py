@@ -179,6 +179,30 @@ def _gathered_state(module: Net, stage: int) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in untiled_state(module).items()}
 
 
+def gathers(parts: str) -> list[tuple[str, int]]:
+    """ZeRO-3 units gathered in one step's backward, with the elements live after each, when
+    the net's `parts` are tiled; units are released as soon as used (reuse distance 0, no
+    prefetch) so that every gather shows."""
+    _, net = make_pair(torch.float32, parts)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {**zero, "stage3_prefetch_bucket_size": 0},
+        "steps_per_print": 1000,
+    }
+    engine, _, _, _ = partita.initialize(model=net, config=cfg)
+    x, y = samples(2 * WORLD, torch.float32)
+    rank = dist.get_rank()
+    scheduler = engine.strategy.scheduler
+    loss = engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+    start = len(scheduler.gathers)
+    engine.backward(loss)
+    out = list(scheduler.gathers[start:])
+    engine.destroy()
+    return out
+
+
 def tiling_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid (``train`` with its arguments)."""
-    return {"train": train}[kind](**kwargs)
+    """One case of the grid: ``train`` or ``gathers`` with its arguments."""
+    return {"train": train, "gathers": gathers}[kind](**kwargs)
