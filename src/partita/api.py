@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from partita import cluster_env, comm, engine_setup, engine_tensor, env
+from partita import cluster_env, comm, engine_experts, engine_setup, engine_tensor, env
 from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
@@ -159,11 +159,13 @@ def initialize(
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
+    # MoE layers' expert-parallel size, checked before any collective.
+    ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
     if tp > 1:  # the tensor groups (or the mpu's): ZeRO runs over each slice's lane
         dims = engine_tensor.tensor_dims(tp, dims)
-    dims = _job_dims(dims, shard, sp)
+    dims = engine_experts.with_expert_groups(model, _job_dims(dims, shard, sp), ep)
     set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
-from partita import comm, engine_setup
+from partita import comm, engine_experts, engine_setup
 from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.checkpoint import background as checkpoint_background
 from partita.config import DeepSpeedConfig
 from partita.config.sections.runtime import CheckpointConfig
 from partita.engine_compat import DeepSpeedEngineMethods
+from partita.moe.layer import expert_parameters
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy
 from partita.zero import accessors
@@ -63,6 +64,7 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         self.module = module.to(device=self.device, dtype=self.policy.param_dtype)
         self._broadcast_module()
         groups = engine_setup.param_groups(self.module, model_parameters, optimizer)
+        groups = engine_experts.split_expert_groups(groups, self.module, config)
         make_optimizer = engine_setup.optimizer_factory(config, optimizer, groups)
         param_lists = [list(g["params"]) for g in groups]
         self.strategy: Strategy = engine_setup.strategy(
@@ -456,12 +458,13 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         dims = self.dims
         # Under sequence parallelism every rank of the sequence-data-parallel group holds the
         # same parameters ([Note: sequence parallelism] in `partita.comm.dims`).
-        ranks, group = dims.grad_ranks, dims.grad_group
-        if len(ranks) == 1:
-            return
+        # Experts start from their first expert-data-parallel rank's copy ([Note: expert
+        # parallelism] in `partita.comm.dims`): expert-parallel ranks hold different experts.
+        experts = set(expert_parameters(self.module)) if dims.ep_ranks else set()
         with torch.no_grad():
             for t in [*self.module.parameters(), *self.module.buffers()]:
-                if t not in zero_init.PRE_SHARDED:  # zero.Init broadcast those already
+                ranks, group = engine_experts.broadcast_group(t, experts, dims)
+                if len(ranks) > 1 and t not in zero_init.PRE_SHARDED:  # zero.Init did those
                     comm.broadcast(t.data, src=ranks[0], group=group, tag="init")
 
 

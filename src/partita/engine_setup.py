@@ -14,6 +14,7 @@ from partita import comm
 from partita.comm.dims import check_sequence_parallel_size
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
 from partita.config.reader import read_config_file
+from partita.engine_experts import expert_family
 from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
 from partita.offload.placement import OffloadPlacement, OptimizerPlacement, ParamPlacement
 from partita.optim import OptimConfigError, build_optimizer, build_scheduler
@@ -402,10 +403,11 @@ def strategy(
         average=config.gradient_allreduce_op == "mean",
     )
     tensor = tensor_parallel_norm(module, dims)
+    experts = expert_family(module, dims)  # [Note: expert parallelism] in partita.comm.dims
     if zero.stage == 0:
         return DataParallel(
             groups, policy, make_optimizer, bucket_numel(zero), scaling, dims.grad_group,
-            tensor=tensor,
+            tensor=tensor, experts=experts,
         )  # fmt: skip
     if zero.stage == 3:
         return FullySharded(
@@ -417,7 +419,7 @@ def strategy(
             zero.stage, groups, policy, make_optimizer, bucket_numel(zero), scaling, group,
             placement=offload_placement(config).optimizer,
             sub_group_numel=int(zero.sub_group_size), tensor=tensor,
-            replicas=replicas,
+            replicas=replicas, experts=experts,
         )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"

@@ -305,6 +305,33 @@ def broadcast(
     return _copied_back(work, back)
 
 
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: ProcessGroup | None = None,
+    async_op: bool = False,
+    tag: str = "",
+) -> Work | None:
+    """Splits `input` along its first dimension into one equal chunk per rank of `group` and
+    sends chunk j to rank j; `output` (the shape of `input`) receives rank i's chunk at place
+    i. Counts `input`, the payload each rank sends (its own chunk included, as with the other
+    collectives' full-tensor convention)."""
+    _record("all_to_all", tag, input, group)
+    if _single_process(group):
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return None
+    (out, inp), back = _staged(group, output, input)
+    _pin(out, inp)
+    work = _tracked(
+        "all_to_all",
+        tag,
+        async_op,
+        lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
+    )
+    return _copied_back(work, back)
+
+
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (for small control data, not tensors)."""
     if _single_process(group):

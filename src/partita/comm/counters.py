@@ -1,11 +1,12 @@
 """Bytes-moved accounting for every collective partita issues.
 
 Each collective records the payload bytes it carries under its op name (``all_reduce``,
-``reduce_scatter``, ``all_gather``, ``broadcast``) and an optional tag (``"grad"``, ``"param"``,
+``reduce_scatter``, ``all_gather``, ``broadcast``, ``all_to_all``) and an optional tag (``"grad"``, ``"param"``,
 ``"overflow"``...). Tests and benchmarks read totals per op, per tag and for the current step.
 
 Payload convention: all_reduce and broadcast count the tensor they carry; reduce_scatter counts
-its full (unsharded) input; all_gather counts its full (gathered) output. So ZeRO's
+its full (unsharded) input; all_gather counts its full (gathered) output; all_to_all counts the
+tensor each rank sends (its own chunk included). So ZeRO's
 reduce-scatter + all-gather of Ψ elements reads as 2Ψ, and a data-parallel all-reduce of Ψ
 elements reads as Ψ; `volume_elements` converts both to the same "elements moved per rank"
 measure (an all-reduce is a reduce-scatter followed by an all-gather, so it counts twice).

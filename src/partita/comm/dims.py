@@ -46,6 +46,18 @@ alike), or it is the whole sequence's loss, gathered with a differentiable all-g
 by dp only would leave both sp times too large, which DeepSpeed does (its issue 5248: SGD and
 gradient clipping see it; Adam mostly hides it). `partita.parallel.ulysses.sequence_loss` is
 the second convention.
+[Note: expert parallelism]
+Mixture-of-experts layers (``deepspeed.moe.layer.MoE(ep_size=E)``, `partita.moe`) cut the
+data-parallel world into expert-parallel groups of E consecutive ranks (0,1 | 2,3 for 4 ranks
+and E 2), whose ranks hold different experts and exchange tokens by all-to-all, and
+expert-data-parallel groups of the ranks at the same place of every expert group (0,2 | 1,3),
+which hold the same experts. DeepSpeed lays its groups out the same way. Dense parameters are
+reduced and sharded over the data-parallel group as ever; expert parameters are summed and
+sharded over the expert-data-parallel group, and divided by the data-parallel size (as
+DeepSpeed does): each expert's gradient then is that of the mean of every rank's loss, the
+number one process computes on the whole batch. Each element of the model lives on exactly one
+expert-parallel rank of each expert-data-parallel place, so a sum of squares over the whole
+data-parallel group counts every expert element once.
 """
 
 from __future__ import annotations
@@ -104,6 +116,15 @@ class ParallelDims:
     groups), which ZeRO shards and reduces over; None: the default group."""
     seq_dp_ranks: tuple[int, ...] = ()
     """Global ranks of the sequence-data-parallel group (empty: no sequence parallelism)."""
+    ep_group: ProcessGroup | None = None
+    """Expert parallelism ([Note: expert parallelism]): the ranks holding different experts,
+    which exchange tokens; meaningful only when `ep_ranks` is not empty."""
+    ep_ranks: tuple[int, ...] = ()
+    """Global ranks of the expert-parallel group (empty: the job has no expert layers)."""
+    edp_group: ProcessGroup | None = None
+    """The ranks holding the same experts (expert-data-parallel group)."""
+    edp_ranks: tuple[int, ...] = ()
+    """Global ranks of the expert-data-parallel group (empty: no expert layers)."""
 
     @property
     def hybrid(self) -> bool:
@@ -133,6 +154,52 @@ class ParallelDims:
     def grad_ranks(self) -> tuple[int, ...]:
         """Global ranks of `grad_group`, in its rank order."""
         return self.seq_dp_ranks or self.dp_ranks
+
+    @property
+    def ep_world_size(self) -> int:
+        """Ranks the experts of a layer are split across (1 without expert parallelism)."""
+        return len(self.ep_ranks) or 1
+
+    @property
+    def ep_rank(self) -> int:
+        """Rank within the expert-parallel group (0 without one)."""
+        return self.ep_ranks.index(self.rank) if self.ep_ranks else 0
+
+    @property
+    def edp_world_size(self) -> int:
+        """Ranks holding the same experts (the data-parallel size without expert layers)."""
+        return len(self.edp_ranks) or len(self.grad_ranks)
+
+    def with_experts(self, ep_size: int) -> ParallelDims:
+        """These dims with expert-parallel groups of `ep_size` consecutive data-parallel ranks
+        and the expert-data-parallel groups across them ([Note: expert parallelism]).
+        `check_expert_parallel_size` first, so a bad size raises before any collective;
+        collective over the world (every rank makes every group, in the same order)."""
+        check_expert_parallel_size(ep_size, self.dp_world_size)
+        if self.dp_group is not None or self.hybrid or self.seq_dp_ranks:
+            raise ValueError(
+                f"expert parallelism (ep_size {ep_size}) is supported by partita over plain "
+                "data parallelism only, not yet with tensor parallelism, an mpu, sequence "
+                "parallelism or zero_optimization.mics_shard_size"
+            )
+        world, rank = self.world_size, self.rank
+        ep = edp = None
+        for start in range(0, world, ep_size):
+            made = new_group(list(range(start, start + ep_size)))
+            ep = made if start <= rank < start + ep_size else ep
+        for place in range(ep_size):
+            made = new_group(list(range(place, world, ep_size)))
+            edp = made if place == rank % ep_size else edp
+        name_group(ep, "ep")
+        name_group(edp, "edp")
+        first = rank - rank % ep_size
+        return dataclasses.replace(
+            self,
+            ep_group=ep,
+            ep_ranks=tuple(range(first, first + ep_size)),
+            edp_group=edp,
+            edp_ranks=tuple(range(rank % ep_size, world, ep_size)),
+        )
 
     @property
     def sp_rank(self) -> int:
@@ -468,6 +535,23 @@ def _blocks_and_lanes(
     return (block, block_ranks), (lane, lane_ranks)
 
 
+def node_block_group(size: int, name: str) -> tuple[ProcessGroup | None, tuple[int, ...]]:
+    """This rank's block of `size` consecutive ranks of the world (a node's ranks when `size`
+    is the ranks per node) as ``(group, global ranks)``, its collectives counted under `name`
+    (ZeRO++ hpZ's secondary partition group, ``"hpz"``). Collective over the world: every
+    rank makes every block's group, in the same order. `size` must divide the world (checked
+    by the caller before any collective, naming its key)."""
+    rank, world = get_rank(), get_world_size()
+    first = rank - rank % size
+    mine: ProcessGroup | None = None
+    if is_initialized():
+        for start in range(0, world, size):
+            made = new_group(list(range(start, start + size)))
+            mine = made if start == first else mine
+        name_group(mine, name)
+    return mine, tuple(range(first, first + size))
+
+
 def check_sequence_parallel_size(sp_size: int, world: int) -> None:
     """Raises ValueError naming ``sequence_parallel_size`` unless `sp_size` is a positive
     divisor of the `world` (no collective: every rank raises alike)."""
@@ -477,6 +561,18 @@ def check_sequence_parallel_size(sp_size: int, world: int) -> None:
         raise ValueError(
             f"sequence_parallel_size: {sp_size} must be a positive divisor of the world size "
             f"{world} (sequence groups of equal size)"
+        )
+
+
+def check_expert_parallel_size(ep_size: int, world: int) -> None:
+    """Raises ValueError naming ``ep_size`` unless `ep_size` is a positive divisor of the
+    data-parallel `world` (no collective: every rank raises alike)."""
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"ep_size: {ep_size!r} must be a positive integer")
+    if ep_size > world or world % ep_size:
+        raise ValueError(
+            f"ep_size: {ep_size} must divide the data-parallel world size {world} "
+            "(expert-parallel groups of equal size)"
         )
 
 
@@ -526,8 +622,10 @@ def _tensor_getters(mpu: Any) -> str | None:
 
 __all__ = [
     "ParallelDims",
+    "check_expert_parallel_size",
     "check_sequence_parallel_size",
     "check_shard_size",
     "job_dims",
+    "node_block_group",
     "set_job_dims",
 ]

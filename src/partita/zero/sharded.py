@@ -29,6 +29,7 @@ from partita.zero.shard_step import (
 from partita.zero.sharded_grads import ShardedGradients
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
+    ExpertFamily,
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
@@ -142,13 +143,18 @@ class Sharded:
         sub_group_numel: int = COPY_SLICE_NUMEL,
         tensor: TensorParallelNorm | None = None,
         replicas: comm.ProcessGroup | None = None,
+        experts: ExpertFamily | None = None,
     ) -> None:
         self.stage = stage
-        world, rank = comm.get_world_size(group), comm.get_rank(group)
+        group_of = expert_group_of(groups, group, experts)
+        dtype = policy.master_dtype
         self.groups = [
-            ShardedGroup(g, bucket_numel, world, rank, policy.master_dtype, placement, group)
-            for g in groups
+            ShardedGroup(
+                g, bucket_numel, comm.get_world_size(pg), comm.get_rank(pg), dtype, placement, pg
+            )
+            for g, pg in zip(groups, group_of, strict=True)
         ]
+        rank = comm.get_rank(group)
         self.comm_device = groups[0][0].device if groups and groups[0] else torch.device("cpu")
         self.grads = ShardedGradients(
             layouts=[g.layout for g in self.groups],
@@ -160,6 +166,7 @@ class Sharded:
             rank=rank,
             group=group,
             replicas=replicas,
+            group_of=None if experts is None else group_of,
         )
         self.process_group = group
         self.optimizer = make_optimizer([[g.master] for g in self.groups])
@@ -234,6 +241,30 @@ class Sharded:
             g.all_gather_params(handles, cast)
         for h in handles:
             h.wait()
+
+
+def expert_group_of(
+    groups: ParamGroups, group: comm.ProcessGroup | None, experts: ExpertFamily | None
+) -> list[comm.ProcessGroup | None]:
+    """The process group each parameter group's shards are cut over: `group`, or for a group
+    of expert parameters the expert-data-parallel group ([Note: expert parallelism] in
+    `partita.comm.dims`). The sum of squares over `group` still counts every element once:
+    each expert-data-parallel group holds different experts. A group mixing both kinds
+    cannot be cut one way and raises, naming the helper that splits groups."""
+    if experts is None:
+        return [group] * len(groups)
+    out: list[comm.ProcessGroup | None] = []
+    for i, g in enumerate(groups):
+        dense, expert = experts.split(g)
+        if dense and expert:
+            raise ValueError(
+                f"optimizer parameter group {i} holds both expert and dense parameters "
+                f"({len(expert)} and {len(dense)}); ZeRO stages 1-2 shard them over different "
+                "groups: split them with deepspeed.moe.utils."
+                "split_params_into_different_moe_groups_for_optimizer"
+            )
+        out.append(experts.group if expert else group)
+    return out
 
 
 class FlatShardLayout:

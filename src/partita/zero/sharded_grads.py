@@ -79,6 +79,9 @@ class ShardedGradients:
     replicas: comm.ProcessGroup | None = None
     """Hybrid sharding: the ranks holding the same shards, across which each reduced chunk is
     summed before it is scaled (None: no replicas; never the default group)."""
+    group_of: list[comm.ProcessGroup | None] | None = None
+    """Each parameter group's own process group, where it differs from `group` (expert
+    groups: [Note: expert parallelism] in `partita.comm.dims`); None: `group` for all."""
     buckets: list[GradBucket] = field(init=False, default_factory=list)
     armed: bool = field(init=False, default=False)
     peak_transient_bytes: int = field(init=False, default=0)
@@ -227,9 +230,13 @@ class ShardedGradients:
         bucket.sent = data
         bucket.output = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
         bucket.handle = comm.reduce_scatter(
-            bucket.output, data, group=self.group, async_op=True, tag="grad"
+            bucket.output, data, group=self._group(bucket.group), async_op=True, tag="grad"
         )
         self._in_flight.append(bucket)
+
+    def _group(self, index: int) -> comm.ProcessGroup | None:
+        """The process group parameter group `index` reduces over."""
+        return self.group if self.group_of is None else self.group_of[index]
 
     def _retire(self, bucket: GradBucket) -> None:
         if bucket.handle is not None:

@@ -20,6 +20,7 @@ from partita.zero.master import MasterWeights
 from partita.zero.shard_step import TensorParallelNorm, sum_of_squares, tensor_norms
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
+    ExpertFamily,
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
@@ -39,11 +40,19 @@ class DataParallel:
         scaling: ReduceScaling,
         group: comm.ProcessGroup | None = None,
         tensor: TensorParallelNorm | None = None,
+        experts: ExpertFamily | None = None,
     ) -> None:
         self.params = [p for g in groups for p in g]
-        self.buckets = GradientBuckets(
-            self.params, bucket_numel, scaling, policy.reduce_dtype, group
-        )
+        self.experts = experts
+        """Expert parameters, reduced over their own group ([Note: expert parallelism])."""
+        dense = [p for p in self.params if experts is None or p not in experts.params]
+        self.buckets = GradientBuckets(dense, bucket_numel, scaling, policy.reduce_dtype, group)
+        self.bucket_sets = [self.buckets]
+        if experts is not None and len(dense) < len(self.params):
+            own = [p for p in self.params if p in experts.params]
+            self.bucket_sets.append(
+                GradientBuckets(own, bucket_numel, scaling, policy.reduce_dtype, experts.group)
+            )
         self.master = (
             MasterWeights(self.params, policy.master_dtype) if policy.needs_master else None
         )
@@ -59,16 +68,19 @@ class DataParallel:
 
     def begin_backward(self, sync: bool) -> None:
         """Arms the all-reduce hooks for the boundary backward."""
-        self.buckets.begin_backward(sync)
+        for buckets in self.bucket_sets:
+            buckets.begin_backward(sync)
 
     def end_backward(self) -> None:
         """Waits for every bucket's all-reduce (launching stragglers first), if armed."""
-        self.buckets.finish()
+        for buckets in self.bucket_sets:
+            buckets.finish()
 
     def _stepped_params(self) -> list[torch.nn.Parameter]:
         """The tensors the optimizer steps, with this step's gradients in their `.grad` (zeros
         for a parameter no backward reached)."""
-        self.buckets.materialize()
+        for buckets in self.bucket_sets:
+            buckets.materialize()
         if self.master is None:
             return self.params
         self.master.load_grads([p.grad for p in self.params])  # type: ignore[misc]
@@ -80,7 +92,9 @@ class DataParallel:
         grads: list[torch.Tensor] = [p.grad for p in stepped]  # type: ignore[misc]
         if loss_scale != 1.0 and grads:
             torch._foreach_mul_(grads, 1.0 / loss_scale)
-        if self.tensor is None:
+        if self.experts is not None:
+            norm = self._expert_parallel_norm(grads)
+        elif self.tensor is None:
             # The reduced gradients are identical on every rank, so the norm (and with it the
             # overflow decision) is too: no collective is needed to agree on skipping.
             norm = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros(())
@@ -110,10 +124,23 @@ class DataParallel:
         comm.all_reduce(sq, group=self.tensor.group, tag="norm")
         return sq.sqrt()
 
+    def _expert_parallel_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The model's gradient norm with expert parallelism ([Note: expert parallelism]):
+        dense gradients are the same on every rank, expert ones on the ranks holding the same
+        experts, so only the experts' squares are summed, over the expert-parallel group."""
+        assert self.experts is not None
+        dense, expert = self.experts.split(self.params)
+        device = grads[0].device if grads else torch.device("cpu")
+        dense_sq = sum_of_squares(tensor_norms([grads[i] for i in dense]), device)
+        expert_sq = sum_of_squares(tensor_norms([grads[i] for i in expert]), device)
+        comm.all_reduce(expert_sq, group=self.experts.ep_group, tag="norm")
+        return (dense_sq + expert_sq).sqrt()
+
     def zero_grad(self) -> None:
         """Releases the gradient buckets and the masters' gradients ([Note: released
         gradients])."""
-        self.buckets.release()
+        for buckets in self.bucket_sets:
+            buckets.release()
         if self.master is not None:
             self.master.release_grads()
 
@@ -124,8 +151,10 @@ class DataParallel:
         master = self.master
         return {
             "params": param_bytes,
-            "grads": self.buckets.buffer_bytes + (master.grad_nbytes if master else 0),
-            "grads_held": self.buckets.held_bytes + (master.held_grad_nbytes if master else 0),
+            "grads": sum(b.buffer_bytes for b in self.bucket_sets)
+            + (master.grad_nbytes if master else 0),
+            "grads_held": sum(b.held_bytes for b in self.bucket_sets)
+            + (master.held_grad_nbytes if master else 0),
             "master_params": master.nbytes if master else 0,
             "optimizer_state": optimizer_state_bytes(self.optimizer),
             "comm_buffers": 0,
@@ -133,7 +162,8 @@ class DataParallel:
 
     def close(self) -> None:
         """Removes the gradient hooks."""
-        self.buckets.remove_hooks()
+        for buckets in self.bucket_sets:
+            buckets.remove_hooks()
 
 
 class ReplicatedLayout:

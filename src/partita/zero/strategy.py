@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -87,3 +87,24 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                     seen.add(storage.data_ptr())
                     total += storage.nbytes()
     return total
+
+
+@dataclass(frozen=True)
+class ExpertFamily:
+    """The expert parameters of a job with mixture-of-experts layers and their groups
+    ([Note: expert parallelism] in `partita.comm.dims`): their gradients are summed, and at
+    stages 1-2 their shards cut, over `group` (the expert-data-parallel group), while the
+    average still divides by the whole data-parallel size; `ep_group` holds the other
+    experts, across which a replicated (stage 0) norm sums their squares."""
+
+    params: frozenset[torch.nn.Parameter]
+    group: Any
+    """The expert-data-parallel process group."""
+    ep_group: Any
+    """The expert-parallel process group."""
+
+    def split(self, params: list[torch.nn.Parameter]) -> tuple[list[int], list[int]]:
+        """Indices into `params` of the dense parameters and of the expert ones."""
+        dense = [i for i, p in enumerate(params) if p not in self.params]
+        expert = [i for i, p in enumerate(params) if p in self.params]
+        return dense, expert

@@ -90,13 +90,13 @@ def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kw
 _UNSUPPORTED = {
     "InferenceEngine": "DeepSpeed inference",
     "DeepSpeedHybridEngine": "the RLHF hybrid engine",
-    "moe": "DeepSpeed-MoE expert parallelism",
 }
 
 
 # Submodules DeepSpeed binds on import, imported here on first use (keeps this package cheap).
 _LAZY = {
     "checkpointing": "partita.compat.deepspeed.checkpointing",
+    "moe": "partita.compat.deepspeed.moe",
     "pipe": "partita.compat.deepspeed.pipe",
     "profiling": "partita.compat.deepspeed.profiling",
 }

@@ -17,7 +17,7 @@ FEATURES: dict[str, str] = {
     "runtime.sequence_parallel": "ALST's debugging helpers (AutogradComputeMLP)",
     "pipe": "pipeline parallelism",
     "runtime.pipe": "pipeline parallelism",
-    "moe": "DeepSpeed-MoE expert parallelism",
+    "moe": "DeepSpeed-MoE's AutoEP (ep_*) and tensor-parallel experts (mappings)",
     "inference": "DeepSpeed inference kernels (kernel injection)",
     "module_inject": "AutoTP training and kernel injection",
     "runtime.tensor_parallel": "AutoTP training (tensor_parallel config)",
@@ -45,7 +45,7 @@ FEATURES: dict[str, str] = {
     "ops.transformer.inference": "DeepSpeed inference kernels (kernel injection)",
     "io": "DeepSpeed's fast file writer",
     "datastates": "DataStates checkpointing",
-    "utils.groups": "DeepSpeed's process-group registry (expert and tensor-parallel groups)",
+    "utils.groups": "DeepSpeed's process-group registry (tensor-parallel groups)",
 }
 
 # DeepSpeed modules -> what partita offers in their place (the longest matching prefix wins).

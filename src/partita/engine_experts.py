@@ -1,0 +1,105 @@
+"""What the engine builds for mixture-of-experts layers: the expert-parallel size (checked
+before any collective), the groups bound to the layers, the expert parameters' family for the
+ZeRO strategy, and optimizer groups split by kind for stages 1-2. Composition only; the
+layers live in `partita.moe`, the reductions in `partita.zero`
+([Note: expert parallelism] in `partita.comm.dims`)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from partita import comm
+from partita.comm.dims import check_expert_parallel_size
+from partita.config import DeepSpeedConfig, config_error
+from partita.moe.layer import expert_parameters, moe_layers
+from partita.zero.strategy import ExpertFamily
+
+
+def expert_parallel_size(
+    model: Any, config: DeepSpeedConfig, world: int, mpu: Any, sequence_parallel: int
+) -> int | None:
+    """The job's expert-parallel size (None: `model` has no MoE layer), checked against the
+    data-parallel `world` and what partita composes experts with, naming the values; no
+    collective runs, so every rank raises alike."""
+    layers = moe_layers(model) if isinstance(model, torch.nn.Module) else []
+    if not layers:
+        return None
+    sizes = sorted({layer.ep_size for layer in layers})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"MoE layers with different ep_size {sizes}: partita supports one expert-parallel "
+            "size per job"
+        )
+    ep = sizes[0]
+    check_expert_parallel_size(ep, world)
+    stage = config.zero_optimization.stage
+    if stage == 3:
+        raise config_error(
+            "zero_optimization.stage",
+            "3 with MoE layers (deepspeed.moe.layer.MoE) is not supported by partita yet; "
+            "use 0, 1 or 2",
+        )
+    for what, on in (
+        ("an mpu (model parallelism)", mpu is not None),
+        ("sequence_parallel_size > 1", sequence_parallel > 1),
+        ("zero_optimization.mics_shard_size", config.zero_optimization.mics_shard_size != -1),
+    ):
+        if on:
+            raise ValueError(
+                f"MoE layers (ep_size {ep}) together with {what} are not supported by partita yet"
+            )
+    return ep
+
+
+def with_expert_groups(model: Any, dims: comm.ParallelDims, ep: int | None) -> comm.ParallelDims:
+    """`dims` with the expert groups of size `ep` (collective over the world), bound to every
+    MoE layer of `model`; `dims` unchanged without experts."""
+    if ep is None:
+        return dims
+    dims = dims.with_experts(ep)
+    for layer in moe_layers(model):
+        layer.set_ep_group(dims.ep_group)
+    return dims
+
+
+def expert_family(module: torch.nn.Module, dims: comm.ParallelDims) -> ExpertFamily | None:
+    """The trainable expert parameters of `module` with their groups (None without experts)."""
+    if not dims.ep_ranks:
+        return None
+    params = frozenset(p for p in expert_parameters(module) if p.requires_grad)
+    return ExpertFamily(params, dims.edp_group, dims.ep_group) if params else None
+
+
+def split_expert_groups(
+    groups: list[dict[str, Any]], module: torch.nn.Module, config: DeepSpeedConfig
+) -> list[dict[str, Any]]:
+    """For ZeRO stages 1-2, `groups` with each group that mixes expert and dense parameters
+    cut in two with the same hyperparameters (the dense part in place, the expert part
+    appended, as DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` does for
+    an optimizer it builds): the two kinds are sharded over different groups."""
+    if config.zero_optimization.stage not in (1, 2):
+        return groups
+    experts = set(expert_parameters(module))
+    if not experts:
+        return groups
+    added = []
+    for group in groups:
+        mine = [p for p in group["params"] if p in experts]
+        dense = [p for p in group["params"] if p not in experts]
+        if mine and dense:
+            group["params"] = dense
+            added.append({**group, "params": mine, "moe": True})
+    return groups + added
+
+
+def broadcast_group(
+    param: torch.Tensor, experts: Collection[torch.Tensor], dims: comm.ParallelDims
+) -> tuple[tuple[int, ...], comm.ProcessGroup | None]:
+    """The ranks that start from one copy of `param` (its first rank's): the expert-data-parallel
+    group for an expert parameter, else the ranks holding the same parameters."""
+    if param in experts and dims.ep_ranks:
+        return dims.edp_ranks, dims.edp_group
+    return dims.grad_ranks, dims.grad_group

@@ -1,0 +1,222 @@
+"""Rank-side code of tests/test_moe.py: DeepSpeed's MoE tutorial shape (dense layers around a
+``deepspeed.moe.layer.MoE`` of small MLP experts, loss = task loss + COEF * l_aux) trained by
+the engine with experts split over expert-parallel ranks, and the one-process reference that
+holds every expert, written with plain torch."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import partita
+from partita.compat.deepspeed.moe.layer import MoE
+from partita.compat.deepspeed.moe.utils import (
+    split_params_into_different_moe_groups_for_optimizer,
+)
+from partita.config import ConfigError
+
+IN, DIM, FF, CLASSES, EXPERTS = 6, 8, 64, 5, 4
+TOKENS = 6  # tokens per sequence
+MICRO = 2  # sequences per rank and step
+STEPS = 4
+LR = 1e-2
+SGD_LR = 0.5
+COEF = 0.01
+SEED = 1234
+
+
+class Net(nn.Module):
+    """fc1 -> MoE of MLP experts (with a residual dense MLP when `residual`) -> fc2."""
+
+    def __init__(self, ep: int, k: int, residual: bool = False, experts: int = EXPERTS) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, DIM)
+        expert = nn.Sequential(nn.Linear(DIM, FF), nn.ReLU(), nn.Linear(FF, DIM))
+        self.moe = MoE(
+            hidden_size=DIM, expert=expert, num_experts=experts, ep_size=ep, k=k,
+            min_capacity=0, drop_tokens=False, use_residual=residual, use_rts=False,
+            top2_2nd_expert_sampling=False,
+        )  # fmt: skip
+        self.fc2 = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, l_aux, _ = self.moe(torch.relu(self.fc1(x)))
+        return F.cross_entropy(self.fc2(h).reshape(-1, CLASSES), y.reshape(-1)) + COEF * l_aux
+
+
+def data(steps: int, world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``[step][rank] -> (x [MICRO, TOKENS, IN], y [MICRO, TOKENS])``, the same everywhere."""
+    g = torch.Generator().manual_seed(7)
+    return [
+        [
+            (
+                torch.randn(MICRO, TOKENS, IN, generator=g),
+                torch.randint(0, CLASSES, (MICRO, TOKENS), generator=g),
+            )
+            for _ in range(world)
+        ]
+        for _ in range(steps)
+    ]
+
+
+def config(stage: int, clip: float, sgd: bool) -> dict[str, Any]:
+    """One micro-batch of MICRO sequences per rank and step."""
+    opt = {"type": "SGD", "params": {"lr": SGD_LR}} if sgd else {
+        "type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}
+    }  # fmt: skip
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": opt,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200},
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+    }
+
+
+def train(
+    ep: int,
+    stage: int,
+    k: int = 1,
+    residual: bool = False,
+    clip: float = 0.0,
+    sgd: bool = False,
+    split: bool = True,
+) -> dict[str, Any]:
+    """This rank's per-step losses (it trains on micro-batch `rank` of each step), the
+    expert groups it saw and the size of its optimizer state."""
+    torch.manual_seed(SEED)
+    model = Net(ep, k, residual)
+    params: Any = model.parameters()
+    if split:  # the tutorial's way: expert parameters in their own optimizer groups
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"}
+        )
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=params, config=config(stage, clip, sgd)
+    )
+    rank, world = engine.dims.rank, engine.dims.world_size
+    losses = []
+    for batch in data(STEPS, world):
+        x, y = batch[rank]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {
+        "losses": losses,
+        "ep_ranks": list(engine.dims.ep_ranks),
+        "edp_ranks": list(engine.dims.edp_ranks),
+        "state_numel": state_numel(engine.optimizer),
+    }
+    engine.destroy()
+    return out
+
+
+def state_numel(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Elements of AdamW's first moment this rank holds, for the expert parameter groups
+    (``moe`` set by the split) and the dense ones."""
+    out = {"expert": 0, "dense": 0}
+    for group in optimizer.param_groups:
+        kind = "expert" if group.get("moe") else "dense"
+        moments = (optimizer.state[p].get("exp_avg") for p in group["params"])
+        out[kind] += sum(m.numel() for m in moments if m is not None)  # none under SGD
+    return out
+
+
+def refusal(what: str) -> str:
+    """The error a bad MoE set-up raises (its type and message), before any collective."""
+    try:
+        if what == "experts_not_divisible":
+            Net(ep=2, k=1, experts=3)
+        elif what == "k_too_large":
+            Net(ep=1, k=5)
+        elif what == "ep_not_dividing":
+            torch.manual_seed(SEED)
+            partita.initialize(model=Net(ep=3, k=1, experts=3), config=config(0, 0.0, False))
+        elif what == "stage3":
+            partita.initialize(model=Net(ep=2, k=1), config=config(3, 0.0, False))
+    except (ValueError, ConfigError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def moe_grid(kind: str, **kwargs: Any) -> Any:
+    """One case of the grid: ``train`` or ``refusal``."""
+    return {"train": train, "refusal": refusal}[kind](**kwargs)
+
+
+class Reference(nn.Module):
+    """The same model holding every expert, in plain torch: top-k softmax gating, each chosen
+    expert run on the tokens routed to it, outputs weighted by the (renormalised) gates."""
+
+    def __init__(self, k: int, residual: bool) -> None:
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.k = k
+        self.fc1 = nn.Linear(IN, DIM)
+        expert = nn.Sequential(nn.Linear(DIM, FF), nn.ReLU(), nn.Linear(FF, DIM))
+        self.wg = nn.Linear(DIM, EXPERTS, bias=False)
+        # Copies draw no random numbers: the next layers start from the same weights.
+        self.experts = nn.ModuleList([copy.deepcopy(expert) for _ in range(EXPERTS)])
+        self.residual = expert if residual else None
+        self.coefficient = nn.Linear(DIM, 2) if residual else None
+        self.fc2 = nn.Linear(DIM, CLASSES)
+
+    def moe(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixture's output and this micro-batch's l_aux."""
+        tokens = h.reshape(-1, DIM)
+        gates = F.softmax(tokens @ self.wg.weight.t(), dim=1)
+        top = torch.topk(gates, self.k, dim=1).indices  # distinct gates: ties do not occur
+        first = F.one_hot(top[:, 0], EXPERTS).float()
+        balance = gates.mean(0) * first.mean(0)
+        l_aux = balance.sum() * EXPERTS if self.k == 1 else balance.mean() * EXPERTS**2
+        chosen = gates.gather(1, top)
+        weights = chosen if self.k == 1 else chosen / chosen.sum(1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for r in range(self.k):
+            for e, expert in enumerate(self.experts):
+                rows = (top[:, r] == e).nonzero().flatten()
+                if len(rows):
+                    part = expert(tokens[rows]) * weights[rows, r : r + 1]
+                    out = out.index_add(0, rows, part)
+        out = out.reshape(h.shape)
+        if self.residual is not None:
+            assert self.coefficient is not None
+            mix = F.softmax(self.coefficient(h), dim=-1)
+            out = out * mix[..., 0:1] + self.residual(h) * mix[..., 1:]
+        return out, l_aux
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, l_aux = self.moe(torch.relu(self.fc1(x)))
+        return F.cross_entropy(self.fc2(h).reshape(-1, CLASSES), y.reshape(-1)) + COEF * l_aux
+
+
+def reference(
+    world: int, k: int = 1, residual: bool = False, clip: float = 0.0, sgd: bool = False
+) -> list[list[float]]:
+    """``[step][rank]`` losses of one process that computes every rank's micro-batch loss
+    (each micro-batch gated on its own: capacity and l_aux are per rank) and steps on their
+    mean, which is what the ranks' averaged gradients are the gradient of."""
+    model = Reference(k, residual)
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        if sgd
+        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    )
+    out = []
+    for batch in data(STEPS, world):
+        losses = [model(x, y) for x, y in batch]
+        torch.stack(losses).mean().backward()
+        for p in model.parameters():  # an expert no token reached steps on zeros, as in the
+            if p.grad is None:  # engine (and DeepSpeed): weight decay and moments move
+                p.grad = torch.zeros_like(p)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        out.append([loss.item() for loss in losses])
+    return out

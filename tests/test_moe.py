@@ -1,0 +1,117 @@
+"""Mixture of experts with expert parallelism (`partita.moe`, ``deepspeed.moe.layer.MoE``):
+DeepSpeed's tutorial shape trained at 4 CPU ranks as ep 2 x dp 2 and ep 4, ZeRO stages 0-2,
+fp32, dropless, against one process holding every expert; a rerun bitwise; the groups; the
+optimizer state split over expert ranks; and the refusals, each naming itself before any
+collective. One spawn runs every 4-rank case ([Note: expert parallelism] in
+`partita.comm.dims`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from models import assert_losses
+from moe_workers import moe_grid, reference
+from partita.testing import run_distributed_grid
+
+WORLD = 4
+STAGES = (0, 1, 2)
+TRAIN = [  # top-1 at ep 2, top-2 at ep 4
+    {"kind": "train", "ep": ep, "stage": stage, "k": 1 if ep == 2 else 2}
+    for ep in (2, 4)
+    for stage in STAGES
+]
+RERUN = {"kind": "train", "ep": 2, "stage": 2, "k": 1}
+EXTRA = {
+    # SGD shows any scaling of the expert gradients; clipping at 0.05 reads the global norm
+    "sgd_clip_stage0": {"kind": "train", "ep": 2, "stage": 0, "k": 2, "sgd": True, "clip": 0.05},
+    "sgd_clip_stage2": {"kind": "train", "ep": 4, "stage": 2, "k": 1, "sgd": True, "clip": 0.05},
+    "residual": {"kind": "train", "ep": 2, "stage": 1, "k": 1, "residual": True},
+    "unsplit_groups": {"kind": "train", "ep": 2, "stage": 2, "k": 1, "split": False},
+}
+REFUSALS = ["experts_not_divisible", "k_too_large", "ep_not_dividing", "stage3"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
+    cases = [*TRAIN, RERUN, *EXTRA.values(), *refusals]
+    per_case = iter(run_distributed_grid(moe_grid, WORLD, cases, timeout=300))
+    return {
+        "train": {(c["ep"], c["stage"]): next(per_case) for c in TRAIN},
+        "rerun": next(per_case),
+        "extra": {name: next(per_case) for name in EXTRA},
+        "refusals": {what: next(per_case) for what in REFUSALS},
+    }
+
+
+def _check(per_rank: list[dict], want: list[list[float]]) -> None:
+    for rank, got in enumerate(per_rank):
+        assert_losses(got["losses"], [step[rank] for step in want])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("ep", [2, 4])
+def test_losses_match_one_process_holding_every_expert(results: dict, ep: int) -> None:
+    """Each rank's per-step loss (task loss + COEF * its l_aux) within rtol 1e-6 of one
+    process computing every rank's micro-batch loss with all experts and stepping on their
+    mean, at ZeRO stages 0-2."""
+    want = reference(WORLD, k=1 if ep == 2 else 2)
+    for stage in STAGES:
+        _check(results["train"][(ep, stage)], want)
+
+
+@pytest.mark.parity
+def test_sgd_clipping_residual_and_unsplit_groups_match_one_process(results: dict) -> None:
+    """SGD (no normalisation hides a mis-scaled expert gradient) with clipping at 0.05 (the
+    norm counts each expert once) at stages 0 and 2; a residual MoE; optimizer groups that mix
+    expert and dense parameters (the engine splits them)."""
+    extra = results["extra"]
+    _check(extra["sgd_clip_stage0"], reference(WORLD, k=2, sgd=True, clip=0.05))
+    _check(extra["sgd_clip_stage2"], reference(WORLD, k=1, sgd=True, clip=0.05))
+    _check(extra["residual"], reference(WORLD, k=1, residual=True))
+    _check(extra["unsplit_groups"], reference(WORLD, k=1))
+
+
+def test_same_run_twice_is_bitwise_equal(results: dict) -> None:
+    first, again = results["train"][(2, 2)], results["rerun"]
+    assert [r["losses"] for r in first] == [r["losses"] for r in again]
+
+
+def test_groups_are_laid_out_as_deepspeeds(results: dict) -> None:
+    """ep 2 at 4 ranks: expert-parallel [0,1],[2,3]; expert-data-parallel [0,2],[1,3]."""
+    per_rank = results["train"][(2, 0)]
+    assert [r["ep_ranks"] for r in per_rank] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["edp_ranks"] for r in per_rank] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r["ep_ranks"] for r in results["train"][(4, 0)]] == [[0, 1, 2, 3]] * 4
+
+
+def test_expert_optimizer_state_is_split_over_expert_ranks(results: dict) -> None:
+    """Stage 0 holds its local experts' state whole (2 of 4 experts at ep 2, 1 at ep 4) and
+    every dense element; stages 1-2 cut the experts' state over the expert-data-parallel
+    group (2 ranks at ep 2: well under the whole, up to alignment padding) and the dense
+    state over all 4 ranks."""
+    from moe_workers import CLASSES, DIM, EXPERTS, FF, IN
+
+    expert = DIM * FF + FF + FF * DIM + DIM
+    dense = IN * DIM + DIM + DIM * EXPERTS + DIM * CLASSES + CLASSES
+    for ep in (2, 4):
+        local, edp = EXPERTS // ep * expert, WORLD // ep
+        for got in results["train"][(ep, 0)]:
+            assert got["state_numel"] == {"expert": local, "dense": dense}
+        for stage in (1, 2):
+            for got in results["train"][(ep, stage)]:
+                numel = got["state_numel"]
+                assert dense / WORLD <= numel["dense"] < dense / 2, (ep, stage, numel)
+                assert local / edp <= numel["expert"], (ep, stage, numel)
+                if edp > 1:
+                    assert numel["expert"] < 0.75 * local, (ep, stage, numel)
+
+
+def test_bad_set_ups_are_refused_by_name(results: dict) -> None:
+    refused = results["refusals"]
+    for rank_errors in zip(*[refused[w] for w in REFUSALS], strict=True):
+        not_divisible, too_large, not_dividing, stage3 = rank_errors
+        assert "num_experts: 3 is not divisible by ep_size 2" in not_divisible
+        assert "k: 5 must be between 1 and num_experts (4)" in too_large
+        assert "ep_size: 3 must divide the data-parallel world size 4" in not_dividing
+        assert "zero_optimization.stage" in stage3 and "MoE" in stage3
