@@ -12,6 +12,7 @@ import functools
 from typing import Any
 
 import pytest
+import torch
 
 from models import assert_losses
 from partita.testing import run_distributed_grid
@@ -24,6 +25,9 @@ TRAIN = [
     ("gpt2", 2, 2),
     ("gpt2", 4, 3),
 ]
+CHECKPOINTS = ("llama", "gpt2")
+"""Saved at tp 2 x dp 2, loaded at tensor degree 1 (Llama's slices contiguous, GPT-2's fused
+QKV strided)."""
 RERUN = ("llama", 2, 2)
 """Run again, its size from `tp_model_init` instead of the config: the same numbers bitwise."""
 REFUSALS = {
@@ -44,16 +48,19 @@ def _train(case: tuple[str, int, int], via: str = "config") -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, Any]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folders = {kind: str(tmp_path_factory.mktemp(f"tp-{kind}")) for kind in CHECKPOINTS}
     cases = [
         *[_train(c) for c in TRAIN],
         _train(RERUN, via="tp_model_init"),
+        *[{"case": "checkpoint", "model_kind": k, "folder": folders[k]} for k in CHECKPOINTS],
         *[{"case": "refusal", "what": what} for what in REFUSALS],
     ]
     per_case = iter(run_distributed_grid(tp_grid, WORLD, cases, timeout=300))
     return {
         "train": {c: next(per_case) for c in TRAIN},
         "rerun": next(per_case),
+        "checkpoint": {kind: next(per_case) for kind in CHECKPOINTS},
         "refusals": {what: next(per_case) for what in REFUSALS},
     }
 
@@ -95,12 +102,22 @@ def test_split_parameters_are_marked(results: dict[str, Any]) -> None:
     split = results["train"][("llama", 2, 0)][0]["split"]
     assert "lm_head.weight" in split and "model.layers.1.mlp.down_proj.weight" in split
     assert not any("norm" in name or "embed" in name for name in split), split
+    gpt2 = results["train"][("gpt2", 2, 2)][0]["split"]
+    assert "transformer.h.0.attn.c_attn.weight" in gpt2 and "transformer.h.0.mlp.c_fc.bias" in gpt2
+    assert "transformer.h.0.attn.c_proj.bias" not in gpt2  # row-parallel bias: replicated
 
 
 def test_rerun_through_tp_model_init_is_bitwise(results: dict[str, Any]) -> None:
     for first, again in zip(results["train"][RERUN], results["rerun"], strict=True):
         assert again["dims"] == first["dims"]
         assert first["losses"] == again["losses"] and first["norms"] == again["norms"]
+
+
+@pytest.mark.parametrize("kind", CHECKPOINTS)
+def test_checkpoint_saved_per_slice_loads_whole_at_tp1(results: dict[str, Any], kind: str) -> None:
+    for run in results["checkpoint"][kind]:
+        assert run["tp"] == 1
+        torch.testing.assert_close(run["joined"], run["split"], rtol=0.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("what", REFUSALS)

@@ -125,6 +125,27 @@ def train(model_kind: str, tp: int, stage: int, via: str = "config") -> dict[str
     }
 
 
+def checkpoint(model_kind: str, folder: str) -> dict[str, Any]:
+    """Trains at tp 2 x dp 2 (ZeRO 1), saves, and loads the checkpoint into a fresh engine at
+    tensor degree 1 (dp 4): the logits of both on the same tokens."""
+    tokens = batches(1)[0]
+    engine = partita.initialize(model=build_model(model_kind), config=_config(2, 1))[0]
+    for ids in batches(2):
+        local = ids[engine.dims.dp_rank * MICRO : (engine.dims.dp_rank + 1) * MICRO]
+        engine.backward(engine(input_ids=local, labels=local).loss)
+        engine.step()
+    with torch.no_grad():
+        split = engine.module(input_ids=tokens).logits
+    engine.save_checkpoint(folder, tag="tp2")
+    config = _config(1, 1)
+    del config["tensor_parallel"]
+    whole = partita.initialize(model=build_model(model_kind), config=config)[0]
+    whole.load_checkpoint(folder, tag="tp2")
+    with torch.no_grad():
+        joined = whole.module(input_ids=tokens).logits
+    return {"split": split, "joined": joined, "tp": whole.get_tensor_parallel_world_size()}
+
+
 REFUSALS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     # name: (model kind, model overrides, tensor_parallel section)
     "tp3": ("llama", {}, {"autotp_size": 3}),
@@ -151,7 +172,9 @@ def refusal(what: str) -> str:
 
 
 def tp_grid(case: str, **kwargs: Any) -> Any:
-    """One case of the grid: "train" (`train`'s arguments) or "refusal" (`refusal`'s)."""
+    """One case of the grid: "train", "checkpoint" or "refusal" (their functions' arguments)."""
     if case == "train":
         return train(**kwargs)
+    if case == "checkpoint":
+        return checkpoint(**kwargs)
     return refusal(**kwargs)

@@ -253,11 +253,24 @@ def _check_heads(model: nn.Module, tp_size: int) -> None:
 def _slice_parameter(param: nn.Parameter, plan: ShardPlan, name: str) -> None:
     """Makes `param` hold this rank's slice (in place: its identity is kept)."""
     spec = plan.slices.get(name)
-    if spec is None or spec.zero:  # replicated, or a row-parallel bias (added after the sum)
+    if spec is None:  # replicated
         return
+    full = param.shape[spec.dim]
     with torch.no_grad():
         param.data = take_slice(param.data, spec)
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    # Megatron's layout attributes, which checkpoints record to join the slices when loading
+    # at tensor degree 1 ([Note: tensor-parallel slices] in partita.checkpoint.slices): a
+    # fused [q | k | v] split per head is Megatron's stride 3. Another layout leaves them out,
+    # and such a checkpoint loads at its own degree only.
+    stride = len(spec.ranges)
+    part, width = full // stride, spec.ranges[0][1] - spec.ranges[0][0]
+    first = spec.ranges[0][0]
+    if all(
+        rng == (k * part + first, k * part + first + width) for k, rng in enumerate(spec.ranges)
+    ):
+        param.partition_dim = spec.dim % param.dim()  # type: ignore[attr-defined]
+        param.partition_stride = stride  # type: ignore[attr-defined]
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -270,7 +283,9 @@ def _split_linear(model: nn.Module, name: str, style: str, place: _Place, plan: 
     weight, bias = old.weight, getattr(old, "bias", None)
     assert isinstance(weight, nn.Parameter)
     for pname, param in (("weight", weight), ("bias", bias)):
-        if isinstance(param, nn.Parameter):
+        # A row-parallel bias is replicated and added after the sum (the planner's inference
+        # slice, zeros on ranks > 0, would train apart).
+        if isinstance(param, nn.Parameter) and not (pname == "bias" and style == "rowwise"):
             _slice_parameter(param, plan, f"{name}.{pname}")
     transposed = type(old).__name__ == "Conv1D"
     new: nn.Module
