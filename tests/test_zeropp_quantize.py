@@ -14,6 +14,7 @@ from partita.precision.quantize import (
     packed_nbytes,
     quantize_blocks,
     unpack,
+    unpack_rows,
 )
 
 
@@ -65,13 +66,19 @@ def test_other_dtypes_come_back_in_their_own_dtype(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("numel", [1, 255, 256, 1000])
 def test_packed_buffer_carries_values_and_scales(numel: int) -> None:
+    """One int8 per element and one fp32 scale per block; a last block shorter than 256 has
+    its own scale, so it is quantized as a block of its own length would be."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     buf = pack(x, 256)
     assert buf.dtype == torch.uint8
-    assert buf.numel() == packed_nbytes(numel, 256) == -(-numel // 256) * (256 + 4)
-    padded = torch.cat([x, x.new_zeros(-numel % 256)])
-    want = dequantize_blocks(*quantize_blocks(padded, 256))[:numel]
+    assert buf.numel() == packed_nbytes(numel, 256) == numel + 4 * -(-numel // 256)
+    whole = numel - numel % 256
+    parts = [x[:whole].reshape(-1, 256)] if whole else []
+    parts += [x[whole:].reshape(1, -1)] if whole < numel else []
+    want = torch.cat([dequantize_blocks(*quantize_blocks(p, p.shape[-1])) for p in parts])
     assert torch.equal(unpack(buf, numel, 256, torch.float32), want)
+    two = unpack_rows(torch.cat([buf, pack(-x, 256)]), 2, numel, 256, torch.float32)
+    assert torch.equal(two[0], want) and torch.equal(two[1], -want)
 
 
 def test_a_block_size_that_does_not_divide_is_named() -> None:

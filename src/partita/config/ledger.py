@@ -78,6 +78,7 @@ def _refused(why: str, example: Any, **kwargs: Any) -> Entry:
 
 _SETUP = "engine_setup.py"
 _STAGE3 = "zero/stage3/strategy.py"
+_ZEROPP = "zero/stage3/gather.py"  # ZeRO++ qwZ and hpZ, stage 3 only (rules: _zeropp_stage)
 _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"
@@ -213,11 +214,9 @@ LEDGER: dict[str, Entry] = {
     "zero_optimization.round_robin_gradients": _inert(
         "orders DeepSpeed's gradient copies to CPU across ranks; partita's offload needs none"
     ),
-    "zero_optimization.zero_hpz_partition_size": _refused("ZeRO++ hpZ", 2, enforced_by=_RULES),
-    "zero_optimization.zero_quantized_weights": _refused("ZeRO++ qwZ", True, enforced_by=_RULES),
-    "zero_optimization.zero_quantized_nontrainable_weights": _refused(
-        "quantized frozen weights", True, enforced_by=_RULES
-    ),
+    "zero_optimization.zero_hpz_partition_size": _read(_ZEROPP),
+    "zero_optimization.zero_quantized_weights": _read(_ZEROPP),
+    "zero_optimization.zero_quantized_nontrainable_weights": _read(_ZEROPP),
     "zero_optimization.zero_quantized_gradients": _refused("ZeRO++ qgZ", True, enforced_by=_RULES),
     "zero_optimization.zeropp_loco_param": _refused(
         "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, enforced_by=_RULES

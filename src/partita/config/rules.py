@@ -26,27 +26,6 @@ _NOT_IMPLEMENTED: tuple[
     tuple[str, Callable[[DeepSpeedConfig], Any], Callable[[Any], bool], str, str], ...
 ] = (
     (
-        "zero_optimization.zero_hpz_partition_size",
-        lambda c: c.zero_optimization.zero_hpz_partition_size,
-        lambda v: v > 1,
-        "ZeRO++ hierarchical partitioning (hpZ)",
-        "use 1",
-    ),
-    (
-        "zero_optimization.zero_quantized_weights",
-        lambda c: c.zero_optimization.zero_quantized_weights,
-        bool,
-        "ZeRO++ quantized weight all-gather (qwZ)",
-        "use false",
-    ),
-    (
-        "zero_optimization.zero_quantized_nontrainable_weights",
-        lambda c: c.zero_optimization.zero_quantized_nontrainable_weights,
-        bool,
-        "quantized storage of frozen weights",
-        "use false",
-    ),
-    (
         "zero_optimization.zero_quantized_gradients",
         lambda c: c.zero_optimization.zero_quantized_gradients,
         bool,
@@ -117,6 +96,34 @@ def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
             )
         ]
     return []
+
+
+_ZEROPP_STAGE3: tuple[tuple[str, str, str], ...] = (
+    ("zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", "use 1"),
+    ("zero_quantized_weights", "ZeRO++ quantized weight all-gather (qwZ)", "use false"),
+    ("zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", "use false"),
+)
+
+
+def _zeropp_stage(cfg: DeepSpeedConfig) -> list[Problem]:
+    """ZeRO++'s weight options change stage 3's parameter gathers; below stage 3 there are
+    none, and DeepSpeed ignores the keys silently. A config asking for them there expects
+    fewer bytes it would not get, so partita says so, naming the key."""
+    zero = cfg.zero_optimization
+    if zero.stage == 3:
+        return []
+    problems = []
+    for key, feature, instead in _ZEROPP_STAGE3:
+        value = getattr(zero, key)
+        if value is True or (type(value) is int and value > 1):
+            problems.append(
+                Problem(
+                    f"zero_optimization.{key}",
+                    f"{feature} applies to zero_optimization.stage 3 only (got {value!r} at "
+                    f"stage {zero.stage}); {instead} or stage 3",
+                )
+            )
+    return problems
 
 
 def _precision(cfg: DeepSpeedConfig) -> list[Problem]:
@@ -223,6 +230,7 @@ def check_rules(cfg: DeepSpeedConfig) -> list[Problem]:
         + _precision(cfg)
         + _offload(cfg)
         + _hybrid_shard(cfg)
+        + _zeropp_stage(cfg)
         + _not_implemented(cfg)
         + _allreduce_op(cfg)
     )

@@ -9,9 +9,10 @@ rounding of the fp32 product and of the final cast to the caller's dtype). A blo
 has scale 0 and dequantizes to zeros exactly. The arithmetic runs in fp32 whatever the input
 dtype, so quantizing the same values gives the same bytes on every rank and device.
 
-On the wire a chunk travels as one uint8 buffer (`pack`): its int8 values, padded with zeros to
-whole blocks, then its fp32 scales as bytes, so one all-gather carries both and the payload of
-``n`` elements is ``ceil(n / B) * (B + 4)`` bytes (`packed_nbytes`).
+On the wire a chunk travels as one uint8 buffer (`pack`): its int8 values, then its fp32 scales
+as bytes, so one all-gather carries both and the payload of ``n`` elements is
+``n + 4 * ceil(n / B)`` bytes (`packed_nbytes`). A chunk that ``B`` does not divide ends in one
+shorter block with its own scale (the same bound holds for it), so no bytes go to padding.
 """
 
 from __future__ import annotations
@@ -71,44 +72,66 @@ def dequantize_blocks(
 
 
 def blocks_for(numel: int, block_size: int) -> int:
-    """Blocks that hold `numel` elements (the last one padded with zeros)."""
+    """Blocks that hold `numel` elements (the last one may be shorter)."""
     return -(-numel // block_size)
 
 
 def packed_nbytes(numel: int, block_size: int) -> int:
-    """Bytes of `pack`'s buffer for `numel` elements: int8 values in whole blocks + scales."""
-    return blocks_for(numel, block_size) * (block_size + SCALE_BYTES)
+    """Bytes of `pack`'s buffer for `numel` elements: one int8 per element plus one fp32 scale
+    per block."""
+    return numel + SCALE_BYTES * blocks_for(numel, block_size)
 
 
-def pack(x: torch.Tensor, block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`x` (read flat) quantized into one uint8 buffer: the int8 values padded with zeros to
-    whole blocks, then the fp32 scales' bytes ([Note: block quantization]); into `out` when
-    given (``packed_nbytes`` bytes)."""
+def _split(numel: int, block_size: int) -> tuple[int, int]:
+    """Elements in whole blocks, and in the shorter last block (0 when none)."""
+    whole = numel - numel % block_size
+    return whole, numel - whole
+
+
+def pack(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """`x` (read flat) quantized into one uint8 buffer: its int8 values, then the fp32 scales'
+    bytes, blocks of `block_size` elements with a shorter last block when it does not divide
+    ([Note: block quantization])."""
     flat = x.detach().reshape(-1)
-    n_blocks = blocks_for(flat.numel(), block_size)
-    padded = n_blocks * block_size
-    if padded != flat.numel():
-        flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
-    values, scales = quantize_blocks(flat, block_size)
-    if out is None:
-        out = torch.empty(packed_nbytes(x.numel(), block_size), dtype=torch.uint8, device=x.device)
-    out[:padded].copy_(values.view(torch.uint8))
-    out[padded:].copy_(scales.view(torch.uint8))
-    return out
+    whole, tail = _split(flat.numel(), block_size)
+    parts = [quantize_blocks(flat[:whole], block_size)] if whole else []
+    if tail:
+        parts.append(quantize_blocks(flat[whole:], tail))
+    values = torch.cat([q.values for q in parts]).view(torch.uint8)
+    scales = torch.cat([q.scales for q in parts]).view(torch.uint8)
+    return torch.cat([values, scales])
 
 
 def unpack(buffer: torch.Tensor, numel: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The first `numel` values of a `pack` buffer, dequantized into `dtype`."""
-    n_blocks = blocks_for(numel, block_size)
-    padded = n_blocks * block_size
-    if buffer.numel() != packed_nbytes(numel, block_size):
+    """The `numel` values of a `pack` buffer, dequantized into `dtype`."""
+    return unpack_rows(buffer, 1, numel, block_size, dtype).reshape(-1)
+
+
+def unpack_rows(
+    buffer: torch.Tensor, rows: int, numel: int, block_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`rows` `pack` buffers of `numel` elements each, laid end to end in `buffer` (what an
+    all-gather of packed chunks leaves), dequantized into a (rows, numel) tensor of `dtype`."""
+    size = packed_nbytes(numel, block_size)
+    if buffer.numel() != rows * size:
         raise ValueError(
-            f"a packed buffer of {numel} elements in blocks of {block_size} has "
-            f"{packed_nbytes(numel, block_size)} bytes, got {buffer.numel()}"
+            f"{rows} packed buffer(s) of {numel} elements in blocks of {block_size} have "
+            f"{rows * size} bytes, got {buffer.numel()}"
         )
-    values = buffer[:padded].view(torch.int8)
-    scales = buffer[padded:].clone().view(torch.float32)  # clone: the bytes may be unaligned
-    return dequantize_blocks(values, scales, dtype)[:numel]
+    whole, tail = _split(numel, block_size)
+    table = buffer.reshape(rows, size)
+    values = table[:, :numel].contiguous().view(torch.int8).to(torch.float32)
+    # A fresh contiguous copy: a slice of a byte buffer is not aligned for fp32.
+    scale_bytes = torch.empty(rows, size - numel, dtype=torch.uint8, device=buffer.device)
+    scales = scale_bytes.copy_(table[:, numel:]).view(torch.float32)
+    out = torch.empty(rows, numel, dtype=torch.float32, device=buffer.device)
+    n_whole = whole // block_size
+    if whole:
+        main = values[:, :whole].reshape(rows, n_whole, block_size)
+        out[:, :whole] = (main * scales[:, :n_whole].unsqueeze(2)).reshape(rows, whole)
+    if tail:
+        out[:, whole:] = values[:, whole:] * scales[:, n_whole:]
+    return out.to(dtype)
 
 
 __all__ = [
@@ -122,4 +145,5 @@ __all__ = [
     "packed_nbytes",
     "quantize_blocks",
     "unpack",
+    "unpack_rows",
 ]

@@ -25,6 +25,7 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.released_grads import ensure_grad, held_bytes, release_grads
 from partita.zero.shard_step import HostStep, TensorParallelNorm, host_step, sharded_step
+from partita.zero.stage3.gather import EXACT, GatherPlan, plan_from_config
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
 from partita.zero.stage3.leaves import declared_leaves, leaf_groups
@@ -143,6 +144,8 @@ class _UnitFactory:
     (``offload_param.max_in_cpu``); units take from it in build order while their shard fits."""
     group: comm.ProcessGroup | None = None
     """The data-parallel group the units are sharded over (`world` and `rank` are in it)."""
+    gather_plan: GatherPlan = EXACT
+    """How training gathers move the units' segments (ZeRO++: [Note: ZeRO++ gathers])."""
 
     def __call__(
         self, name: str, params: list[torch.nn.Parameter], persistent: bool
@@ -185,6 +188,7 @@ class _UnitFactory:
             # Swapped masters and shards live in the swap buffers, not in these tensors.
             pin_memory=(opt.pin_memory and opt.in_memory, par.pin_memory and shard_space is None),
             group=self.group,
+            gather_plan=self.gather_plan,
         )
 
 
@@ -217,6 +221,7 @@ class FullySharded:
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, placement,
             int(zero.sub_group_size) * world, placement.params.max_in_cpu, group,
+            plan_from_config(zero, group),
         )  # fmt: skip
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
@@ -388,6 +393,8 @@ class FullySharded:
                 ensure_grad(m)
         outcome = self._run_step(clip, loss_scale)
         if outcome.applied:
+            for unit in self.all_units:  # hpZ's secondary copies are stale now
+                unit.parameters_changed()
             self._after_step()
         self.divergence.next_step()
         return outcome
@@ -467,7 +474,9 @@ class FullySharded:
         masters = self._masters()
         swapped = self.swapped is not None  # gradients in their swap files between uses
         return {
-            "params": sum(u.shard_bytes + u.gathered_bytes for u in self.all_units),
+            "params": sum(
+                u.shard_bytes + u.gathered_bytes + u.secondary_bytes for u in self.all_units
+            ),
             "grads": 0 if swapped else sum(m.numel() * m.element_size() for m in masters),
             "grads_held": held_bytes(m.grad for m in masters),
             "master_params": sum(u.master_bytes for u in self.all_units),

@@ -62,6 +62,7 @@ from partita.accelerator import pin_if
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import mark_gathered, mark_sharded
+from partita.zero.stage3.gather import EXACT, TRAINING, GatherPlan, gather_segment
 from partita.zero.stage3.identity import GATHER, DivergenceCheck
 
 
@@ -139,8 +140,12 @@ class ShardedUnit:
         alias_masters: bool = True,
         shard_space: SwapSpace | None = None,
         pin_memory: tuple[bool, bool] = (False, False),
+        gather_plan: GatherPlan = EXACT,
     ) -> None:
         self.name = name
+        self.world = world
+        self.gather_plan = gather_plan
+        """How training gathers move the segments ([Note: ZeRO++ gathers])."""
         self.segments = segments
         self.params = [p for s in segments for p in s.params]
         self.persistent = persistent
@@ -187,6 +192,16 @@ class ShardedUnit:
         self.grad_written: set[int] = set()
         """Parameters (by index) whose gradient ``grad_buffer`` holds this backward."""
         self.numel = self.layout.padded_numel
+        sec = gather_plan.secondary
+        self.secondary = (
+            None
+            if sec is None or persistent
+            else torch.zeros(self.numel // sec.size, dtype=like.dtype, device=like.device)
+        )
+        """hpZ: this rank's 1/h slice of the gathered unit, cut over its node group."""
+        self.secondary_valid = False
+        """The secondary copy holds the current parameters (reset when they change)."""
+        self._from_secondary = self._fill_secondary = False
         self.reshard()
         # Parameter offload to NVMe: the shard lives in a swap file between uses (see
         # [Note: swapped shards]).
@@ -229,6 +244,7 @@ class ShardedUnit:
 
     def shard_modified(self) -> None:
         """``flat_shard`` was written: the next `evict_shard` writes it back."""
+        self.secondary_valid = False
         if self.shard_swap is not None:
             self.shard_swap.modified()
 
@@ -265,15 +281,49 @@ class ShardedUnit:
         self.flat_full.untyped_storage().resize_(
             self.flat_full.numel() * self.flat_full.element_size()
         )
+        secondary = tag == TRAINING and self.secondary is not None
+        self._from_secondary = secondary and self.secondary_valid
+        self._fill_secondary = secondary and not self.secondary_valid
         with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
             for i, seg in enumerate(self.layout.segments):
                 if seg.padded_numel == 0:
                     continue
                 out = self.flat_full[seg.flat_start : seg.flat_end]
-                src = self.shard_chunk(i).to(out.device, non_blocking=True)
-                handle = comm.all_gather(out, src, group=self.process_group, async_op=True, tag=tag)
+                handle = self._gather_segment(i, out, tag, self._from_secondary)
                 if handle is not None:
                     self._handles.append(handle)
+
+    def _gather_segment(self, i: int, out: torch.Tensor, tag: str, from_secondary: bool) -> Any:
+        """Starts segment `i`'s gather into `out`: from the primary shard over the ZeRO group
+        or from the secondary copy over the node group, exact or quantized ([Note: ZeRO++
+        gathers])."""
+        plan, seg = self.gather_plan, self.layout.segments[i]
+        frozen = self.segments[i].group is None
+        quantize = tag == TRAINING and not self.persistent and plan.quantizes(frozen)
+        block = plan.block_size if quantize else None
+        if from_secondary:
+            assert self.secondary is not None and plan.secondary is not None
+            h = plan.secondary.size
+            src = self.secondary[seg.flat_start // h : seg.flat_end // h]
+            return gather_segment(out, src, plan.secondary.group, h, block, tag)
+        src = self.shard_chunk(i).to(out.device, non_blocking=True)
+        return gather_segment(out, src, self.process_group, self.world, block, tag)
+
+    def _keep_secondary(self) -> None:
+        """hpZ: copies this rank's 1/h slice of each gathered segment into the secondary copy
+        (after a primary training gather: [Note: ZeRO++ gathers])."""
+        assert self.secondary is not None and self.gather_plan.secondary is not None
+        h, place = self.gather_plan.secondary.size, self.gather_plan.secondary.rank
+        for seg in self.layout.segments:
+            length = seg.padded_numel // h
+            start = seg.flat_start + place * length
+            dest = self.secondary[seg.flat_start // h : seg.flat_start // h + length]
+            dest.copy_(self.flat_full[start : start + length])
+        self.secondary_valid = True
+
+    def parameters_changed(self) -> None:
+        """The shard's values changed (a step, a load): the secondary copy is stale."""
+        self.secondary_valid = False
 
     def pass_gather(self) -> list[comm.Work]:
         """Issues the collectives of this unit's gather into scratch buffers, changing no state:
@@ -281,6 +331,7 @@ class ShardedUnit:
         ([Note: identity windows]). Returns the handles to wait for."""
         self.ensure_shard()
         works: list[comm.Work] = []
+        from_secondary = self.secondary is not None and self.secondary_valid
         for i, seg in enumerate(self.layout.segments):
             if seg.padded_numel == 0:
                 continue
@@ -289,8 +340,7 @@ class ShardedUnit:
                 dtype=self.flat_full.dtype,
                 device=self.flat_full.device,
             )
-            src = self.shard_chunk(i).to(out.device, non_blocking=True)
-            handle = comm.all_gather(out, src, group=self.process_group, async_op=True, tag="param")
+            handle = self._gather_segment(i, out, TRAINING, from_secondary)
             if handle is not None:
                 works.append(handle)
         return works
@@ -303,9 +353,13 @@ class ShardedUnit:
             with trace("wait_for_unshard", self.name):
                 if self.divergence is not None:  # see [Note: asynchronous identities]
                     self.divergence.flush(self._gather_ticket)
-                for h in self._handles:
-                    h.wait()
+                with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+                    for h in self._handles:
+                        h.wait()  # a quantized gather dequantizes into flat_full here
                 self._handles = []
+                if self._fill_secondary:
+                    self._keep_secondary()
+                    self._fill_secondary = False
                 self.evict_shard()  # the gather is done with it; its file still holds it
                 for p, view in zip(self.params, self.views, strict=True):
                     mark_gathered(p, view)
@@ -390,6 +444,7 @@ class ShardedUnit:
 
     def refresh_from_masters(self) -> None:
         """Casts every updated master into ``flat_shard``; persistent units re-gather."""
+        self.parameters_changed()
         for idx in self.masters:
             self.copy_master(idx)
         self.evict_shard()
@@ -400,6 +455,7 @@ class ShardedUnit:
         """Takes the gathered values of `params` (members of this unit) as their new shard
         elements and fp32 masters; other parameters' masters keep their full precision."""
         wanted = {i for i, p in enumerate(self.params) if any(p is q for q in params)}
+        self.parameters_changed()
         self.ensure_shard()
         self.shard_modified()
         for piece in self.layout.shard_pieces(self.rank):
@@ -435,6 +491,13 @@ class ShardedUnit:
             m.untyped_storage().nbytes()  # 0 while swapped out to NVMe
             for m in self.masters.values()
             if not shard_start <= m.data_ptr() < shard_end
+        )
+
+    @property
+    def secondary_bytes(self) -> int:
+        """Bytes of hpZ's secondary copy (0 without hpZ)."""
+        return (
+            0 if self.secondary is None else self.secondary.numel() * self.secondary.element_size()
         )
 
     @property

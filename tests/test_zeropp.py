@@ -1,0 +1,157 @@
+"""ZeRO++ on stage 3 ([Note: ZeRO++ gathers] in `partita.zero.stage3.gather`): quantized weight
+gathers (qwZ), quantized frozen weights, and the hierarchical secondary partition (hpZ), on a
+tiny GPT-2 at 4 CPU ranks. Bytes as partita's counters record them against the figure computed
+from the units' layouts; losses against the unquantized run; without the options, bitwise the
+plain run. One spawn runs every case."""
+
+from __future__ import annotations
+
+import pytest
+
+from partita.config import ConfigError, load_config
+from partita.engine_setup import check_supported
+from partita.testing import run_distributed_grid
+from zeropp_workers import STEPS, zeropp_grid
+
+WORLD = 4
+QW = {"zero_quantized_weights": True}
+HPZ = {"zero_hpz_partition_size": 2}
+OFF = {
+    "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False,
+    "zero_hpz_partition_size": 1,
+}
+TRAIN = {
+    "plain": {"zero": {}},
+    "bound": {"zero": {}, "bound": True},
+    "plain_again": {"zero": {}},
+    "off": {"zero": OFF},
+    "qwz": {"zero": QW},
+    "hpz": {"zero": HPZ},
+    "qwz_hpz": {"zero": QW | HPZ},
+    "qwz_bf16": {"zero": QW, "bf16": True},
+    "frozen_plain": {"zero": {}, "bf16": True, "frozen": True},
+    "frozen_q": {
+        "zero": {"zero_quantized_nontrainable_weights": True},
+        "bf16": True,
+        "frozen": True,
+    },
+}
+REFUSED_HPZ = (3, 8)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    cases = [{"kind": "train", **case} for case in TRAIN.values()]
+    cases += [{"kind": "refusal", "zero": {"zero_hpz_partition_size": h}} for h in REFUSED_HPZ]
+    per_case = iter(run_distributed_grid(zeropp_grid, WORLD, cases, timeout=400))
+    out = {name: next(per_case) for name in TRAIN}
+    out["refusals"] = {h: next(per_case) for h in REFUSED_HPZ}
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a["losses"] == b["losses"] and all(
+        x.equal(y) for x, y in zip(a["params"], b["params"], strict=True)
+    )
+
+
+def _within(counted: int, expected: int) -> bool:
+    return abs(counted - expected) <= 0.01 * expected
+
+
+def test_without_the_options_training_is_bitwise_the_plain_run(results: dict) -> None:
+    """Absent keys, keys set to their off values and hpZ (whose secondary copies are exact)
+    train bitwise alike; every gather moves the module dtype's bytes (no quantized path)."""
+    plain = results["plain"]
+    for rank in range(WORLD):
+        for other in ("plain_again", "off", "hpz"):
+            assert _same(plain[rank], results[other][rank]), (other, rank)
+    for rank_result in plain:
+        assert rank_result["counted"] == rank_result["expected"]
+        assert set(rank_result["counted"][0]) == {""}  # the world's group only
+
+
+@pytest.mark.parametrize("name", ["qwz", "qwz_bf16", "qwz_hpz", "frozen_q"])
+def test_quantized_gathers_move_the_analytic_bytes(results: dict, name: str) -> None:
+    """Per step and per group, the training gathers' bytes equal the figure from the layouts
+    (one byte per element plus a 4-byte scale per block where quantized, the module dtype's
+    bytes elsewhere) within 1%."""
+    for rank_result in results[name]:
+        assert len(rank_result["counted"]) == STEPS
+        for counted, expected in zip(rank_result["counted"], rank_result["expected"], strict=True):
+            assert counted.keys() == expected.keys(), (counted, expected)
+            for group, nbytes in expected.items():
+                assert _within(counted[group], nbytes), (name, group, counted, expected)
+
+
+def test_qwz_moves_a_quarter_of_fp32_and_half_of_bf16_bytes(results: dict) -> None:
+    """One primary gather of every unit: int8 plus scales against 4-byte and 2-byte weights
+    (scales add 4 bytes per block of at most 2048 elements: < 0.2%)."""
+    plain, qwz, bf16 = (results[n][0]["primary_per_step"] for n in ("plain", "qwz", "qwz_bf16"))
+    assert 0.25 <= qwz / plain <= 0.25 * (1 + 4 / 16)  # a block is at least one 16-element chunk
+    assert qwz == bf16  # the same int8 payload whatever the module dtype
+    frozen_plain, frozen_q = results["frozen_plain"][0], results["frozen_q"][0]
+    for step in range(STEPS):
+        assert frozen_q["counted"][step][""] < frozen_plain["counted"][step][""]
+
+
+def test_qwz_losses_stay_within_the_quantization_bound(results: dict) -> None:
+    """Step 0 starts from the same weights: the quantized forward may change the loss by at
+    most sum |dL/dw| * scale/2 to first order (the bound of each weight's block, from the
+    plain run's gradient). Later steps: within 1% of the plain run's loss, the issue's bar."""
+    plain, qwz, bound = results["plain"][0], results["qwz"][0], results["bound"][0]["bound"]
+    assert bound > 0
+    assert abs(qwz["losses"][0] - plain["losses"][0]) <= bound
+    for name in ("qwz", "qwz_bf16", "qwz_hpz"):
+        for got, want in zip(results[name][0]["losses"], plain["losses"], strict=True):
+            assert abs(got - want) <= 0.01 * want, (name, got, want)
+    assert qwz["losses"] != plain["losses"]  # the weights the forward saw were quantized
+
+
+def test_hpz_regathers_inside_the_node_group(results: dict) -> None:
+    """hpZ 2 at 4 ranks: each step the world's group carries one gather of every unit (the
+    first forward's); backward and the second micro-batch read the node group ("hpz"); each
+    rank holds half a unit's bytes of secondary copies, DeepSpeed's documented cost."""
+    plain = results["plain"][0]
+    for name in ("hpz", "qwz_hpz"):
+        for r in results[name]:
+            for counted in r["counted"]:
+                assert counted[""] == r["primary_per_step"]
+                assert counted["hpz"] > 0
+                assert counted[""] < plain["counted"][0][""]
+            assert r["secondary_bytes"] == r["unit_bytes"] // 2
+    assert results["hpz"][0]["primary_per_step"] == plain["primary_per_step"]
+
+
+def test_hpz_size_that_does_not_divide_the_world_is_refused(results: dict) -> None:
+    for h in REFUSED_HPZ:
+        for message in results["refusals"][h]:
+            assert "zero_optimization.zero_hpz_partition_size" in message, message
+            assert "positive divisor of the world size 4" in message, message
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("zero_quantized_weights", True),
+        ("zero_quantized_nontrainable_weights", True),
+        ("zero_hpz_partition_size", 2),
+    ],
+)
+def test_options_below_stage_3_are_refused_naming_the_key(
+    stage: int, key: str, value: object
+) -> None:
+    raw = {"train_batch_size": 1, "zero_optimization": {"stage": stage, key: value}}
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}.*stage 3 only"):
+        check_supported(load_config(raw, world_size=1))
+
+
+def test_quantized_gradients_are_still_refused() -> None:
+    raw = {
+        "train_batch_size": 1,
+        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True},
+    }
+    with pytest.raises(ConfigError, match=r"zero_optimization\.zero_quantized_gradients"):
+        check_supported(load_config(raw, world_size=1))

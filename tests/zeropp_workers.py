@@ -1,0 +1,184 @@
+"""Workers for tests/test_zeropp.py: a tiny GPT-2 under ZeRO-3 with ZeRO++'s options, the bytes
+its training gathers move per named group, and the analytic figure for them."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+import partita
+from models import global_batches, make_model, rank_micro_batch
+from partita import comm
+from partita.comm import COUNTERS
+from partita.config import ConfigError
+from partita.precision import full_dtype
+from partita.precision.quantize import blocks_for
+from partita.zero.stage3.gather import DEFAULT_BLOCK_SIZE, TRAINING, payload_bytes
+from partita.zero.stage3.unit import ShardedUnit
+
+STEPS = 4
+GAS = 2
+"""Two micro-batches a step: hpZ's secondary copy serves the second forward too."""
+
+
+def config(**zero: Any) -> dict[str, Any]:
+    """Stage 3, every parameter in a unit (no persistent one), each unit released after use so
+    backward re-gathers it (DeepSpeed's ZeRO++ tests set the same reuse distance)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": GAS,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            **zero,
+        },
+    }
+
+
+def _gather_bytes(unit: ShardedUnit, tag: str, from_secondary: bool) -> tuple[str, int]:
+    """(group name, bytes) one gather of `unit` moves, from its layout alone: each segment's
+    chunks exact in the module dtype or packed (one byte per element + 4 per block)."""
+    plan, size = unit.gather_plan, unit.flat_full.element_size()
+    total = 0
+    for info, seg in zip(unit.segments, unit.layout.segments, strict=True):
+        quantized = tag == TRAINING and plan.quantizes(info.group is None)
+        block = plan.block_size if quantized else None
+        ranks = plan.secondary.size if from_secondary and plan.secondary else unit.world
+        total += payload_bytes(seg.padded_numel // ranks, ranks, block, size)
+    return ("hpz" if from_secondary else ""), total
+
+
+def _record_gathers(events: list[tuple[str, int]]) -> Any:
+    """Wraps `ShardedUnit._start_gather` so each training gather appends its analytic
+    (group, bytes); returns the original to restore."""
+    original = ShardedUnit._start_gather
+
+    def start(self: ShardedUnit, tag: str) -> None:
+        original(self, tag)
+        if tag == TRAINING:
+            events.append(_gather_bytes(self, tag, self._from_secondary))
+
+    ShardedUnit._start_gather = start  # type: ignore[method-assign]
+    return original
+
+
+def _first_order_bound(engine: Any) -> float:
+    """Sum over parameters of |dL/dw| times half the quantization step of w's block: the
+    largest first-order change of the loss when every weight moves by at most its bound
+    ([Note: block quantization]). Read after the first backward, from the exact run."""
+    from partita import utils
+
+    strategy, bound = engine.strategy, 0.0
+
+    for unit in strategy.units:
+        strategy.pin(unit)  # an exact gather ("gathered")
+        half_step = torch.zeros(unit.numel)
+        block = DEFAULT_BLOCK_SIZE
+        for seg in unit.layout.segments:
+            rows = unit.flat_full[seg.flat_start : seg.flat_end].detach().float()
+            chunk = seg.chunk_numel
+            for r in range(unit.world):
+                row = rows[r * chunk : (r + 1) * chunk]
+                for b in range(blocks_for(chunk, block)):
+                    part = row[b * block : (b + 1) * block]
+                    start = seg.flat_start + r * chunk + b * block
+                    half_step[start : start + part.numel()] = part.abs().max() / 127 / 2
+        for p, off in zip(unit.params, unit.layout.offsets, strict=True):
+            grad = utils.safe_get_full_grad(p)
+            if grad is not None:
+                bound += float(
+                    (grad.float().abs().reshape(-1) * half_step[off : off + p.numel()]).sum()
+                )
+        strategy.unpin(unit)
+    return bound
+
+
+def train(
+    zero: dict[str, Any], bf16: bool = False, frozen: bool = False, bound: bool = False
+) -> dict[str, Any]:
+    """Trains STEPS steps; per step the global mean loss, the training gathers' bytes by group
+    (counted, and from the layouts), and at the end the parameters and memory; with `bound`,
+    only the first step's first-order quantization bound (`_first_order_bound`)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make_model(kind="gpt2", frozen=frozen)
+    cfg = config(**zero) | ({"bf16": {"enabled": True}} if bf16 else {})
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=params, config=cfg)
+    events: list[tuple[str, int]] = []
+    original = _record_gathers(events)
+    losses, counted, expected = [], [], []
+    try:
+        for batch in global_batches(STEPS, GAS * world):
+            before = dict(COUNTERS.total_group_bytes)
+            events.clear()
+            step_loss = torch.zeros(())
+            for m in range(GAS):
+                loss = engine(*rank_micro_batch(batch, rank, world, 1, m))
+                engine.backward(loss)
+                if bound and m == GAS - 1:  # the first step's gradient, then stop
+                    first_order = _first_order_bound(engine)
+                    engine.destroy()
+                    return {"bound": first_order}
+                engine.step()
+                step_loss += loss.detach().float() / GAS
+            comm.all_reduce(step_loss, tag="test")
+            losses.append(step_loss.item() / world)
+            counted.append(_param_bytes_since(before))
+            expected.append(_sum_by_group(events))
+    finally:
+        ShardedUnit._start_gather = original  # type: ignore[method-assign]
+    units = engine.strategy.units
+    out = {
+        "losses": losses,
+        "counted": counted,
+        "expected": expected,
+        "units": len(units),
+        "primary_per_step": sum(_gather_bytes(u, TRAINING, False)[1] for u in units),
+        "secondary_bytes": sum(u.secondary_bytes for u in units),
+        "unit_bytes": sum(u.numel * u.flat_full.element_size() for u in units),
+        "params": _full_params(engine),
+    }
+    engine.destroy()
+    return out
+
+
+def _param_bytes_since(before: dict[tuple[str, str, str], int]) -> dict[str, int]:
+    """Training-gather bytes per group name since `before` (any op: gloo may run a gather as
+    an all-reduce of the same output)."""
+    out: dict[str, int] = defaultdict(int)
+    for (group, _op, tag), value in COUNTERS.total_group_bytes.items():
+        if tag == TRAINING and value - before.get((group, _op, tag), 0):
+            out[group] += value - before.get((group, _op, tag), 0)
+    return dict(out)
+
+
+def _sum_by_group(events: list[tuple[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for group, nbytes in events:
+        out[group] += nbytes
+    return dict(out)
+
+
+def _full_params(engine: Any) -> list[torch.Tensor]:
+    params = list(engine.module.parameters())
+    with partita.zero.GatheredParameters(params):
+        return [p.detach().to(full_dtype(p)).clone() for p in params]
+
+
+def refusal(zero: dict[str, Any]) -> str:
+    """The error `initialize` raises for a stage-3 config with `zero` (every rank alike)."""
+    model = make_model(kind="gpt2")
+    try:
+        partita.initialize(model=model, model_parameters=model.parameters(), config=config(**zero))
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+def zeropp_grid(kind: str, **kwargs: Any) -> Any:
+    """One case of the grid: "train" or "refusal"."""
+    return train(**kwargs) if kind == "train" else refusal(**kwargs)
