@@ -548,7 +548,7 @@ TRAIN = [
 ]
 
 
-GATHERS = [{"kind": "gathers", "parts": parts} for parts in ("", "mlp", "loss")]
+GATHERS = [{"kind": "gathers", "parts": parts} for parts in ("", "mlp", "loss", "linear")]
 
 
 @pytest.fixture(scope="module")
@@ -598,8 +598,22 @@ def test_zero3_backward_gathers_with_tiled_mlps_as_without(grid: list[list[Any]]
     called only inside the loss (no forward with a graph of its own), so the reuse distance
     does not release it: it stays gathered (its 64 elements live) until the end of backward,
     the behaviour docs/parallelism.md states."""
-    untiled, tiled_mlp, tiled_loss = grid[len(TRAIN) :]
+    untiled, tiled_mlp, tiled_loss, _ = grid[len(TRAIN) :]
     for plain, mlp, loss in zip(untiled, tiled_mlp, tiled_loss, strict=True):
         assert [name for name, _ in plain] == ["head", "mlps.1", "mlps.0", "proj"]
         assert mlp == plain
         assert loss == [("head", 64)] + [(name, live + 64) for name, live in plain[1:]]
+
+
+def test_zero3_backward_gathers_one_tile_at_a_time(grid: list[list[Any]]) -> None:
+    """With units released as soon as used, the tiled head's backward gathers its 6 tiles one
+    after another, each alone in memory (the same live elements after each gather: one padded
+    tile), fewer than the untiled head's gather holds."""
+    untiled, tiled = grid[len(TRAIN)], grid[-1]
+    for plain, tiles in zip(untiled, tiled, strict=True):
+        head = [(name, live) for name, live in tiles if name.startswith("head.")]
+        assert sorted(name for name, _ in head) == [
+            f"head.linears.{o}.{i}" for o in range(2) for i in range(3)
+        ]
+        assert len({live for _, live in head}) == 1
+        assert head[0][1] < dict(plain)["head"]
