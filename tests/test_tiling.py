@@ -549,11 +549,12 @@ TRAIN = [
 
 
 GATHERS = [{"kind": "gathers", "parts": parts} for parts in ("", "mlp", "loss", "linear")]
+COPY = [{"kind": "copy"}]
 
 
 @pytest.fixture(scope="module")
 def grid() -> list[list[Any]]:
-    return run_distributed_grid(tiling_grid, WORLD, TRAIN + GATHERS, timeout=300)
+    return run_distributed_grid(tiling_grid, WORLD, TRAIN + GATHERS + COPY, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -598,7 +599,7 @@ def test_zero3_backward_gathers_with_tiled_mlps_as_without(grid: list[list[Any]]
     called only inside the loss (no forward with a graph of its own), so the reuse distance
     does not release it: it stays gathered (its 64 elements live) until the end of backward,
     the behaviour docs/parallelism.md states."""
-    untiled, tiled_mlp, tiled_loss, _ = grid[len(TRAIN) :]
+    untiled, tiled_mlp, tiled_loss = grid[len(TRAIN) : len(TRAIN) + 3]
     for plain, mlp, loss in zip(untiled, tiled_mlp, tiled_loss, strict=True):
         assert [name for name, _ in plain] == ["head", "mlps.1", "mlps.0", "proj"]
         assert mlp == plain
@@ -609,7 +610,7 @@ def test_zero3_backward_gathers_one_tile_at_a_time(grid: list[list[Any]]) -> Non
     """With units released as soon as used, the tiled head's backward gathers its 6 tiles one
     after another, each alone in memory (the same live elements after each gather: one padded
     tile), fewer than the untiled head's gather holds."""
-    untiled, tiled = grid[len(TRAIN)], grid[-1]
+    untiled, tiled = grid[len(TRAIN)], grid[len(TRAIN) + 3]
     for plain, tiles in zip(untiled, tiled, strict=True):
         head = [(name, live) for name, live in tiles if name.startswith("head.")]
         assert sorted(name for name, _ in head) == [
@@ -617,3 +618,14 @@ def test_zero3_backward_gathers_one_tile_at_a_time(grid: list[list[Any]]) -> Non
         ]
         assert len({live for _, live in head}) == 1
         assert head[0][1] < dict(plain)["head"]
+
+
+def test_copy_params_from_under_zero3_writes_rank_0s_values_everywhere(
+    grid: list[list[Any]],
+) -> None:
+    """On a model ZeRO-3 has sharded, `copy_params_from` is collective: each tile is gathered,
+    written with rank 0's source and re-sharded, so every rank holds rank 0's values even
+    though each passed its own source."""
+    for rank in grid[-1]:
+        assert_same(rank["got"]["weight"], rank["want"]["weight"])
+        assert_same(rank["got"]["bias"], rank["want"]["bias"])

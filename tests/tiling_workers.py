@@ -203,6 +203,31 @@ def gathers(parts: str) -> list[tuple[str, int]]:
     return out
 
 
+def copy_under_zero3() -> dict[str, dict[str, torch.Tensor]]:
+    """`TiledLinear.copy_params_from` on a model already sharded by ZeRO-3, every rank passing
+    a different source (rank 0's unshifted, the others' shifted by their rank): the tiles
+    gathered afterwards, put together (``got``), and rank 0's source (``want``)."""
+    from partita.zero.gather import GatheredParameters
+
+    torch.manual_seed(0)
+    tiled = TiledLinear(H, V, in_splits=3, out_splits=2)
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    engine, _, _, _ = partita.initialize(model=tiled, config=cfg)
+    source = nn.Linear(H, V)  # the same on every rank (same seed), until shifted
+    want = {"weight": source.weight.detach().clone(), "bias": source.bias.detach().clone()}
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(dist.get_rank())
+    tiled.copy_params_from(source)
+    with GatheredParameters(list(tiled.parameters())):
+        weight = torch.cat([torch.cat([t.weight for t in row], 1) for row in tiled.linears], 0)
+        bias = torch.cat([row[-1].bias for row in tiled.linears])
+        out = {"weight": weight.detach().clone(), "bias": bias.detach().clone()}
+    engine.destroy()
+    return {"got": out, "want": want}
+
+
 def tiling_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid: ``train`` or ``gathers`` with its arguments."""
-    return {"train": train, "gathers": gathers}[kind](**kwargs)
+    """One case of the grid: ``train``, ``gathers`` or ``copy`` with its arguments."""
+    return {"train": train, "gathers": gathers, "copy": copy_under_zero3}[kind](**kwargs)
