@@ -19,7 +19,7 @@ gradients are taken with `torch.autograd.grad` for the shard's input and for eve
 that requires a gradient in the shard's graph (found by walking it: no list to forget), summed
 here across shards, and handed to autograd once, in the backward pass, by one
 `torch.autograd.backward` on those leaves. Every hook then runs once with the full gradient, as
-after an untiled backward, whatever the engine (ZeRO 0-3, DDP, FSDP) and with gradient
+after an untiled backward (tested with partita's ZeRO 0, 2 and 3), and with gradient
 accumulation intact (``.grad`` is added to, never replaced). `compute_params` is accepted for
 DeepSpeed's signature and not needed. The price: the summed gradients of the function's
 parameters live until the end of the tiled backward (a parameter-sized buffer each, what
@@ -51,8 +51,10 @@ def shard_bounds(length: int, shards: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of each non-empty shard of `length` items cut into `shards` pieces of
     ``ceil(length / shards)`` (the last shorter): `torch.chunk`'s cut, so fewer than `shards`
     pieces when the steps run out early (10 items in 4 shards: 3, 3, 3, 1; 5 in 4: 2, 2, 1)."""
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+    count = None if isinstance(shards, bool) else getattr(shards, "__index__", None)
+    if count is None or count() < 1:
         raise ValueError(f"tiled compute: shards={shards!r}, expected an int of at least 1")
+    shards = count()
     if length == 0:
         return [(0, 0)]
     step = math.ceil(length / shards)
