@@ -352,7 +352,6 @@ CD = "partita.compat.deepspeed"
     [
         ("pipe", "DualPipeVModule", "DualPipeV"),
         ("runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", '"fp16" config section'),
-        ("runtime.zero.partition_parameters", "CUDAQuantizer", "zero_quantized_weights"),
     ],
 )
 def test_placeholder_classes_import_and_refuse_on_construction(

@@ -89,3 +89,26 @@ def test_a_block_size_that_does_not_divide_is_named() -> None:
         check_block_size(10, 0)
     with pytest.raises(ValueError, match="packed buffer"):
         unpack(torch.zeros(10, dtype=torch.uint8), 100, 64, torch.float32)
+
+
+# ---- DeepSpeed's name: deepspeed.runtime.zero.partition_parameters.CUDAQuantizer ----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_quantizer_adapter_round_trips_in_the_parameter_dtype(dtype: torch.dtype) -> None:
+    """DeepSpeed's `CUDAQuantizer` over partita's quantizer: int8 values and one scale per
+    group (the fewest equal groups of at most 8000 elements: 12000 -> 2 of 6000), within half
+    a step, back in the dtype asked for (fp16 when none, as DeepSpeed's kernel returns)."""
+    from partita.compat.deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+
+    x = torch.randn(12000, generator=torch.Generator().manual_seed(3)).to(dtype)
+    values, scales = CUDAQuantizer().quantize(x)
+    assert values.dtype == torch.int8 and values.shape == (2, 6000) and scales.numel() == 2
+    back = CUDAQuantizer().dequantize(values, scales, dtype=dtype)
+    assert back.dtype == dtype and CUDAQuantizer().dequantize(values, scales).dtype == torch.half
+    step = scales.reshape(-1).repeat_interleave(6000).double()
+    eps = torch.finfo(dtype).eps
+    error = (back.reshape(-1).double() - x.double()).abs()
+    assert bool((error <= step / 2 + x.double().abs() * eps).all())
+    with pytest.raises(ValueError, match="7 groups do not divide"):
+        CUDAQuantizer().quantize(x, groups=7)

@@ -6,25 +6,25 @@ on the device; Transformers swaps `zero_wrapper_for_fp_tensor_constructor` to ke
 ``torch.arange`` out of that. partita's `zero.Init` does not wrap constructors (it converts a
 module's parameters when the module is built), so these exist for the patch to apply to.
 
-Also ``MultipleAllGatherHandles`` (real), and ``CUDAQuantizer`` and
-``partitioned_param_data_shape`` as placeholders that raise on use.
+Also ``MultipleAllGatherHandles`` (real), ``CUDAQuantizer`` (an adapter over partita's block
+quantizer) and ``partitioned_param_data_shape`` as a placeholder that raises on use.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import torch
 
 from partita.compat.deepspeed._missing import module_getattr
 from partita.compat.deepspeed._placeholder import (
     FeatureNotInPartita,
-    NotInPartitaPlaceholder,
     not_in_partita,
 )
 from partita.compat.deepspeed.accelerator import get_accelerator
 from partita.compat.deepspeed.runtime.zero import GatheredParameters, Init, ZeroParamStatus
+from partita.precision.quantize import dequantize_blocks, quantize_blocks
 
 _orig_torch_arange = torch.arange
 
@@ -55,16 +55,97 @@ class MultipleAllGatherHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-class CUDAQuantizer(NotInPartitaPlaceholder):
-    """Placeholder for DeepSpeed's ZeRO++ weight quantizer (``zero_quantized_weights``);
-    raises when constructed."""
+class _BlockQuantizerOp:
+    """partita's block quantizer (`partita.precision.quantize`) behind the interface of the
+    compiled op DeepSpeed's `CUDAQuantizer` calls: ``quantize(param, groups, num_bits,
+    quant_type)`` and ``dequantize(values, scales, groups, num_bits, quant_type)``."""
+
+    Symmetric = 0
+    Asymmetric = 1
+    reads_any_dtype = True
+    """Quantizes any float dtype itself (DeepSpeed's kernel reads fp16 only)."""
+
+    def quantize(
+        self, param: torch.Tensor, groups: int, num_bits: int, quant_type: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 values as (groups, numel / groups), fp32 scales as (groups, 1))."""
+        _check_symmetric_int8(num_bits, quant_type, self.Symmetric)
+        if groups < 1 or param.numel() % groups:
+            raise ValueError(
+                f"CUDAQuantizer: {groups} groups do not divide the tensor's {param.numel()} "
+                "elements into equal blocks"
+            )
+        values, scales = quantize_blocks(param, param.numel() // groups)
+        return values.view(groups, -1), scales.view(groups, 1)
+
+    def dequantize(
+        self,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        groups: int,
+        num_bits: int,
+        quant_type: int,
+    ) -> torch.Tensor:
+        """The values in fp32, in the shape of `values`."""
+        _check_symmetric_int8(num_bits, quant_type, self.Symmetric)
+        return dequantize_blocks(values.reshape(-1), scales.reshape(-1)).view(values.shape)
+
+
+def _check_symmetric_int8(num_bits: int, quant_type: int, symmetric: int) -> None:
+    if num_bits != 8 or quant_type != symmetric:
+        raise ValueError(
+            f"CUDAQuantizer: partita quantizes symmetric int8 only (got {num_bits} bits, "
+            f"quant_type {quant_type})"
+        )
+
+
+class CUDAQuantizer:
+    """DeepSpeed's ZeRO++ weight quantizer as a thin adapter over partita's block quantizer:
+    ``quantize(param, groups=None)`` gives (int8 values, one fp32 scale per group) and
+    ``dequantize(values, scale, dtype=None)`` the values back (fp16 unless `dtype` is given,
+    as DeepSpeed's kernel returns). Without `groups`, the fewest equal groups of at most
+    `target_group_size` elements. Another op set on ``quantizer_cuda_module`` (DeepSpeed's
+    compiled kernel, or a test's stand-in) is handed fp16 input, its contract."""
 
     async_flag = True
     target_group_size = 8000
+    group_size_cache: ClassVar[dict[int, int]] = {}
     quantizer_cuda_module: Any = None
 
-    _deepspeed_name = "deepspeed.runtime.zero.partition_parameters.CUDAQuantizer"
-    _feature = "ZeRO++ quantized weights (zero_quantized_weights)"
+    def __init__(self) -> None:
+        if CUDAQuantizer.quantizer_cuda_module is None:
+            CUDAQuantizer.quantizer_cuda_module = _BlockQuantizerOp()
+
+    def quantize(
+        self, param: torch.Tensor, groups: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`param` as int8 values and per-group scales."""
+        if groups is None:
+            groups = self._groups(param.numel())
+        op = self.quantizer_cuda_module
+        if not getattr(op, "reads_any_dtype", False):
+            param = param.to(torch.half)
+        return op.quantize(param, groups, 8, op.Symmetric)
+
+    def dequantize(
+        self, quantized_param: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The values `quantize` encoded, in `dtype` (fp16 when None)."""
+        op = self.quantizer_cuda_module
+        out = op.dequantize(quantized_param, scale, scale.numel(), 8, op.Symmetric)
+        want = dtype or torch.half
+        return out if out.dtype == want else out.to(want)
+
+    def _groups(self, numel: int) -> int:
+        """The fewest groups of equal size, each at most `target_group_size` elements."""
+        cached = self.group_size_cache.get(numel)
+        if cached is not None:
+            return cached
+        groups = max(1, -(-numel // self.target_group_size))
+        while numel % groups:
+            groups += 1
+        self.group_size_cache[numel] = groups
+        return groups
 
 
 class _NoFixedPartitionedShape(Sequence[int]):
