@@ -31,6 +31,7 @@ TRAIN = {
     "qwz_hpz": {"zero": QW | HPZ},
     "qwz_bf16": {"zero": QW, "bf16": True},
     "frozen_plain": {"zero": {}, "bf16": True, "frozen": True},
+    "qgz": {"zero": {"zero_quantized_gradients": True} | HPZ},
     "frozen_q": {
         "zero": {"zero_quantized_nontrainable_weights": True},
         "bf16": True,
@@ -38,15 +39,18 @@ TRAIN = {
     },
 }
 REFUSED_HPZ = (3, 8)
+QGZ_ALONE = {"zero_quantized_gradients": True}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
     cases = [{"kind": "train", **case} for case in TRAIN.values()]
     cases += [{"kind": "refusal", "zero": {"zero_hpz_partition_size": h}} for h in REFUSED_HPZ]
+    cases += [{"kind": "refusal", "zero": QGZ_ALONE}]
     per_case = iter(run_distributed_grid(zeropp_grid, WORLD, cases, timeout=400))
     out = {name: next(per_case) for name in TRAIN}
     out["refusals"] = {h: next(per_case) for h in REFUSED_HPZ}
+    out["qgz_alone"] = next(per_case)
     return out
 
 
@@ -103,7 +107,7 @@ def test_qwz_losses_stay_within_the_quantization_bound(results: dict) -> None:
     plain, qwz, bound = results["plain"][0], results["qwz"][0], results["bound"][0]["bound"]
     assert bound > 0
     assert abs(qwz["losses"][0] - plain["losses"][0]) <= bound
-    for name in ("qwz", "qwz_bf16", "qwz_hpz"):
+    for name in ("qwz", "qwz_bf16", "qwz_hpz", "qgz"):
         for got, want in zip(results[name][0]["losses"], plain["losses"], strict=True):
             assert abs(got - want) <= 0.01 * want, (name, got, want)
     assert qwz["losses"] != plain["losses"]  # the weights the forward saw were quantized
@@ -138,6 +142,7 @@ def test_hpz_size_that_does_not_divide_the_world_is_refused(results: dict) -> No
         ("zero_quantized_weights", True),
         ("zero_quantized_nontrainable_weights", True),
         ("zero_hpz_partition_size", 2),
+        ("zero_quantized_gradients", True),
     ],
 )
 def test_options_below_stage_3_are_refused_naming_the_key(
@@ -148,10 +153,23 @@ def test_options_below_stage_3_are_refused_naming_the_key(
         check_supported(load_config(raw, world_size=1))
 
 
-def test_quantized_gradients_are_still_refused() -> None:
-    raw = {
-        "train_batch_size": 1,
-        "zero_optimization": {"stage": 3, "zero_quantized_gradients": True},
-    }
-    with pytest.raises(ConfigError, match=r"zero_optimization\.zero_quantized_gradients"):
-        check_supported(load_config(raw, world_size=1))
+def test_qgz_reduces_in_two_quantized_hops_with_the_analytic_bytes(results: dict) -> None:
+    """qgZ with nodes of 2: per step, each trainable segment's gradient crosses the node group
+    as h packed rows of N chunks and the lane across nodes as N packed rows of one chunk, once
+    per micro-batch; nothing else carries gradients. Against plain ZeRO-3's reduce-scatter of
+    fp32 (4 bytes an element), the node hop sends about a quarter and the lane (the inter-node
+    link) an eighth of it."""
+    plain = results["plain"][0]["grad_counted"][0]
+    plain_bytes = sum(plain.values())
+    for r in results["qgz"]:
+        for counted in r["grad_counted"]:
+            assert counted.keys() == {"hpz", "hpz_lane"}, counted
+            for group, nbytes in r["grad_expected"].items():
+                assert _within(counted[group], nbytes), (group, counted, r["grad_expected"])
+            assert counted["hpz_lane"] < plain_bytes / 7  # about 1/8 (+ scales)
+
+
+def test_qgz_without_a_node_dimension_is_refused(results: dict) -> None:
+    for message in results["qgz_alone"]:
+        assert "zero_optimization.zero_quantized_gradients" in message, message
+        assert "zero_hpz_partition_size" in message, message

@@ -16,6 +16,7 @@ from partita.config import ConfigError
 from partita.precision import full_dtype
 from partita.precision.quantize import blocks_for
 from partita.zero.stage3.gather import DEFAULT_BLOCK_SIZE, TRAINING, payload_bytes
+from partita.zero.stage3.qgz import GRAD_TAG, sent_bytes
 from partita.zero.stage3.unit import ShardedUnit
 
 STEPS = 4
@@ -110,7 +111,7 @@ def train(
     engine, _, _, _ = partita.initialize(model=model, model_parameters=params, config=cfg)
     events: list[tuple[str, int]] = []
     original = _record_gathers(events)
-    losses, counted, expected = [], [], []
+    losses, counted, expected, grads = [], [], [], []
     try:
         for batch in global_batches(STEPS, GAS * world):
             before = dict(COUNTERS.total_group_bytes)
@@ -127,7 +128,8 @@ def train(
                 step_loss += loss.detach().float() / GAS
             comm.all_reduce(step_loss, tag="test")
             losses.append(step_loss.item() / world)
-            counted.append(_param_bytes_since(before))
+            counted.append(_bytes_since(before, TRAINING))
+            grads.append(_bytes_since(before, GRAD_TAG))
             expected.append(_sum_by_group(events))
     finally:
         ShardedUnit._start_gather = original  # type: ignore[method-assign]
@@ -137,6 +139,8 @@ def train(
         "counted": counted,
         "expected": expected,
         "units": len(units),
+        "grad_counted": grads,
+        "grad_expected": _qgz_bytes(engine.strategy),
         "primary_per_step": sum(_gather_bytes(u, TRAINING, False)[1] for u in units),
         "secondary_bytes": sum(u.secondary_bytes for u in units),
         "unit_bytes": sum(u.numel * u.flat_full.element_size() for u in units),
@@ -146,12 +150,26 @@ def train(
     return out
 
 
-def _param_bytes_since(before: dict[tuple[str, str, str], int]) -> dict[str, int]:
-    """Training-gather bytes per group name since `before` (any op: gloo may run a gather as
-    an all-reduce of the same output)."""
+def _qgz_bytes(strategy: Any) -> dict[str, int] | None:
+    """qgZ: bytes per step each hop sends, from the layouts: every trainable segment of every
+    unit reduced once per micro-batch ([Note: quantized gradient reduce-scatter])."""
+    groups = strategy.reducer.quantized
+    if groups is None:
+        return None
+    node = lane = 0
+    for unit in strategy.all_units:
+        for idx in unit.masters:
+            a, b = sent_bytes(unit.layout.segments[idx].chunk_numel, groups)
+            node, lane = node + a, lane + b
+    return {"hpz": GAS * node, "hpz_lane": GAS * lane}
+
+
+def _bytes_since(before: dict[tuple[str, str, str], int], want: str) -> dict[str, int]:
+    """Bytes of collectives tagged `want` per group name since `before` (any op: gloo may run
+    a gather as an all-reduce of the same output)."""
     out: dict[str, int] = defaultdict(int)
     for (group, _op, tag), value in COUNTERS.total_group_bytes.items():
-        if tag == TRAINING and value - before.get((group, _op, tag), 0):
+        if tag == want and value - before.get((group, _op, tag), 0):
             out[group] += value - before.get((group, _op, tag), 0)
     return dict(out)
 

@@ -552,6 +552,21 @@ def node_block_group(size: int, name: str) -> tuple[ProcessGroup | None, tuple[i
     return mine, tuple(range(first, first + size))
 
 
+def node_lane_group(size: int, name: str) -> tuple[ProcessGroup | None, tuple[int, ...]]:
+    """The ranks at this rank's place in every block of `size` consecutive ranks (one rank per
+    node when `size` is the ranks per node: the inter-node hop of ZeRO++'s quantized gradient
+    reduction) as ``(group, global ranks)``, counted under `name`. Collective over the world,
+    like `node_block_group`; `size` must divide the world."""
+    rank, world = get_rank(), get_world_size()
+    mine: ProcessGroup | None = None
+    if is_initialized():
+        for place in range(size):
+            made = new_group(list(range(place, world, size)))
+            mine = made if place == rank % size else mine
+        name_group(mine, name)
+    return mine, tuple(range(rank % size, world, size))
+
+
 def check_sequence_parallel_size(sp_size: int, world: int) -> None:
     """Raises ValueError naming ``sequence_parallel_size`` unless `sp_size` is a positive
     divisor of the `world` (no collective: every rank raises alike)."""
@@ -627,5 +642,6 @@ __all__ = [
     "check_shard_size",
     "job_dims",
     "node_block_group",
+    "node_lane_group",
     "set_job_dims",
 ]

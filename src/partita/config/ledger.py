@@ -78,7 +78,7 @@ def _refused(why: str, example: Any, **kwargs: Any) -> Entry:
 
 _SETUP = "engine_setup.py"
 _STAGE3 = "zero/stage3/strategy.py"
-_ZEROPP = "zero/stage3/gather.py"  # ZeRO++ qwZ and hpZ, stage 3 only (rules: _zeropp_stage)
+_ZEROPP = "zero/stage3/gather.py"  # ZeRO++, stage 3 only (rules: _zeropp_stage)
 _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"
@@ -217,7 +217,7 @@ LEDGER: dict[str, Entry] = {
     "zero_optimization.zero_hpz_partition_size": _read(_ZEROPP),
     "zero_optimization.zero_quantized_weights": _read(_ZEROPP),
     "zero_optimization.zero_quantized_nontrainable_weights": _read(_ZEROPP),
-    "zero_optimization.zero_quantized_gradients": _refused("ZeRO++ qgZ", True, enforced_by=_RULES),
+    "zero_optimization.zero_quantized_gradients": _read(_ZEROPP),
     "zero_optimization.zeropp_loco_param": _refused(
         "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, enforced_by=_RULES
     ),

@@ -26,13 +26,6 @@ _NOT_IMPLEMENTED: tuple[
     tuple[str, Callable[[DeepSpeedConfig], Any], Callable[[Any], bool], str, str], ...
 ] = (
     (
-        "zero_optimization.zero_quantized_gradients",
-        lambda c: c.zero_optimization.zero_quantized_gradients,
-        bool,
-        "ZeRO++ quantized gradient reduction (qgZ)",
-        "use false",
-    ),
-    (
         "zero_optimization.zeropp_loco_param",
         lambda c: c.zero_optimization.zeropp_loco_param,
         lambda v: v is not None,
@@ -102,12 +95,13 @@ _ZEROPP_STAGE3: tuple[tuple[str, str, str], ...] = (
     ("zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", "use 1"),
     ("zero_quantized_weights", "ZeRO++ quantized weight all-gather (qwZ)", "use false"),
     ("zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", "use false"),
+    ("zero_quantized_gradients", "ZeRO++ quantized gradient reduce-scatter (qgZ)", "use false"),
 )
 
 
 def _zeropp_stage(cfg: DeepSpeedConfig) -> list[Problem]:
-    """ZeRO++'s weight options change stage 3's parameter gathers; below stage 3 there are
-    none, and DeepSpeed ignores the keys silently. A config asking for them there expects
+    """ZeRO++'s options change stage 3's parameter gathers and gradient reduce-scatters;
+    below stage 3 DeepSpeed ignores the keys silently. A config asking for them there expects
     fewer bytes it would not get, so partita says so, naming the key."""
     zero = cfg.zero_optimization
     if zero.stage == 3:

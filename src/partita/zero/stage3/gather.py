@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from partita import comm
-from partita.comm.dims import node_block_group
+from partita.comm.dims import node_block_group, node_lane_group
 from partita.config.errors import config_error
 from partita.precision.quantize import check_block_size, pack, packed_nbytes, unpack_rows
+from partita.zero.stage3.qgz import NodeGroups
 
 DEFAULT_BLOCK_SIZE = 2048
 """Elements per quantization block (one fp32 scale each: 0.2% more bytes than int8 alone)."""
@@ -171,10 +172,32 @@ def plan_from_config(zero: Any, group: comm.ProcessGroup | None) -> GatherPlan:
     )
 
 
+QGZ_KEY = "zero_optimization.zero_quantized_gradients"
+
+
+def reduce_groups_from_config(zero: Any, plan: GatherPlan) -> NodeGroups | None:
+    """qgZ's two hops (``zero_quantized_gradients``; None when off): hpZ's node group, and the
+    lane across nodes made here (collectively). The node dimension is hpZ's: without
+    ``zero_hpz_partition_size`` > 1 partita knows no nodes, and refuses naming the key."""
+    if not bool(zero.zero_quantized_gradients):
+        return None
+    if plan.secondary is None:
+        raise config_error(
+            QGZ_KEY,
+            "true needs a node dimension: set zero_optimization.zero_hpz_partition_size to the "
+            "ranks of one node (qgZ reduces inside each node of that many consecutive ranks, "
+            "then across nodes)",
+        )
+    size = plan.secondary.size
+    lane, ranks = node_lane_group(size, "hpz_lane")
+    return NodeGroups(plan.secondary.group, size, lane, len(ranks), plan.block_size)
+
+
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "EXACT",
     "HPZ_KEY",
+    "QGZ_KEY",
     "TRAINING",
     "GatherPlan",
     "SecondaryGroup",
@@ -182,4 +205,5 @@ __all__ = [
     "gather_segment",
     "payload_bytes",
     "plan_from_config",
+    "reduce_groups_from_config",
 ]

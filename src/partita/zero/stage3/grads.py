@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.released_grads import ensure_grad
 from partita.zero.stage3.identity import REDUCE
+from partita.zero.stage3.qgz import NodeGroups, quantized_reduce_scatter
 from partita.zero.stage3.unit import ShardedUnit, trace
 
 MAX_IN_FLIGHT = 4
@@ -57,6 +59,9 @@ class UnitGradReducer:
     """``reduce_bucket_size``: gradient elements in flight at once (at least one segment)."""
     sink: Callable[[ShardedUnit, int, torch.Tensor], None] | None = None
     """Where a finished reduction goes instead of ``master.grad.add_`` (NVMe-swapped grads)."""
+    quantized: NodeGroups | None = None
+    """qgZ: reduce in two quantized hops over these groups instead of one reduce-scatter over
+    `group` ([Note: quantized gradient reduce-scatter])."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=POOL_KEEP), init=False)
     _host_adds: HostAdds = field(default_factory=HostAdds, init=False)
@@ -143,7 +148,7 @@ class UnitGradReducer:
             if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
-            handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
+            handle = self._start(out, data)
             launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel, ticket=ticket))
             self._in_flight.append(launched[-1])
             self._in_flight_numel += seg.padded_numel
@@ -165,10 +170,17 @@ class UnitGradReducer:
             device = unit.flat_full.device
             data = torch.zeros(seg.padded_numel, dtype=self.reduce_dtype, device=device)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=device)
-            handle = comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
+            handle = self._start(out, data)
             if handle is not None:
                 works.append(handle)
         return works
+
+    def _start(self, out: torch.Tensor, data: torch.Tensor) -> Any:
+        """Starts reducing `data` into this rank's chunk `out`: one reduce-scatter, or qgZ's
+        two quantized hops."""
+        if self.quantized is not None:
+            return quantized_reduce_scatter(out, data, self.quantized)
+        return comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
 
     def _full(self, numel: int) -> bool:
         """Whether a reduction of `numel` more elements must wait for the oldest one."""

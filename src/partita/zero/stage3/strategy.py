@@ -25,7 +25,12 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
 from partita.zero.released_grads import ensure_grad, held_bytes, release_grads
 from partita.zero.shard_step import HostStep, TensorParallelNorm, host_step, sharded_step
-from partita.zero.stage3.gather import EXACT, GatherPlan, plan_from_config
+from partita.zero.stage3.gather import (
+    EXACT,
+    GatherPlan,
+    plan_from_config,
+    reduce_groups_from_config,
+)
 from partita.zero.stage3.grads import UnitGradReducer
 from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
 from partita.zero.stage3.leaves import declared_leaves, leaf_groups
@@ -218,10 +223,10 @@ class FullySharded:
         plan, persistent = _plan(module, modules, zero)
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
+        gather_plan = plan_from_config(zero, group)  # ZeRO++ ([Note: ZeRO++ gathers])
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, placement,
-            int(zero.sub_group_size) * world, placement.params.max_in_cpu, group,
-            plan_from_config(zero, group),
+            int(zero.sub_group_size) * world, placement.params.max_in_cpu, group, gather_plan,
         )  # fmt: skip
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
@@ -233,8 +238,9 @@ class FullySharded:
             self._keep_masters_on_device(opt.ratio)
         bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
-            scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket
-        )
+            scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket,
+            quantized=reduce_groups_from_config(zero, gather_plan),
+        )  # fmt: skip
         self.scheduler = UnitScheduler(
             self.units,
             bindings,
