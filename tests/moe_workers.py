@@ -18,6 +18,7 @@ from partita.compat.deepspeed.moe.utils import (
     split_params_into_different_moe_groups_for_optimizer,
 )
 from partita.config import ConfigError
+from partita.utils import safe_get_full_grad
 
 IN, DIM, FF, CLASSES, EXPERTS = 6, 8, 64, 5, 4
 TOKENS = 6  # tokens per sequence
@@ -32,11 +33,13 @@ SEED = 1234
 class Net(nn.Module):
     """fc1 -> MoE of MLP experts (with a residual dense MLP when `residual`) -> fc2."""
 
-    def __init__(self, ep: int, k: int, residual: bool = False, experts: int = EXPERTS) -> None:
+    def __init__(
+        self, ep: int, k: int, residual: bool = False, experts: int = EXPERTS, moe_cls: Any = MoE
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN, DIM)
         expert = nn.Sequential(nn.Linear(DIM, FF), nn.ReLU(), nn.Linear(FF, DIM))
-        self.moe = MoE(
+        self.moe = moe_cls(
             hidden_size=DIM, expert=expert, num_experts=experts, ep_size=ep, k=k,
             min_capacity=0, drop_tokens=False, use_residual=residual, use_rts=False,
             top2_2nd_expert_sampling=False,
@@ -99,14 +102,17 @@ def train(
         model=model, model_parameters=params, config=config(stage, clip, sgd)
     )
     rank, world = engine.dims.rank, engine.dims.world_size
-    losses = []
+    losses, grads = [], []
+    expert = model.moe.deepspeed_moe.experts.deepspeed_experts[0][0]
     for batch in data(STEPS, world):
         x, y = batch[rank]
         loss = engine(x, y)
         engine.backward(loss)
+        grads.append(safe_get_full_grad(expert.weight).tolist())  # this rank's first expert
         engine.step()
         losses.append(loss.item())
     out = {
+        "expert_grads": grads,
         "losses": losses,
         "ep_ranks": list(engine.dims.ep_ranks),
         "edp_ranks": list(engine.dims.edp_ranks),
@@ -139,9 +145,63 @@ def refusal(what: str) -> str:
             partita.initialize(model=Net(ep=3, k=1, experts=3), config=config(0, 0.0, False))
         elif what == "stage3":
             partita.initialize(model=Net(ep=2, k=1), config=config(3, 0.0, False))
-    except (ValueError, ConfigError) as error:
+        elif what == "checkpoint":
+            engine, *_ = partita.initialize(model=Net(ep=2, k=1), config=config(1, 0.0, False))
+            try:
+                engine.save_checkpoint("/nonexistent-moe-checkpoint")
+            finally:
+                engine.destroy()
+    except (ValueError, ConfigError, NotImplementedError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def _run(engine: Any, world: int, rank: int) -> list[float]:
+    """Per-step losses of `engine` training on micro-batch `rank` of each step."""
+    losses = []
+    for batch in data(STEPS, world):
+        loss = engine(*batch[rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, list[float]]]:
+    """Each case trained by real DeepSpeed (0.19.8, CPU, gloo: its own ``MoE`` layer and
+    ``split_params_into_different_moe_groups_for_optimizer``), then by partita, in the same
+    processes, both with torch's fused AdamW as the client optimizer (DeepSpeed's config Adam
+    would compile its CPU kernel): both runs' per-step losses."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE as DSMoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    assert "partita" not in (deepspeed.__file__ or ""), "not DeepSpeed itself"
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = []
+    for case in cases:
+        runs = {}
+        for name, init, moe_cls, splitter in (
+            ("deepspeed", deepspeed.initialize, DSMoE, split),
+            (
+                "partita",
+                partita.initialize,
+                MoE,
+                split_params_into_different_moe_groups_for_optimizer,
+            ),
+        ):
+            torch.manual_seed(SEED)
+            model = Net(case["ep"], case["k"], moe_cls=moe_cls)
+            groups = splitter({"params": list(model.parameters()), "name": "parameters"})
+            opt = torch.optim.AdamW(groups, lr=LR, weight_decay=0.01, fused=True)
+            cfg = config(case["stage"], 0.0, False)
+            del cfg["optimizer"]
+            engine, *_ = init(model=model, optimizer=opt, config=cfg)
+            runs[name] = _run(engine, world, rank)
+            engine.destroy()
+        out.append(runs)
+    return out
 
 
 def moe_grid(kind: str, **kwargs: Any) -> Any:

@@ -103,3 +103,14 @@ def broadcast_group(
     if param in experts and dims.ep_ranks:
         return dims.edp_ranks, dims.edp_group
     return dims.grad_ranks, dims.grad_group
+
+
+def refuse_checkpoint(dims: comm.ParallelDims, what: str) -> None:
+    """Raises NotImplementedError naming `what` when the job has expert layers: partita's
+    checkpoints do not yet name expert slices per expert-parallel rank, and a file written as
+    if every rank held the same experts would load wrong weights."""
+    if dims.ep_ranks:
+        raise NotImplementedError(
+            f"{what} with MoE layers (ep_size {dims.ep_world_size}) is not supported by "
+            "partita yet: checkpoints of expert slices are not implemented"
+        )

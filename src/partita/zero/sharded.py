@@ -283,8 +283,11 @@ class FlatShardLayout:
             ranges: list[list[tuple[int, int, int]]] = [[] for _ in g.params]
             for pc in g.layout.shard_pieces(g.rank):
                 ranges[pc.index].append((pc.param_offset, pc.shard_offset, pc.length))
+            own = g.process_group is not strategy.process_group  # an expert group
             for p, r in zip(g.params, ranges, strict=True):
-                self._slots[p] = ParamSlot(p.shape, r, g.master, home=g)
+                self._slots[p] = ParamSlot(
+                    p.shape, r, g.master, home=g, group=g.process_group, own_group=own
+                )
 
     def slot(self, param: torch.Tensor) -> ParamSlot | None:
         """The slot of a parameter this strategy trains."""

@@ -41,6 +41,11 @@ class ParamSlot:
     None for a frozen parameter (only its value is held)."""
     home: Any = field(default=None, compare=False)
     """Whatever the layout needs to find the sources again (a group, a unit and segment)."""
+    group: Any = field(default=None, compare=False)
+    """The process group this parameter's pieces are spread over, where it is not the
+    layout's (expert parameters: [Note: expert parallelism] in `partita.comm.dims`);
+    meaningful only with `own_group`."""
+    own_group: bool = field(default=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -208,7 +213,8 @@ class ParamStates:
         for at, _, n in slot.ranges:
             out[at : at + n] = local[offset : offset + n]
             offset += n
-        comm.all_reduce(out, group=self.layout.process_group, tag="accessor")
+        group = slot.group if slot.own_group else self.layout.process_group
+        comm.all_reduce(out, group=group, tag="accessor")
         return out.view(slot.shape)
 
     def set_local_state(self, param: torch.Tensor, what: str, value: torch.Tensor) -> None:
