@@ -84,9 +84,12 @@ def _mean_over_dp(value: float, dims: Any) -> float:
     return float(t) / dims.dp_world_size
 
 
-def train(model_kind: str, tp: int, stage: int, via: str = "config") -> dict[str, Any]:
+def train(
+    model_kind: str, tp: int, stage: int, via: str = "config", folder: str | None = None
+) -> dict[str, Any]:
     """Trains `model_kind` at tensor size `tp` and ZeRO `stage` (``via`` "tp_model_init": the size
-    comes from `partita.tp_model_init` and the config has no tensor_parallel section)."""
+    comes from `partita.tp_model_init` and the config has no tensor_parallel section); with a
+    `folder`, then checkpoints and reloads at tensor degree 1 (`reload_whole`)."""
     world = dist.get_world_size()
     dp = world // tp
     model = build_model(model_kind)
@@ -122,25 +125,22 @@ def train(model_kind: str, tp: int, stage: int, via: str = "config") -> dict[str
         ),
         "split": split,
         "train_batch_size": engine.train_batch_size(),
+        "reloaded": reload_whole(engine, model_kind, folder) if folder else None,
     }
 
 
-def checkpoint(model_kind: str, folder: str) -> dict[str, Any]:
-    """Trains at tp 2 x dp 2 (ZeRO 1), saves, and loads the checkpoint into a fresh engine at
-    tensor degree 1 (dp 4): the logits of both on the same tokens."""
+def reload_whole(engine: Any, model_kind: str, folder: str) -> dict[str, Any]:
+    """Saves `engine` (tensor-parallel) to `folder` and loads the checkpoint into a fresh
+    engine at tensor degree 1 (ZeRO 1 over every rank): the logits of both on the same
+    tokens."""
     tokens = batches(1)[0]
-    engine = partita.initialize(model=build_model(model_kind), config=_config(2, 1))[0]
-    for ids in batches(2):
-        local = ids[engine.dims.dp_rank * MICRO : (engine.dims.dp_rank + 1) * MICRO]
-        engine.backward(engine(input_ids=local, labels=local).loss)
-        engine.step()
     with torch.no_grad():
         split = engine.module(input_ids=tokens).logits
-    engine.save_checkpoint(folder, tag="tp2")
+    engine.save_checkpoint(folder, tag="tp")
     config = _config(1, 1)
     del config["tensor_parallel"]
     whole = partita.initialize(model=build_model(model_kind), config=config)[0]
-    whole.load_checkpoint(folder, tag="tp2")
+    whole.load_checkpoint(folder, tag="tp")
     with torch.no_grad():
         joined = whole.module(input_ids=tokens).logits
     return {"split": split, "joined": joined, "tp": whole.get_tensor_parallel_world_size()}
@@ -172,9 +172,7 @@ def refusal(what: str) -> str:
 
 
 def tp_grid(case: str, **kwargs: Any) -> Any:
-    """One case of the grid: "train", "checkpoint" or "refusal" (their functions' arguments)."""
+    """One case of the grid: "train" or "refusal" (their functions' arguments)."""
     if case == "train":
         return train(**kwargs)
-    if case == "checkpoint":
-        return checkpoint(**kwargs)
     return refusal(**kwargs)

@@ -145,13 +145,13 @@ def initialize(
         source = take_pipeline_section(source, model)
     # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
     sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
-    # So do the ranks of one tensor slice (an mpu's data-parallel size excludes them already).
+    # Not so the ranks of one tensor slice: DeepSpeed's AutoTP batch arithmetic counts them
+    # (its config sees the world), and Accelerate and the Trainer fill "auto" batch sizes so.
     tp = engine_tensor.autotp_size(source, _job_world())
-    batch_world = _world_size(dims) // sp // (1 if mpu is not None else tp)
     cfg: DeepSpeedConfig = (
         source
         if isinstance(source, DeepSpeedConfig)
-        else load_config(source, world_size=batch_world)
+        else load_config(source, world_size=_world_size(dims) // sp)
     )
     engine_setup.check_supported(cfg)
     engine_setup.check_sequence_parallel(cfg, None if mpu else _world_size(dims))

@@ -86,9 +86,8 @@ def _raw_section(source: Any) -> Mapping[str, Any] | None:
 
 def autotp_size(source: Any, world: int) -> int:
     """The tensor-parallel size (1: off) from the config `source` (a dict, a path or a
-    `DeepSpeedConfig`) and `tp_model_init`, read before the config is validated (the batch
-    arithmetic counts ``world / autotp_size`` data-parallel ranks) and checked against the
-    `world` with the key named, before any collective."""
+    `DeepSpeedConfig`) and `tp_model_init`, read before the config is validated and checked
+    against the `world` with the key named, before any collective."""
     section = _raw_section(source) or {}
     raw = section.get("autotp_size")
     if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int) or raw < 0):
