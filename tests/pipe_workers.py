@@ -177,8 +177,11 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
         base_seed=BASE_SEED,
         partition_method=case.get("partition", "parameters"),
         activation_checkpoint_interval=case.get("ckpt", 0),
+        virtual_stages=case.get("virtual", 1),
     )
     cfg = config(case["micro"], case["gas"], case.get("stage", 0), case.get("clip", 0.0))
+    if "schedule" in case:
+        cfg["pipeline"] = {"schedule": case["schedule"]}
     seed = None
     applied: list[bool] = []
     if case.get("loader"):
@@ -203,11 +206,13 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
             losses.append(float(engine.train_batch(iter(step[dp_rank]))))
             applied.append(engine.was_step_applied())
     dp_rank = engine.grid.get_data_parallel_rank()
-    evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
-    evaluated = engine.eval_batch(iter(evaluation))
+    evaluated = None
+    if case.get("schedule", "1f1b") == "1f1b":  # torch's schedules train only
+        evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
+        evaluated = float(engine.eval_batch(iter(evaluation)))
     out = {
         "losses": losses,
-        "eval": float(evaluated),
+        "eval": evaluated,
         "stage": engine.stage_id,
         "parts": module.partitions(),
         "layers": sorted(int(k.split(".")[0]) for k in module.state_dict() if k[0].isdigit()),
@@ -245,8 +250,12 @@ def bad_input(case: dict[str, Any]) -> str:
             case.get("layers", layer_specs(False)),
             num_stages=case["stages"],
             loss_fn=lm_loss,
+            virtual_stages=case.get("virtual", 1),
         )
-        partita.initialize(model=module, config=config(1, 2, case.get("stage", 0)))
+        cfg = config(1, case.get("gas", 2), case.get("stage", 0))
+        if "schedule" in case:
+            cfg["pipeline"] = {"schedule": case["schedule"]}
+        partita.initialize(model=module, config=cfg)
     except (ValueError, RuntimeError, NotImplementedError) as error:
         return f"{type(error).__name__}: {error}"
     return ""

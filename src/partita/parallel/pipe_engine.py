@@ -26,6 +26,11 @@ engine's) plus an executor of `partita.parallel.pipe_schedule` instructions:
   (`partita.zero.shard_step.TensorParallelNorm`) is pointed at the pipe group, with the copies
   of tied weights after the first counted zero times, so every stage takes the same decision.
 
+The config's ``pipeline.schedule`` may hand the batch to one of torch's interleaved schedules
+instead (``interleaved_1f1b``, ``zero_bubble``, with ``PipelineModule(virtual_stages=v)``; see
+[Note: torch pipeline schedules] in `partita.parallel.pipe_torch`); what happens around the
+schedule (tied sums, the reduction, the step, the loss report) is the same.
+
 ZeRO stages 2 and 3 are refused, as DeepSpeed refuses them (stage 2 reduces inside each
 backward, before the tied sum; stage 3 would gather parameters stage by stage), and so is a
 topology with a model (tensor) axis over more than one rank. Engine checkpoints hold every
@@ -48,6 +53,7 @@ from partita.config import DeepSpeedConfig, config_error
 from partita.engine import Engine
 from partita.parallel import pipe_schedule as sched
 from partita.parallel.pipe_module import PipelineError, PipelineModule
+from partita.parallel.pipe_torch import TorchSchedule, check_schedule
 from partita.zero.shard_step import TensorParallelNorm
 
 _DTYPES = [
@@ -95,6 +101,7 @@ class PipelineEngine(Engine):
             self.grid.stage_to_global(self.stage_id + 1) if not self.is_last_stage() else -1
         )
         self.data_iterator: Iterator[Any] | None = None
+        self._torch_schedule: TorchSchedule | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
         self.dp_group_loss: torch.Tensor | None = None
@@ -221,10 +228,23 @@ class PipelineEngine(Engine):
         self.module.train()
         self._total_loss = None
         self._compute_loss = True
-        schedule = sched.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
-        self._exec_schedule(schedule)
+        if self.module.schedule != "1f1b":
+            self._train_batch_torch()
+        else:
+            schedule = sched.TrainSchedule(self.micro_batches, self.num_stages, self.stage_id)
+            self._exec_schedule(schedule)
         assert self.agg_train_loss is not None
         return self.agg_train_loss
+
+    def _train_batch_torch(self) -> None:
+        """One batch on torch's schedule, then what follows partita's own: tied sums, the
+        data-parallel reduction, the step ([Note: torch pipeline schedules])."""
+        if self._torch_schedule is None:
+            self._torch_schedule = TorchSchedule(self, self.module.schedule)  # type: ignore[arg-type]
+        self._total_loss = self._torch_schedule.train_batch(self._next_batch)
+        self._exec_reduce_tied_grads()
+        self._exec_reduce_grads()
+        self._exec_optimizer_step()
 
     def eval_batch(
         self,
@@ -241,6 +261,11 @@ class PipelineEngine(Engine):
         last stage); with `return_logits`, ``(loss, last micro-batch's outputs)``."""
         if reduce_output not in (None, "avg"):
             raise NotImplementedError(f"reduction type {reduce_output} not supported.")
+        if self.module.schedule != "1f1b":
+            raise NotImplementedError(
+                f"eval_batch() with pipeline.schedule {self.module.schedule!r} is not "
+                "supported yet (training only); evaluate with the default '1f1b' schedule"
+            )
         self.module.eval()
         self._return_logits = return_logits
         self._compute_loss = compute_loss
@@ -473,9 +498,18 @@ def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> No
             "PipelineModule with a model (tensor) axis over more than one rank is not "
             "supported yet: use PipeDataParallelTopology"
         )
+    try:
+        check_schedule(
+            module.schedule,
+            module.num_stages,
+            module.virtual_stages,
+            int(config.gradient_accumulation_steps),
+        )
+    except ValueError as error:
+        raise config_error("pipeline.schedule", str(error).partition(": ")[2]) from None
 
 
-_PIPELINE_KEYS = {"activation_checkpoint_interval", "use_reentrant"}
+_PIPELINE_KEYS = {"activation_checkpoint_interval", "use_reentrant", "schedule"}
 
 
 def take_pipeline_section(source: Any, module: PipelineModule) -> Any:
@@ -505,6 +539,8 @@ def take_pipeline_section(source: Any, module: PipelineModule) -> Any:
         raise config_error("pipeline.use_reentrant", "must be true or false")
     if interval > 0:
         module.set_checkpoint_interval(interval)
+    if "schedule" in section:  # partita's key ([Note: torch pipeline schedules])
+        module.schedule = str(section["schedule"])
     return {k: v for k, v in source.items() if k != "pipeline"}
 
 

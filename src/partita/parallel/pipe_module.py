@@ -16,6 +16,10 @@ every backward the gradients of its tied weights are summed over those stages
 (`allreduce_tied_weight_gradients`), so the copies stay equal. Only the first stage counts them
 in the gradient norm (`replicated_tied_parameters` names the others).
 
+With ``virtual_stages`` = v > 1 (partita's argument; torch's and Megatron's interleaved
+layout) the list is cut into P x v chunks and stage s builds chunks s, s + P, ..., each run by
+`forward_chunk` under one of torch's interleaved schedules (`partita.parallel.pipe_torch`).
+
 Weights save one safetensors file per layer, named by its global index (`save_state_dict`),
 so they load into a module cut at any pipeline degree (`load_state_dir`).
 
@@ -314,12 +318,16 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: Callable[..., Any] | None = None,
         checkpointable_layers: list[str] | None = None,
         dynamic_shape: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
         super().__init__()
         if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
             raise TypeError("PipelineModule: checkpointable_layers must be a list of class names")
         if activation_checkpoint_interval < 0:
             raise ValueError("PipelineModule: activation_checkpoint_interval must be >= 0")
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be an int >= 1, got "
+                             f"{virtual_stages!r}")  # fmt: skip
         self.loss_fn = loss_fn
         self.seed_layers = seed_layers
         self.seed_fn = seed_fn
@@ -336,16 +344,20 @@ class PipelineModule(nn.Module):
         # Every check before the first collective (the grid's groups), on every rank alike.
         self._topo = _topology(num_stages, topology)
         self.num_stages = self._topo.get_dim(PIPE)
-        if self._num_layers < self.num_stages:
+        self.virtual_stages = virtual_stages
+        chunks = self.num_stages * virtual_stages
+        if self._num_layers < chunks:
             raise ValueError(
                 f"PipelineModule: {self._num_layers} layers cannot fill {self.num_stages} "
                 "pipeline stages (each stage needs at least one layer)"
+                if virtual_stages == 1
+                else f"PipelineModule: {self._num_layers} layers cannot fill {self.num_stages} "
+                f"stages x {virtual_stages} virtual stages (each chunk needs at least one layer)"
             )
         _check_tied_specs(self._layer_specs)
         self.stage_id: int = self._topo.get_coord(self.global_rank).pipe
-        self.parts = partition(self._layer_specs, self.num_stages, partition_method)
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[self.stage_id + 1]
+        self.parts = partition(self._layer_specs, chunks, partition_method)
+        self._place_chunks()
         if self.global_rank == 0:
             logger.info("pipeline partition (%s): %s", partition_method, self.parts)
 
@@ -362,9 +374,22 @@ class PipelineModule(nn.Module):
         self._synchronize_tied_weights()
 
     # --- building ------------------------------------------------------------------------
+    def _place_chunks(self) -> None:
+        """This rank's chunks: stage s holds chunks s, s + P, s + 2P, ... (the interleaved
+        layout of torch's and Megatron's virtual stages; one chunk without them), and who
+        runs a batch: the config's ``pipeline.schedule`` may change it ([Note: torch pipeline
+        schedules] in `partita.parallel.pipe_torch`)."""
+        v = self.virtual_stages
+        self.local_chunks = [self.stage_id + k * self.num_stages for k in range(v)]
+        self._local_layers = [
+            i for c in self.local_chunks for i in range(self.parts[c], self.parts[c + 1])
+        ]
+        self._chunk_calls = [0] * v
+        self.schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+
     def _build(self) -> None:
         """Builds this stage's layers, registered under their global index."""
-        for idx in range(self._local_start, self._local_stop):
+        for idx in self._local_layers:
             layer = self._layer_specs[idx]
             if self.seed_layers:
                 (self.seed_fn or set_random_seed)(self.base_seed + idx)
@@ -460,7 +485,7 @@ class PipelineModule(nn.Module):
         def run(*inputs: Any) -> Any:
             x: Any = inputs[0] if len(inputs) == 1 else inputs
             for i, layer in enumerate(self.forward_funcs[start:end]):
-                self.curr_layer = start + i + self._local_start
+                self.curr_layer = self._local_layers[start + i]
                 if self.seed_layers:
                     seed = self.base_seed * micro_offset + self.curr_layer
                     (self.seed_fn or set_random_seed)(seed)
@@ -473,13 +498,44 @@ class PipelineModule(nn.Module):
         """Runs this stage's layers in order, checkpointing every
         ``activation_checkpoint_interval`` layers when it is set."""
         self.micro_offset += 1
+        return self._run_layers(0, len(self.forward_funcs), forward_input)
+
+    def forward_chunk(self, k: int, forward_input: Any) -> Any:
+        """Runs this rank's `k`-th chunk (virtual stage ``stage_id + k * num_stages``) as
+        `forward` runs a stage."""
+        # Each chunk runs its micro-batches in order: its n-th call is micro-batch n, which
+        # `seed_layers` reseeds as `forward` does (chunks are not called in layer order).
+        self._chunk_calls[k] += 1
+        self.micro_offset = self._chunk_calls[k]
+        sizes = [self.parts[c + 1] - self.parts[c] for c in self.local_chunks]
+        begin = sum(sizes[:k])
+        return self._run_layers(begin, begin + sizes[k], forward_input)
+
+    def expect_metadata_pass(self) -> None:
+        """torch's stages run every chunk once before the first micro-batch to learn the
+        shapes (`partita.parallel.pipe_torch`): that call must not count as a micro-batch for
+        the per-layer seeds."""
+        self._chunk_calls = [c - 1 for c in self._chunk_calls]
+
+    def chunk_modules(self, k: int) -> list[nn.Module]:
+        """The modules (with their weights) of this rank's `k`-th chunk, each once."""
+        sizes = [self.parts[c + 1] - self.parts[c] for c in self.local_chunks]
+        begin = sum(sizes[:k])
+        out: list[nn.Module] = []
+        for fn in self.forward_funcs[begin : begin + sizes[k]]:
+            module = fn.args[0] if isinstance(fn, functools.partial) else fn
+            if isinstance(module, nn.Module) and all(module is not m for m in out):
+                out.append(module)
+        return out
+
+    def _run_layers(self, begin: int, stop: int, forward_input: Any) -> Any:
+        """Local layers ``begin:stop``, checkpointed in blocks of the interval."""
         interval = self.activation_checkpoint_interval
-        count = len(self.forward_funcs)
         if interval == 0:
-            return self._run_range(0, count)(forward_input)
+            return self._run_range(begin, stop)(forward_input)
         x = forward_input
-        for start in range(0, count, interval):
-            end = min(start + interval, count)
+        for start in range(begin, stop, interval):
+            end = min(start + interval, stop)
             inputs = x if isinstance(x, tuple) else (x,)
             if self._is_checkpointable(self.forward_funcs[start:end]):
                 x = self.activation_checkpoint_func(self._run_range(start, end), *inputs)
@@ -508,7 +564,7 @@ class PipelineModule(nn.Module):
         for local, fn in enumerate(self.forward_funcs):
             module = fn.args[0] if isinstance(fn, functools.partial) else fn
             if isinstance(module, nn.Module):
-                out.append((self._local_start + local, module))
+                out.append((self._local_layers[local], module))
         return out
 
     def save_state_dict(
@@ -557,16 +613,17 @@ class PipelineModule(nn.Module):
 
     # --- queries -----------------------------------------------------------------------------
     def partitions(self) -> list[int]:
-        """The stage boundaries: stage s holds layers ``parts[s]:parts[s + 1]``."""
+        """The stage boundaries: stage s holds layers ``parts[s]:parts[s + 1]`` (with virtual
+        stages, chunk c those layers, on stage ``c % num_stages``)."""
         return self.parts
 
     def stage_owner(self, layer_idx: int) -> int:
         """The stage holding layer `layer_idx`."""
         if not 0 <= layer_idx < self._num_layers:
             raise ValueError(f"layer {layer_idx} not in [0, {self._num_layers})")
-        for stage in range(self.num_stages):
-            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
-                return stage
+        for chunk in range(len(self.parts) - 1):
+            if self.parts[chunk] <= layer_idx < self.parts[chunk + 1]:
+                return chunk % self.num_stages
         raise RuntimeError(f"Layer {layer_idx} not owned? parts={self.parts}")
 
     def topology(self) -> ProcessTopology:
