@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import partita
+from partita.comm import COUNTERS
 from partita.compat.deepspeed.moe.layer import MoE
 from partita.compat.deepspeed.moe.utils import (
     split_params_into_different_moe_groups_for_optimizer,
@@ -102,16 +103,21 @@ def train(
         model=model, model_parameters=params, config=config(stage, clip, sgd)
     )
     rank, world = engine.dims.rank, engine.dims.world_size
-    losses, grads = [], []
+    losses, grads, moved = [], [], []
     expert = model.moe.deepspeed_moe.experts.deepspeed_experts[0][0]
     for batch in data(STEPS, world):
         x, y = batch[rank]
+        before = COUNTERS.bytes("all_to_all", "moe")
         loss = engine(x, y)
         engine.backward(loss)
+        # bytes sent by all-to-alls this step, and the dispatch buffer's size
+        buffer = EXPERTS * model.moe.deepspeed_moe.capacity * DIM * 4
+        moved.append((COUNTERS.bytes("all_to_all", "moe") - before, buffer))
         grads.append(safe_get_full_grad(expert.weight).tolist())  # this rank's first expert
         engine.step()
         losses.append(loss.item())
     out = {
+        "all_to_all": moved,
         "expert_grads": grads,
         "losses": losses,
         "ep_ranks": list(engine.dims.ep_ranks),

@@ -130,3 +130,12 @@ def test_full_expert_gradients_agree_across_stages(results: dict) -> None:
             for rank, got in enumerate(results["train"][(ep, stage)]):
                 first = torch.tensor(got["expert_grads"][0])
                 torch.testing.assert_close(first, want[rank], rtol=1e-6, atol=0.0)
+
+
+def test_all_to_all_bytes_are_the_dispatch_buffers(results: dict) -> None:
+    """Each step sends four dispatch buffers of [experts, capacity, hidden] fp32 per rank and
+    MoE layer (tokens out and back, their gradients out and back), and nothing else."""
+    for key, per_rank in results["train"].items():
+        for got in per_rank:
+            for sent, buffer in got["all_to_all"]:
+                assert sent == 4 * buffer > 0, (key, sent, buffer)

@@ -129,6 +129,8 @@ class MOELayer(nn.Module):
         self.use_tutel = False  # Tutel's kernels are not used (use_tutel is accepted)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        self.capacity = 0
+        """Slots per expert in the last forward's dispatch buffers."""
 
     def _set_ep_group(self, ep_group: comm.ProcessGroup | None) -> None:
         self.ep_group = ep_group
@@ -149,6 +151,7 @@ class MOELayer(nn.Module):
         routing = self.gate.route(tokens, input[1] if len(input) > 1 else None)
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
         experts, capacity = routing.num_experts, routing.capacity
+        self.capacity = capacity
         slots = route_slots(routing.indices, routing.locations, experts, capacity)
         dispatched = encode(tokens, slots, experts, capacity)
         if self.ep_size > 1:
