@@ -88,12 +88,12 @@ def test_losses_match_one_process_on_the_whole_batch(
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_tensor_collectives_move_what_the_plan_says(results: dict[str, Any], kind: str) -> None:
-    """Per block: two row-parallel all-reduces forward; backward one all-reduce per
-    column-parallel input (Llama: q, k, v, gate, up; GPT-2: c_attn, c_fc). Llama's untied
-    head adds one all-gather of the logits forward and one all-reduce backward. Each moves a
-    whole micro-batch of fp32 activations (or logits)."""
+    """Per block: two row-parallel all-reduces forward; backward one all-reduce per input of
+    the column-parallel linears (the attention's and the MLP's: Llama's q, k and v share one,
+    gate and up one). Llama's untied head adds one all-gather of the logits forward and one
+    all-reduce backward. Each moves a whole micro-batch of fp32 activations (or logits)."""
     act = MICRO * SEQ * 32 * 4
-    per_block = 2 + (5 if kind == "llama" else 2)
+    per_block = 2 + 2
     head = act + MICRO * SEQ * 64 * 4 if kind == "llama" else 0
     case = ("llama", 2, 1) if kind == "llama" else ("gpt2", 2, 2)
     for run in results["train"][case]:

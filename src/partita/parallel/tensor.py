@@ -18,7 +18,8 @@ adds the backward: each collective of the forward has its adjoint.
   ``gather_output``): each rank computes its logits' columns and an all-gather assembles them
   (`gather_from_tensor_region`), whose backward keeps this rank's columns of the gradient.
 
-So a block costs two all-reduces forward and two backward, and everything between the blocks
+So a block costs two all-reduces forward and two backward (the linears reading one input
+share one copy of it: [Note: one all-reduce per shared input]), and everything between the blocks
 (norms, embeddings, the loss) runs replicated on whole activations, with equal gradients on
 every tensor rank. The parameters keep their identity (only ``.data`` becomes the slice), so an
 optimizer built before `initialize` still steps them, and their names: a checkpoint's keys are
@@ -42,6 +43,7 @@ from partita.inference.shard import take_slice
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "SharedInput",
     "TensorParallelModel",
     "check_tensor_parallel",
     "copy_to_tensor_region",
@@ -135,6 +137,32 @@ class _Place:
     rank: int
 
 
+class SharedInput:
+    """[Note: one all-reduce per shared input]
+    The column-parallel linears of one module (q, k and v of an attention; gate and up of an
+    MLP) read the same tensor. Each taking its own `copy_to_tensor_region` would all-reduce
+    three input gradients backward where one sum suffices; so the members of one module share
+    one copy of their input: backward sums their input gradients locally, then all-reduces
+    once (Megatron puts one copy at the block's input). The copy is reused only for the very
+    tensor it was made from (identity, not equality), and the references are dropped once
+    every member has used it."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self._x: torch.Tensor | None = None
+        self._y: torch.Tensor | None = None
+        self._uses = 0
+
+    def copy(self, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+        """`copy_to_tensor_region(x)`, made once for the members reading the same `x`."""
+        if x is not self._x or self._y is None:
+            self._x, self._y, self._uses = x, copy_to_tensor_region(x, group), 0
+        y, self._uses = self._y, self._uses + 1
+        if self._uses >= self.members:  # every member has it: hold nothing between steps
+            self._x = self._y = None
+        return y
+
+
 class ColumnParallelLinear(nn.Module):
     """A linear holding this rank's output features (see [Note: tensor-parallel training]);
     with `gather_output`, its output is the whole width (an output head)."""
@@ -146,6 +174,7 @@ class ColumnParallelLinear(nn.Module):
         place: _Place,
         transposed: bool = False,
         gather_output: bool = False,
+        shared: SharedInput | None = None,
     ) -> None:
         super().__init__()
         self.weight = weight
@@ -153,10 +182,13 @@ class ColumnParallelLinear(nn.Module):
         self.place = place
         self.transposed = transposed
         self.gather_output = gather_output
+        self.shared = shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with `gather_output`)."""
-        y = _matmul(copy_to_tensor_region(x, self.place.group), self.weight, self.transposed)
+        group = self.place.group
+        copied = self.shared.copy(x, group) if self.shared else copy_to_tensor_region(x, group)
+        y = _matmul(copied, self.weight, self.transposed)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -278,7 +310,29 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(owner) if owner else model, leaf, new)
 
 
-def _split_linear(model: nn.Module, name: str, style: str, place: _Place, plan: ShardPlan) -> None:
+def _shared_inputs(plan: ShardPlan) -> dict[str, SharedInput]:
+    """One `SharedInput` per module holding two or more column-parallel linears, by linear
+    (see [Note: one all-reduce per shared input])."""
+    columns = [n for n, style in plan.styles.items() if style in ("colwise", "fused_qkv")]
+    parents: dict[str, list[str]] = {}
+    for name in columns:
+        parents.setdefault(name.rpartition(".")[0], []).append(name)
+    shared: dict[str, SharedInput] = {}
+    for members in parents.values():
+        if len(members) > 1:
+            one = SharedInput(len(members))
+            shared.update(dict.fromkeys(members, one))
+    return shared
+
+
+def _split_linear(
+    model: nn.Module,
+    name: str,
+    style: str,
+    place: _Place,
+    plan: ShardPlan,
+    shared: SharedInput | None = None,
+) -> None:
     old = model.get_submodule(name)
     weight, bias = old.weight, getattr(old, "bias", None)
     assert isinstance(weight, nn.Parameter)
@@ -292,7 +346,7 @@ def _split_linear(model: nn.Module, name: str, style: str, place: _Place, plan: 
     if style == "rowwise":
         new = RowParallelLinear(weight, bias, place, transposed)
     else:
-        new = ColumnParallelLinear(weight, bias, place, transposed, style == "vocab_head")
+        new = ColumnParallelLinear(weight, bias, place, transposed, style == "vocab_head", shared)
     _replace(model, name, new)
 
 
@@ -317,9 +371,10 @@ def parallelize(
     place = _Place(group, size, rank)
     _broadcast_model(model, place, ranks)
     replaced: dict[str, str] = {}
+    shared = _shared_inputs(plan)
     for name, style in plan.styles.items():
         if style in ("colwise", "fused_qkv", "rowwise", "vocab_head"):
-            _split_linear(model, name, style, place, plan)
+            _split_linear(model, name, style, place, plan, shared.get(name))
             replaced[name] = style
     for name, values in plan.attrs.items():
         if name in replaced:  # Conv1D's width ("nf"): the new module reads its weight
