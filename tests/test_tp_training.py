@@ -129,3 +129,17 @@ def test_checkpoint_saved_per_slice_loads_whole_at_tp1(
 def test_refusal_names_the_value(results: dict[str, Any], what: str) -> None:
     for message in results["refusals"][what]:
         assert message.startswith("ConfigError") and REFUSALS[what] in message, message
+
+
+def test_shared_input_is_one_copy_per_tensor_and_held_only_until_used() -> None:
+    """[Note: one all-reduce per shared input]: the members reading one tensor get one copy;
+    another tensor gets its own; nothing is held once every member has read it."""
+    from partita.parallel.tensor import SharedInput
+
+    shared = SharedInput(members=2)
+    x, other = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    first = shared.copy(x, None)
+    assert shared.copy(x, None) is first
+    assert shared._x is None and shared._y is None
+    assert shared.copy(other, None) is not first
+    assert shared.copy(x, None) is not first  # a new step: a new copy
