@@ -221,9 +221,9 @@ class FullySharded:
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
         plan, persistent = _plan(module, modules, zero)
+        gather_plan = plan_from_config(zero, group)  # ZeRO++ ([Note: ZeRO++ gathers])
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
-        gather_plan = plan_from_config(zero, group)  # ZeRO++ ([Note: ZeRO++ gathers])
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, placement,
             int(zero.sub_group_size) * world, placement.params.max_in_cpu, group, gather_plan,
@@ -242,14 +242,12 @@ class FullySharded:
             quantized=reduce_groups_from_config(zero, gather_plan),
         )  # fmt: skip
         self.scheduler = UnitScheduler(
-            self.units,
-            bindings,
-            self.reducer.reduce,
+            self.units, bindings, self.reducer.reduce,
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
             read_ahead=placement.params.read_ahead,
-        )
+        )  # fmt: skip
         self._where = {p: (unit, i) for unit in self.all_units for i, p in enumerate(unit.params)}
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad)

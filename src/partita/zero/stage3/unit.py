@@ -142,10 +142,7 @@ class ShardedUnit:
         pin_memory: tuple[bool, bool] = (False, False),
         gather_plan: GatherPlan = EXACT,
     ) -> None:
-        self.name = name
-        self.world = world
-        self.gather_plan = gather_plan
-        """How training gathers move the segments ([Note: ZeRO++ gathers])."""
+        self.name, self.world, self.gather_plan = name, world, gather_plan
         self.segments = segments
         self.params = [p for s in segments for p in s.params]
         self.persistent = persistent
@@ -192,16 +189,7 @@ class ShardedUnit:
         self.grad_written: set[int] = set()
         """Parameters (by index) whose gradient ``grad_buffer`` holds this backward."""
         self.numel = self.layout.padded_numel
-        sec = gather_plan.secondary
-        self.secondary = (
-            None
-            if sec is None or persistent
-            else torch.zeros(self.numel // sec.size, dtype=like.dtype, device=like.device)
-        )
-        """hpZ: this rank's 1/h slice of the gathered unit, cut over its node group."""
-        self.secondary_valid = False
-        """The secondary copy holds the current parameters (reset when they change)."""
-        self._from_secondary = self._fill_secondary = False
+        self._make_secondary()
         self.reshard()
         # Parameter offload to NVMe: the shard lives in a swap file between uses (see
         # [Note: swapped shards]).
@@ -211,6 +199,23 @@ class ShardedUnit:
             else None
         )
         self.evict_shard()
+
+    gather_plan: GatherPlan = EXACT
+    """How training gathers move the segments ([Note: ZeRO++ gathers])."""
+    secondary: torch.Tensor | None = None
+    """hpZ: this rank's 1/h slice of the gathered unit, cut over its node group."""
+    secondary_valid = False
+    """The secondary copy holds the current parameters (reset when they change)."""
+    _from_secondary = _fill_secondary = False
+
+    def _make_secondary(self) -> None:
+        """hpZ (not for persistent units, which stay gathered): the secondary copy's storage."""
+        sec = self.gather_plan.secondary
+        if sec is not None and not self.persistent:
+            like = self.flat_full
+            self.secondary = torch.zeros(
+                self.numel // sec.size, dtype=like.dtype, device=like.device
+            )
 
     def _own(self, seg_index: int, full: torch.Tensor) -> torch.Tensor:
         seg = self.layout.segments[seg_index]
