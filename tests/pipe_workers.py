@@ -221,6 +221,14 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
         "seed": seed,
         "applied": applied,
         "skipped": engine.skipped_steps,
+        # Optimizer state elements on this rank, and the parameters its stage holds.
+        "opt_numel": sum(
+            t.numel()
+            for state in engine.optimizer.state.values()
+            for t in state.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ),
+        "stage_numel": sum(p.numel() for p in module.parameters()),
     }
     engine.destroy()
     return out

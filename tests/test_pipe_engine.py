@@ -50,6 +50,7 @@ TWO = [
         **BASE,
     },
     {"tied": True, "stages": 2, "dp": 1, "virtual": 2, "schedule": "interleaved_1f1b", **BASE},
+    {"tied": True, "stages": 2, "dp": 1, "stage": 2, **BASE},  # ZeRO 2 in the stages
 ]
 FOUR = [
     {"tied": False, "stages": 2, "dp": 2, **BASE},
@@ -60,9 +61,11 @@ FOUR = [
     {"tied": True, "stages": 2, "dp": 2, "loader": True, **BASE},  # training_data, train_batch()
     {"tied": True, "stages": 2, "dp": 2, "virtual": 2, "schedule": "zero_bubble", **BASE},
     {"tied": True, "stages": 4, "dp": 1, "schedule": "interleaved_1f1b", "stage": 1, **BASE},
+    {"tied": True, "stages": 2, "dp": 2, "stage": 2, "clip": 0.05, **BASE},
+    {"tied": True, "stages": 2, "dp": 2, "stage": 2, "inf_step": 1, **BASE},
 ]
 BAD_TWO = [
-    {"stages": 2, "stage": 2},  # ZeRO 2 refused, as DeepSpeed refuses it
+    {"stages": 2, "stage": 2, "schedule": "interleaved_1f1b"},  # ZeRO 2: partita's 1F1B only
     {"stages": 2, "stage": 3},
     {"stages": 3},  # does not divide 2 ranks
     {"stages": 2, "layers": [LayerSpec(nn.Linear, 4, 4)]},  # fewer layers than stages
@@ -118,13 +121,13 @@ def _assert_parity(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("index", [0, 1, 2, 5, 6])
+@pytest.mark.parametrize("index", [0, 1, 2, 5, 6, 8])
 def test_two_stages_match_one_process(two: dict[str, Any], index: int) -> None:
     _assert_parity(two["train"][index], TWO[index])
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 6, 7])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 6, 7, 8])
 def test_four_ranks_match_one_process(four: list[list[dict[str, Any]]], index: int) -> None:
     _assert_parity(four[index], FOUR[index])
 
@@ -179,6 +182,19 @@ def test_engine_checkpoint_of_every_stage_resumes_and_loads_at_other_degrees(
             for load in RESUME_LOADS[1:]:
                 for g, w in zip(got[load], want[2:], strict=True):
                     assert abs(g - w) <= LOSS_RTOL * abs(w), (load, got[load], want)
+
+
+def test_zero2_in_stages_shards_optimizer_state_and_skips_overflow_everywhere(
+    four: list[list[dict[str, Any]]],
+) -> None:
+    """ZeRO 2 inside pp 2 x dp 2 stages: each rank holds half its stage's Adam state (two
+    moments of half the parameters, plus at most a few padding elements per bucket), where
+    ZeRO 0 holds all of it; an inf gradient on the last stage skips that step on every rank."""
+    for zero0, zero2 in zip(four[0], four[8], strict=True):
+        assert zero0["opt_numel"] == 2 * zero0["stage_numel"]
+        assert 0 <= zero2["opt_numel"] - zero2["stage_numel"] <= 64, zero2
+    for result in four[9]:
+        assert result["applied"] == [True, False, True, True], result["stage"]
 
 
 def test_each_rank_builds_only_its_stage(

@@ -190,6 +190,19 @@ class Sharded:
         """Finishes this backward's reduce-scatters."""
         self.grads.end_backward()
 
+    def hold_gradients(self, params: list[torch.Tensor]) -> None:
+        """Stage 2 in a pipeline: `params`' gradients wait for `flush_held` (see
+        `ShardedGradients.hold`)."""
+        self.grads.hold(params)
+
+    def held_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s gradient accumulated so far (a held parameter)."""
+        return self.grads.held_grad(p)
+
+    def flush_held(self) -> None:
+        """Reduces the held gradients."""
+        self.grads.flush_held()
+
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, global norm (one scalar all-reduce), clip, step the shards, all-gather."""
         for g in self.groups:  # zeros where no backward ran since the last step

@@ -59,6 +59,8 @@ class GradBucket:
     """What the reduce-scatter reads: the buffer itself or a converted copy of it."""
     output: torch.Tensor | None = None
     handle: comm.Work | None = None
+    held: bool = False
+    """Reduced only by `flush_held` (see `ShardedGradients.hold`), not in each backward."""
 
 
 @dataclass
@@ -111,6 +113,39 @@ class ShardedGradients:
         # Expected completion order: when a bucket's last gradient should arrive in backward
         # (the launch order, the same on every rank: [Note: gradient buckets of stages 1-2]).
         self.buckets.sort(key=lambda b: max((order[p] for p in b.params), default=-1))
+
+    def hold(self, params: list[torch.Tensor]) -> None:
+        """Keeps the buckets holding any of `params` out of every backward's reduction: their
+        gradients accumulate until `flush_held` reduces them (a pipeline sums tied weights'
+        gradients over its stages first, [Note: pipeline engine]). Held buckets launch last,
+        in their order; every rank of the group must hold the same parameters."""
+        ids = {id(p) for p in params}
+        for bucket in self.buckets:
+            bucket.held = any(id(p) in ids for p in bucket.params)
+        self.buckets.sort(key=lambda b: b.held)  # stable: the launch order stays within each
+
+    def held_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The gradient accumulated so far for `p`, a parameter of a held bucket (zeros when
+        none arrived), as a view that reductions over other groups may change in place."""
+        bucket, j = self._bucket_of[p]  # type: ignore[index]
+        assert bucket.held, "held_grad() of a parameter hold() was not given"
+        if self.persistent:
+            buffer = self._materialize(bucket)
+        else:
+            if bucket.buffer is None:
+                bucket.buffer = self._new_buffer(bucket, p.dtype)
+            buffer = bucket.buffer
+        off = bucket.offsets[j]
+        return buffer[off : off + p.numel()].view_as(p)
+
+    def flush_held(self) -> None:
+        """Reduces the held buckets (in order, on every rank) and retires every reduction."""
+        for bucket in self.buckets:
+            if bucket.held:
+                self._launch(bucket)
+        while self._in_flight:
+            self._retire(self._in_flight.pop(0))
+        self._host_adds.drain()
 
     @property
     def persistent_bytes(self) -> int:
@@ -210,6 +245,8 @@ class ShardedGradients:
     def _launch_ready(self) -> None:
         # A complete bucket waits for its predecessors ([Note: gradient buckets of stages 1-2]).
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            if self.buckets[self._next].held:  # reduced by flush_held (they come last)
+                return
             self._launch(self.buckets[self._next])
             self._next += 1
 
