@@ -14,7 +14,7 @@ from partita import comm
 from partita.comm import COUNTERS
 from partita.config import ConfigError
 from partita.precision import full_dtype
-from partita.precision.quantize import blocks_for
+from partita.precision.quantize import blocks_for, packed_nbytes
 from partita.zero.stage3.gather import DEFAULT_BLOCK_SIZE, TRAINING, payload_bytes
 from partita.zero.stage3.qgz import GRAD_TAG, sent_bytes
 from partita.zero.stage3.unit import ShardedUnit
@@ -42,15 +42,32 @@ def config(**zero: Any) -> dict[str, Any]:
 
 def _gather_bytes(unit: ShardedUnit, tag: str, from_secondary: bool) -> tuple[str, int]:
     """(group name, bytes) one gather of `unit` moves, from its layout alone: each segment's
-    chunks exact in the module dtype or packed (one byte per element + 4 per block)."""
+    world chunks exact in the module dtype or packed (one byte per element + 4 per block),
+    whether the primary shards send them or the node group's secondary slices (k whole chunks
+    each: [Note: secondary copy])."""
     plan, size = unit.gather_plan, unit.flat_full.element_size()
     total = 0
     for info, seg in zip(unit.segments, unit.layout.segments, strict=True):
         quantized = tag == TRAINING and plan.quantizes(info.group is None)
         block = plan.block_size if quantized else None
-        ranks = plan.secondary.size if from_secondary and plan.secondary else unit.world
-        total += payload_bytes(seg.padded_numel // ranks, ranks, block, size)
+        total += payload_bytes(seg.chunk_numel, unit.world, block, size)
     return ("hpz" if from_secondary else ""), total
+
+
+def _secondary_bytes(unit: ShardedUnit) -> int:
+    """What hpZ's secondary copy of `unit` holds once filled: 1/h of each segment, in the
+    module dtype, or as the packed bytes of its world/h chunks where quantized."""
+    plan = unit.gather_plan
+    if plan.secondary is None:
+        return 0
+    h, total = plan.secondary.size, 0
+    exact = any(not plan.quantizes(s.group is None) for s in unit.segments)
+    if exact:
+        total += unit.numel // h * unit.flat_full.element_size()
+    for info, seg in zip(unit.segments, unit.layout.segments, strict=True):
+        if plan.quantizes(info.group is None) and seg.padded_numel:
+            total += unit.world // h * packed_nbytes(seg.chunk_numel, plan.block_size)
+    return total
 
 
 def _record_gathers(events: list[tuple[str, int]]) -> Any:
@@ -143,6 +160,7 @@ def train(
         "grad_expected": _qgz_bytes(engine.strategy),
         "primary_per_step": sum(_gather_bytes(u, TRAINING, False)[1] for u in units),
         "secondary_bytes": sum(u.secondary_bytes for u in units),
+        "secondary_expected": sum(_secondary_bytes(u) for u in units),
         "unit_bytes": sum(u.numel * u.flat_full.element_size() for u in units),
         "params": _full_params(engine),
     }

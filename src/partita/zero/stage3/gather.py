@@ -15,12 +15,13 @@ Two choices, each made per gather and the same on every rank:
 - where from: the primary shard over the ZeRO group (every rank), or, with
   ``zero_hpz_partition_size`` = h, a secondary copy cut over the h consecutive ranks of this
   rank's node group. The first training gather after the parameters change (a step, a load)
-  takes the primary path and leaves each rank its 1/h slice of the gathered values (what was
-  computed with: dequantized values under qwZ, as DeepSpeed keeps them); every later training
+  takes the primary path and leaves each rank its 1/h slice of it (under qwZ the packed bytes,
+  [Note: secondary copy] in `partita.zero.stage3.secondary`); every later training
   gather of the unit until the next change (backward's re-gather, further micro-batches of
   gradient accumulation, recomputation) reads the secondary copies over the node group, so it
-  never crosses nodes. Memory: each rank holds 1/h of every non-persistent unit beside its
-  1/world shard, in the module dtype.
+  never crosses nodes, and hands the same weights the first gather did. Memory: each rank holds
+  1/h of every non-persistent unit beside its 1/world shard, in the module dtype (one byte per
+  element plus scales where quantized).
 
 Gathers for anything else (``GatheredParameters``, saving, persistent units' refresh after the
 step) stay exact and primary, as DeepSpeed's are: a saved model never holds quantized weights.
@@ -82,7 +83,7 @@ EXACT = GatherPlan()
 """Plain ZeRO-3: every gather exact, from the primary shard."""
 
 
-class _Dequantized:
+class DequantizingGather:
     """A gather of packed chunks in flight: waiting dequantizes them into `out`, one row of
     ``out.numel() // ranks`` elements per rank."""
 
@@ -114,7 +115,7 @@ def gather_segment(
     ranks: int,
     block: int | None,
     tag: str,
-) -> comm.Work | _Dequantized | None:
+) -> comm.Work | DequantizingGather | None:
     """Starts gathering every rank's `src` (one chunk of `out.numel() // ranks` elements) into
     `out` over `group` of `ranks` ranks: exact when `block` is None, else as packed int8 blocks
     of `block` elements dequantized when the returned handle is waited for."""
@@ -123,7 +124,24 @@ def gather_segment(
     packed = pack(src.to(out.device), block)
     gathered = torch.empty(ranks * packed.numel(), dtype=torch.uint8, device=out.device)
     work = comm.all_gather(gathered, packed, group=group, async_op=True, tag=tag)
-    return _Dequantized(work, gathered, out, ranks, block)
+    return DequantizingGather(work, gathered, out, ranks, block)
+
+
+def gather_packed(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    group: comm.ProcessGroup | None,
+    ranks: int,
+    chunks: int,
+    block: int,
+    tag: str,
+) -> DequantizingGather:
+    """Starts gathering every rank's `packed` bytes (each holding ``chunks / ranks`` packed
+    chunks, hpZ's quantized secondary slices) over `group` of `ranks` ranks, dequantized into
+    `out` (``chunks`` chunks) when waited for."""
+    gathered = torch.empty(ranks * packed.numel(), dtype=torch.uint8, device=out.device)
+    work = comm.all_gather(gathered, packed.to(out.device), group=group, async_op=True, tag=tag)
+    return DequantizingGather(work, gathered, out, chunks, block)
 
 
 def payload_bytes(chunk_numel: int, ranks: int, block: int | None, element_size: int) -> int:
@@ -199,9 +217,11 @@ __all__ = [
     "HPZ_KEY",
     "QGZ_KEY",
     "TRAINING",
+    "DequantizingGather",
     "GatherPlan",
     "SecondaryGroup",
     "check_hpz_size",
+    "gather_packed",
     "gather_segment",
     "payload_bytes",
     "plan_from_config",

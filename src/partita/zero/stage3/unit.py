@@ -62,8 +62,15 @@ from partita.accelerator import pin_if
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
 from partita.zero.placeholder import mark_gathered, mark_sharded
-from partita.zero.stage3.gather import EXACT, TRAINING, GatherPlan, gather_segment
+from partita.zero.stage3.gather import (
+    EXACT,
+    TRAINING,
+    DequantizingGather,
+    GatherPlan,
+    gather_segment,
+)
 from partita.zero.stage3.identity import GATHER, DivergenceCheck
+from partita.zero.stage3.secondary import SecondaryCopy
 
 
 class UnitState(enum.Enum):
@@ -202,20 +209,25 @@ class ShardedUnit:
 
     gather_plan: GatherPlan = EXACT
     """How training gathers move the segments ([Note: ZeRO++ gathers])."""
-    secondary: torch.Tensor | None = None
+    secondary: SecondaryCopy | None = None
     """hpZ: this rank's 1/h slice of the gathered unit, cut over its node group."""
-    secondary_valid = False
-    """The secondary copy holds the current parameters (reset when they change)."""
     _from_secondary = _fill_secondary = False
 
     def _make_secondary(self) -> None:
-        """hpZ (not for persistent units, which stay gathered): the secondary copy's storage."""
-        sec = self.gather_plan.secondary
-        if sec is not None and not self.persistent:
-            like = self.flat_full
-            self.secondary = torch.zeros(
-                self.numel // sec.size, dtype=like.dtype, device=like.device
+        """hpZ (not for persistent units, which stay gathered): the secondary copy."""
+        plan = self.gather_plan
+        if plan.secondary is not None and not self.persistent:
+            quantized = {i for i, s in enumerate(self.segments) if plan.quantizes(s.group is None)}
+            self.secondary = SecondaryCopy(
+                plan.secondary, self.layout, self.world, quantized, self.flat_full
             )
+        self._packed: dict[int, torch.Tensor] = {}
+        """A primary quantized training gather's packed bytes, by segment, until kept."""
+
+    @property
+    def secondary_valid(self) -> bool:
+        """hpZ's secondary copy holds the current parameters."""
+        return self.secondary is not None and self.secondary.valid
 
     def _own(self, seg_index: int, full: torch.Tensor) -> torch.Tensor:
         seg = self.layout.segments[seg_index]
@@ -249,7 +261,7 @@ class ShardedUnit:
 
     def shard_modified(self) -> None:
         """``flat_shard`` was written: the next `evict_shard` writes it back."""
-        self.secondary_valid = False
+        self.parameters_changed()
         if self.shard_swap is not None:
             self.shard_swap.modified()
 
@@ -289,6 +301,7 @@ class ShardedUnit:
         secondary = tag == TRAINING and self.secondary is not None
         self._from_secondary = secondary and self.secondary_valid
         self._fill_secondary = secondary and not self.secondary_valid
+        self._packed = {}
         with torch.autograd._unsafe_preserve_version_counter(self.flat_full):
             for i, seg in enumerate(self.layout.segments):
                 if seg.padded_numel == 0:
@@ -297,38 +310,27 @@ class ShardedUnit:
                 handle = self._gather_segment(i, out, tag, self._from_secondary)
                 if handle is not None:
                     self._handles.append(handle)
+                if self._fill_secondary and isinstance(handle, DequantizingGather):
+                    self._packed[i] = handle.packed  # the secondary copy keeps these bytes
 
     def _gather_segment(self, i: int, out: torch.Tensor, tag: str, from_secondary: bool) -> Any:
         """Starts segment `i`'s gather into `out`: from the primary shard over the ZeRO group
         or from the secondary copy over the node group, exact or quantized ([Note: ZeRO++
         gathers])."""
-        plan, seg = self.gather_plan, self.layout.segments[i]
+        plan = self.gather_plan
         frozen = self.segments[i].group is None
         quantize = tag == TRAINING and not self.persistent and plan.quantizes(frozen)
         block = plan.block_size if quantize else None
         if from_secondary:
-            assert self.secondary is not None and plan.secondary is not None
-            h = plan.secondary.size
-            src = self.secondary[seg.flat_start // h : seg.flat_end // h]
-            return gather_segment(out, src, plan.secondary.group, h, block, tag)
+            assert self.secondary is not None
+            return self.secondary.gather(i, out, block, tag)
         src = self.shard_chunk(i).to(out.device, non_blocking=True)
         return gather_segment(out, src, self.process_group, self.world, block, tag)
 
-    def _keep_secondary(self) -> None:
-        """hpZ: copies this rank's 1/h slice of each gathered segment into the secondary copy
-        (after a primary training gather: [Note: ZeRO++ gathers])."""
-        assert self.secondary is not None and self.gather_plan.secondary is not None
-        h, place = self.gather_plan.secondary.size, self.gather_plan.secondary.rank
-        for seg in self.layout.segments:
-            length = seg.padded_numel // h
-            start = seg.flat_start + place * length
-            dest = self.secondary[seg.flat_start // h : seg.flat_start // h + length]
-            dest.copy_(self.flat_full[start : start + length])
-        self.secondary_valid = True
-
     def parameters_changed(self) -> None:
         """The shard's values changed (a step, a load): the secondary copy is stale."""
-        self.secondary_valid = False
+        if self.secondary is not None:
+            self.secondary.valid = False
 
     def pass_gather(self) -> list[comm.Work]:
         """Issues the collectives of this unit's gather into scratch buffers, changing no state:
@@ -336,7 +338,7 @@ class ShardedUnit:
         ([Note: identity windows]). Returns the handles to wait for."""
         self.ensure_shard()
         works: list[comm.Work] = []
-        from_secondary = self.secondary is not None and self.secondary_valid
+        from_secondary = self.secondary_valid
         for i, seg in enumerate(self.layout.segments):
             if seg.padded_numel == 0:
                 continue
@@ -362,9 +364,9 @@ class ShardedUnit:
                     for h in self._handles:
                         h.wait()  # a quantized gather dequantizes into flat_full here
                 self._handles = []
-                if self._fill_secondary:
-                    self._keep_secondary()
-                    self._fill_secondary = False
+                if self._fill_secondary and self.secondary is not None:
+                    self.secondary.keep(self.flat_full, self._packed)
+                    self._fill_secondary, self._packed = False, {}
                 self.evict_shard()  # the gather is done with it; its file still holds it
                 for p, view in zip(self.params, self.views, strict=True):
                     mark_gathered(p, view)
@@ -501,9 +503,7 @@ class ShardedUnit:
     @property
     def secondary_bytes(self) -> int:
         """Bytes of hpZ's secondary copy (0 without hpZ)."""
-        return (
-            0 if self.secondary is None else self.secondary.numel() * self.secondary.element_size()
-        )
+        return 0 if self.secondary is None else self.secondary.nbytes
 
     @property
     def gathered_numel(self) -> int:
