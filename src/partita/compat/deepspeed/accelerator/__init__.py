@@ -78,6 +78,20 @@ class DeepSpeedAccelerator:
         """Whether fp16 runs on this device."""
         return True
 
+    def manual_seed(self, seed: int) -> None:
+        """Seeds this device's generator (the CPU's is torch's default one)."""
+        if self._impl.is_cuda:
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        """Seeds every device's generator."""
+        if self._impl.is_cuda:
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
+
     def __getattr__(self, name: str) -> Any:
         raise missing_attribute("deepspeed.accelerator.get_accelerator()", name)
 
