@@ -159,6 +159,7 @@ def initialize(
     rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
+    cfg = engine_tensor.with_autotp(cfg, tp)  # tp_model_init's size, as DeepSpeed merges it
     # MoE layers' expert-parallel size, checked before any collective.
     ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
     if dist_init_required is not False:
@@ -169,7 +170,8 @@ def initialize(
     set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     _check_same_config_on_every_rank(cfg)
-    engine_tensor.parallelize_model(model, dims)  # before the engine broadcasts over dp
+    if tp > 1:  # AutoTP splits the model; an mpu's tensor group alone means it is split
+        engine_tensor.parallelize_model(model, dims)  # before the engine broadcasts over dp
     engine_tensor.clear_recorded()  # tp_model_init's arguments were this job's
     engine = engine_class(
         model,

@@ -209,10 +209,9 @@ class DeepSpeedEngineMethods:
         return self.dims.tp_group
 
     def autotp_size(self) -> int:
-        """DeepSpeed's ``autotp_size()``: the tensor-parallel size when the model is split
-        (also when `tp_model_init` set it), else the config's value (0: off)."""
-        if self.dims.tp_world_size > 1:
-            return int(self.dims.tp_world_size)
+        """DeepSpeed's ``autotp_size()``: ``tensor_parallel.autotp_size`` (0: off), with
+        `tp_model_init`'s size merged in as DeepSpeed does; a model split by the user under an
+        mpu reports 0 here and its size in `get_tensor_parallel_world_size`."""
         return int(self._config.tensor_parallel.autotp_size)
 
     def tensor_parallel_config(self) -> Any:

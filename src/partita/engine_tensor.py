@@ -25,6 +25,7 @@ __all__ = [
     "parallelize_model",
     "tensor_dims",
     "tp_model_init",
+    "with_autotp",
 ]
 
 KEY = "tensor_parallel.autotp_size"
@@ -147,6 +148,16 @@ def check_tensor_parallel(
         raise config_error(KEY, f"{tp}: {error}") from None
 
 
+def with_autotp(config: DeepSpeedConfig, tp: int) -> DeepSpeedConfig:
+    """`config` with ``tensor_parallel.autotp_size`` set to `tp` when `tp_model_init` set the
+    size and the config did not (DeepSpeed merges its arguments into the config so)."""
+    section = config.tensor_parallel
+    if tp == 1 or section.autotp_size == tp:
+        return config
+    merged = section.model_copy(update={"autotp_size": tp})
+    return config.model_copy(update={"tensor_parallel": merged})
+
+
 def tensor_dims(tp: int, from_mpu: comm.ParallelDims | None) -> comm.ParallelDims:
     """The job's dimensions for tensor size `tp` > 1: the mpu's when it brings a tensor group
     of that size, else blocks of `tp` consecutive ranks (collective over the world)."""
@@ -162,7 +173,8 @@ def tensor_dims(tp: int, from_mpu: comm.ParallelDims | None) -> comm.ParallelDim
 
 def parallelize_model(model: Any, dims: comm.ParallelDims) -> None:
     """Splits `model` over the tensor group of `dims` (nothing without one); collective over
-    that group."""
+    that group. Only for AutoTP (``autotp_size`` > 1): with an mpu alone, the user's model is
+    split already."""
     if dims.tp_world_size == 1:
         return
     from partita.parallel.tensor import parallelize
