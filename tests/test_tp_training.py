@@ -143,3 +143,19 @@ def test_shared_input_is_one_copy_per_tensor_and_held_only_until_used() -> None:
     assert shared._x is None and shared._y is None
     assert shared.copy(other, None) is not first
     assert shared.copy(x, None) is not first  # a new step: a new copy
+
+
+def test_moe_layers_with_autotp_are_refused_by_name() -> None:
+    """Checked from the config and the model alone (no process group), as on every rank."""
+    from torch import nn
+
+    from partita.config import ConfigError, load_config
+    from partita.engine_tensor import check_tensor_parallel
+    from partita.moe.layer import MoE
+
+    model = nn.Sequential(MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2))
+    config = load_config(
+        {"train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}}, world_size=4
+    )
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_size: 2: .*MoE layers"):
+        check_tensor_parallel(config, model, 2, 4, 1, None)

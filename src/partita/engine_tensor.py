@@ -140,6 +140,7 @@ def check_tensor_parallel(
         )
     if not isinstance(model, torch.nn.Module):
         raise config_error(KEY, f"{tp}: tensor parallelism needs an nn.Module model")
+    _check_other_dimensions(model, tp)
     from partita.parallel.tensor import check_tensor_parallel as check_model
 
     try:
@@ -156,6 +157,23 @@ def with_autotp(config: DeepSpeedConfig, tp: int) -> DeepSpeedConfig:
         return config
     merged = section.model_copy(update={"autotp_size": tp})
     return config.model_copy(update={"tensor_parallel": merged})
+
+
+def _check_other_dimensions(model: torch.nn.Module, tp: int) -> None:
+    """Refuses the model-splitting dimensions partita does not compose with AutoTP yet."""
+    from partita.moe.layer import moe_layers
+    from partita.parallel.pipe_module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise config_error(
+            KEY, f"{tp}: tensor parallelism inside pipeline stages is not supported by partita yet"
+        )
+    if moe_layers(model):
+        raise config_error(
+            KEY,
+            f"{tp}: tensor parallelism together with MoE layers (expert parallelism) is not "
+            "supported by partita yet",
+        )
 
 
 def tensor_dims(tp: int, from_mpu: comm.ParallelDims | None) -> comm.ParallelDims:
