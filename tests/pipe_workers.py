@@ -206,10 +206,8 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
             losses.append(float(engine.train_batch(iter(step[dp_rank]))))
             applied.append(engine.was_step_applied())
     dp_rank = engine.grid.get_data_parallel_rank()
-    evaluated = None
-    if case.get("schedule", "1f1b") == "1f1b":  # torch's schedules train only
-        evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
-        evaluated = float(engine.eval_batch(iter(evaluation)))
+    evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
+    evaluated = float(engine.eval_batch(iter(evaluation)))
     out = {
         "losses": losses,
         "eval": evaluated,

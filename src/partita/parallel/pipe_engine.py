@@ -271,10 +271,8 @@ class PipelineEngine(Engine):
         if reduce_output not in (None, "avg"):
             raise NotImplementedError(f"reduction type {reduce_output} not supported.")
         if self.module.schedule != "1f1b":
-            raise NotImplementedError(
-                f"eval_batch() with pipeline.schedule {self.module.schedule!r} is not "
-                "supported yet (training only); evaluate with the default '1f1b' schedule"
-            )
+            return self._eval_batch_torch(data_iter, return_logits, compute_loss,
+                                          reduce_output, bcast_loss, num_micro_batches)  # fmt: skip
         self.module.eval()
         self._return_logits = return_logits
         self._compute_loss = compute_loss
@@ -294,6 +292,38 @@ class PipelineEngine(Engine):
             outputs, self.outputs = self.outputs, None
             return output, outputs
         return output
+
+    def _eval_batch_torch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool,
+        compute_loss: bool,
+        reduce_output: str | None,
+        bcast_loss: bool,
+        num_micro_batches: int | None,
+    ) -> Any:
+        """`eval_batch` on torch's schedule: the loss only, averaged as `eval_batch` does."""
+        asked = num_micro_batches or self.micro_batches
+        if (
+            return_logits
+            or not compute_loss
+            or reduce_output is None
+            or asked != self.micro_batches
+        ):
+            raise NotImplementedError(
+                f"eval_batch() with pipeline.schedule {self.module.schedule!r} returns the "
+                "averaged loss of gradient_accumulation_steps micro-batches only (no logits, "
+                "no other micro-batch count, reduce_output 'avg')"
+            )
+        saved = self.data_iterator
+        self.module.eval()
+        self.set_dataiterator(data_iter)
+        if self._torch_schedule is None:
+            self._torch_schedule = TorchSchedule(self, self.module.schedule)  # type: ignore[arg-type]
+        total = self._torch_schedule.eval_batch(self._next_batch)
+        self.data_iterator = saved
+        output = self._dp_mean(total / asked) if total is not None else None
+        return self._bcast_from_last(output, 1)[0] if bcast_loss else output
 
     def _reduce_outputs(self, outputs: list[Any], reduce: str | None, micro: int) -> Any:
         if reduce is None:

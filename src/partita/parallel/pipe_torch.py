@@ -102,7 +102,16 @@ class TorchSchedule:
         self.schedule = _schedule_class(name)(
             self.stages, engine.micro_batches, loss_fn=self._loss, scale_grads=False
         )
-        pipe.expect_metadata_pass()  # torch runs each chunk once first, to learn the shapes
+        self._mode: str | None = None
+        self._evaluating = False
+
+    def _enter(self, mode: str) -> None:
+        """torch runs every chunk once more before the first batch and at each switch between
+        training and evaluation, to learn the shapes: those calls are not micro-batches for
+        the per-layer seeds (`PipelineModule.expect_metadata_pass`)."""
+        if self._mode != mode:
+            self.pipe.expect_metadata_pass()
+            self._mode = mode
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         """What torch back-propagates for a micro-batch: the module's loss over the
@@ -111,6 +120,8 @@ class TorchSchedule:
         assert self.pipe.loss_fn is not None  # the last stage computes the loss
         loss = self.pipe.loss_fn(output, target)
         self.losses.append(loss.detach())  # torch's metadata pass, if any, adds one first
+        if self._evaluating:
+            return loss
         share = loss / engine.micro_batches if engine.micro_batches > 1 else loss
         if engine.loss_scaler.scale != 1.0:
             share = share.float() * engine.loss_scaler.scale
@@ -120,6 +131,30 @@ class TorchSchedule:
         """One batch: reads the micro-batches, runs the schedule with the reduction disarmed;
         returns the sum of the micro-batches' losses on the last stage (None elsewhere)."""
         engine = self.engine
+        args, kwargs = self._inputs(read)
+        self._enter("train")
+        engine.strategy.begin_backward(False)  # reduced after the schedule
+        self.schedule.step(*args, **kwargs, return_outputs=False)
+        engine.strategy.end_backward()
+        return self._loss_sum()
+
+    def eval_batch(self, read: Callable[[], Any]) -> torch.Tensor | None:
+        """Forward passes over one batch of micro-batches without gradients (torch's
+        ``eval``); the sum of their plain losses on the last stage (None elsewhere)."""
+        args, kwargs = self._inputs(read)
+        self._enter("eval")
+        self._evaluating = True
+        try:
+            with torch.no_grad():
+                self.schedule.eval(*args, **kwargs)
+        finally:
+            self._evaluating = False
+        return self._loss_sum()
+
+    def _inputs(self, read: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The batch's micro-batches read (first and last stage) and joined as the schedule's
+        arguments; the loss record emptied."""
+        engine = self.engine
         batches = [read() for _ in range(engine.micro_batches)] if _reads(engine) else []
         args: tuple[Any, ...] = ()
         kwargs: dict[str, Any] = {}
@@ -128,12 +163,12 @@ class TorchSchedule:
         if engine.is_last_stage():
             kwargs["target"] = _cat([b[1] for b in batches], engine.device)[0]
         self.losses = []
-        engine.strategy.begin_backward(False)  # reduced after the schedule
-        self.schedule.step(*args, **kwargs, return_outputs=False)
-        engine.strategy.end_backward()
-        if not engine.is_last_stage():
+        return args, kwargs
+
+    def _loss_sum(self) -> torch.Tensor | None:
+        if not self.engine.is_last_stage():
             return None
-        real = self.losses[-engine.micro_batches :]  # after the metadata pass's, if any
+        real = self.losses[-self.engine.micro_batches :]  # after the metadata pass's, if any
         return torch.stack(real).sum()
 
 
