@@ -306,8 +306,14 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write the reference to the path given (default: this checkout's docs/config.md)."""
-    args = sys.argv[1:] if argv is None else argv
-    out = Path(args[0]) if args else DEFAULT_OUTPUT
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m partita.config.reference",
+        description="Writes the configuration reference generated from the schema and ledger.",
+    )
+    parser.add_argument("output", nargs="?", default=str(DEFAULT_OUTPUT), help="where to write")
+    out = Path(parser.parse_args(sys.argv[1:] if argv is None else argv).output)
     out.write_text(render(), encoding="utf-8")
     print(f"wrote {out}")
     return 0
