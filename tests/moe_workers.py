@@ -173,7 +173,53 @@ def _run(engine: Any, world: int, rank: int) -> list[float]:
     return losses
 
 
-def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, list[float]]]:
+def gating_mismatches() -> list[str]:
+    """The gating calls whose outputs differ between DeepSpeed's ``sharded_moe`` and partita's
+    (each pair on the same random draws: RTS, Gumbel noise): top-1 with and without RTS and
+    RSample, top-2 with and without second-expert sampling, top-k by probability and position,
+    with drops and dropless, dense and sparse routes."""
+    import deepspeed.moe.sharded_moe as theirs
+
+    from partita.compat.deepspeed.moe import sharded_moe as ours
+
+    calls: list[tuple[str, Any, Any, dict[str, Any]]] = []
+    for drop in (True, False):
+        for sparse in (False, True):
+            common = {"drop_tokens": drop, "sparse_routes": sparse}
+            calls += [
+                ("top1", theirs.top1gating, ours.top1gating, {"use_rts": True, **common}),
+                ("top1-rsample", theirs.top1gating, ours.top1gating,
+                 {"noisy_gate_policy": "RSample", "use_rts": False, **common}),
+                ("top2", theirs.top2gating, ours.top2gating, common),
+                ("top2-greedy", theirs.top2gating, ours.top2gating,
+                 {"top2_2nd_expert_sampling": False, **common}),
+            ]  # fmt: skip
+    bad = []
+    for seed in range(4):
+        logits = torch.randn(24, 6, generator=torch.Generator().manual_seed(seed))
+        for name, a, b, kwargs in calls:
+            torch.manual_seed(seed)
+            want = a(logits.clone(), 0.5, 2, **kwargs)
+            torch.manual_seed(seed)
+            got = b(logits.clone(), 0.5, 2, **kwargs)
+            if not _same(want, got):
+                bad.append(f"{name} {kwargs} seed {seed}")
+        for policy in ("probs", "position"):
+            want = theirs.topkgating(logits.clone(), 3, 0.5, 2, drop_policy=policy)
+            got = ours.topkgating(logits.clone(), 3, 0.5, 2, drop_policy=policy)
+            if not _same(want, got):
+                bad.append(f"top3 {policy} seed {seed}")
+    return bad
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Equal element by element (tensors bitwise, with their dtypes' values)."""
+    return len(a) == len(b) and all(
+        torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case trained by real DeepSpeed (0.19.8, CPU, gloo: its own ``MoE`` layer and
     ``split_params_into_different_moe_groups_for_optimizer``), then by partita, in the same
     processes, both with torch's fused AdamW as the client optimizer (DeepSpeed's config Adam
@@ -185,7 +231,7 @@ def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, list[f
     assert "partita" not in (deepspeed.__file__ or ""), "not DeepSpeed itself"
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    out = []
+    out: list[dict[str, Any]] = [{"gating_mismatches": gating_mismatches()}]
     for case in cases:
         runs = {}
         for name, init, moe_cls, splitter in (

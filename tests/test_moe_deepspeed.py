@@ -1,7 +1,8 @@
 """partita's mixture of experts against DeepSpeed's own (0.19.8 on CPU, gloo): DeepSpeed's MoE
 tutorial shape (dense layers around ``deepspeed.moe.layer.MoE``, loss = task loss + COEF *
 l_aux, expert parameters in their own optimizer groups), dropless, fp32, trained by both in
-the same 4 ranks with ep 2 x dp 2: per-step losses within 1e-5 of each other. Kept apart from
+the same 4 ranks with ep 2 x dp 2: per-step losses within 1e-5 of each other; and DeepSpeed's
+gating functions against partita's on the same random draws, bitwise. Kept apart from
 tests/test_moe.py: DeepSpeed is slow to start and may compile C++ ops on first use."""
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def test_losses_match_deepspeeds_moe() -> None:
         timeout=600,
         env={"DS_ACCELERATOR": "cpu", "PARTITA_AS_DEEPSPEED": "0"},
     )
-    for rank, results in enumerate(per_rank):
+    for rank, (gating, *results) in enumerate(per_rank):
+        assert gating["gating_mismatches"] == [], rank
         for case, result in zip(CASES, results, strict=True):
             ds, ours = result["deepspeed"], result["partita"]
             assert len(ds) == len(ours) == STEPS
