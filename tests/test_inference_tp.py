@@ -249,6 +249,9 @@ def test_heads_that_do_not_split_are_refused_naming_the_module() -> None:
         build_plan(_meta_model("llama"), 8, 0)
     with pytest.raises(PlanError, match=r"transformer.h.0.attn.c_attn \(query heads\): size 64"):
         build_plan(_meta_model("gpt2"), 3, 0)
+    # One key/value head in separate k/v projections: splitting them would cut the head.
+    with pytest.raises(PlanError, match=r"8 attention heads and 1 key/value heads"):
+        build_plan(_meta_model("llama", num_key_value_heads=1), 2, 0)
 
 
 class _Block(nn.Module):

@@ -343,7 +343,10 @@ def _attention_attrs(model: nn.Module, plan: ShardPlan) -> None:
                if style in ("colwise", "fused_qkv") and name.rsplit(".", 1)[-1] in
                ("q_proj", "c_attn", "query_key_value", "query")}  # fmt: skip
     for parent in sorted(parents):
-        if heads % n or (kv != 1 and kv % n):
+        # One key/value head stays whole in a fused projection (Falcon's multi-query
+        # attention), but separate k/v projections split column-wise would cut it.
+        split_kv = plan.styles.get(f"{parent}.k_proj") == "colwise"
+        if heads % n or (kv % n and (kv != 1 or split_kv)):
             raise PlanError(
                 f"{parent}: {heads} attention heads and {kv} key/value heads do not split "
                 f"evenly over tp_size {n}"
