@@ -147,6 +147,11 @@ class DeepSpeedEngineMethods:
                 raise NotOfferedError(
                     f"DeepSpeedEngine.{name}() is not offered by partita: {REFUSED[name]}"
                 ) from None
+            # DeepSpeed's engine passes through what the wrapped model defines and the engine
+            # does not (its own MoE tests read ``engine.moe_1``).
+            module = self._modules.get("module") if name != "module" else None
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
             raise
 
     # --- batch arithmetic and ranks ----------------------------------------------------------
