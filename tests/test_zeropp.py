@@ -6,6 +6,8 @@ plain run. One spawn runs every case."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from partita.config import ConfigError, load_config
@@ -21,7 +23,7 @@ OFF = {
     "zero_quantized_nontrainable_weights": False,
     "zero_hpz_partition_size": 1,
 }
-TRAIN = {
+TRAIN: dict[str, dict[str, Any]] = {
     "plain": {"zero": {}},
     "bound": {"zero": {}, "bound": True},
     "plain_again": {"zero": {}},
@@ -44,7 +46,7 @@ QGZ_ALONE = {"zero_quantized_gradients": True}
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    cases = [{"kind": "train", **case} for case in TRAIN.values()]
+    cases: list[dict[str, Any]] = [{"kind": "train", **case} for case in TRAIN.values()]
     cases += [{"kind": "refusal", "zero": {"zero_hpz_partition_size": h}} for h in REFUSED_HPZ]
     cases += [{"kind": "refusal", "zero": QGZ_ALONE}]
     per_case = iter(run_distributed_grid(zeropp_grid, WORLD, cases, timeout=400))

@@ -80,7 +80,7 @@ def _record_gathers(events: list[tuple[str, int]]) -> Any:
         if tag == TRAINING:
             events.append(_gather_bytes(self, tag, self._from_secondary))
 
-    ShardedUnit._start_gather = start  # type: ignore[method-assign]
+    ShardedUnit._start_gather = start
     return original
 
 
@@ -149,7 +149,7 @@ def train(
             grads.append(_bytes_since(before, GRAD_TAG))
             expected.append(_sum_by_group(events))
     finally:
-        ShardedUnit._start_gather = original  # type: ignore[method-assign]
+        ShardedUnit._start_gather = original
     units = engine.strategy.units
     out = {
         "losses": losses,
