@@ -40,7 +40,8 @@ ATTENTION = [
     {"kind": "attention", "sp": 4, "batch_dim_idx": 0, "kv_heads": 2},  # kv heads repeated
     {"kind": "attention", "sp": 4, "batch_dim_idx": 1, "kv_heads": 4},  # [s, b, h, d]
 ]
-REFUSALS = ["sp3", "sp8", "dp_size_bad", "dp_size_ok", "heads", "kv_heads", "seq_len"]
+REFUSALS = ["sp3", "sp8", "dp_size_bad", "dp_size_ok", "mpu_dp_bad", "mpu_dp_ok", "heads",
+            "kv_heads", "seq_len"]  # fmt: skip
 RESUMES = {  # saved at (sp, stage), then loaded at each of `loads`
     (2, 2): [(2, 2), (1, 1), (4, 3)],
     (4, 3): [(4, 3), (2, 0)],
@@ -190,6 +191,10 @@ def test_bad_inputs_name_themselves_on_every_rank(results: dict) -> None:
         assert message.startswith("ConfigError") and "data_parallel_size" in message, message
         assert "3" in message and "is 2" in message
     assert errors["dp_size_ok"] == [""] * WORLD
+    for message in errors["mpu_dp_bad"]:  # a config and an mpu that disagree
+        assert message.startswith("ConfigError") and "data_parallel_size" in message, message
+        assert "4" in message and "mpu's data-parallel group has 2 ranks" in message
+    assert errors["mpu_dp_ok"] == [""] * WORLD
     for message in errors["heads"]:
         assert "6 query heads" in message and "sequence-parallel size 4" in message
     for message in errors["kv_heads"]:

@@ -345,6 +345,12 @@ def refusal(what: str) -> str:
             cfg = {**config(2, 1), "data_parallel_size": 3 if what == "dp_size_bad" else 2}
             engine, _, _, _ = partita.initialize(model=TinyLlama(), config=cfg)
             engine.destroy()
+        elif what in ("mpu_dp_bad", "mpu_dp_ok"):  # the groups from an mpu, the size from cfg
+            cfg = {**config(2, 1), "data_parallel_size": 4 if what == "mpu_dp_bad" else 2}
+            del cfg["sequence_parallel_size"]
+            unit = SequenceMpu(2)
+            engine, _, _, _ = partita.initialize(model=TinyLlama(), config=cfg, mpu=unit)
+            engine.destroy()
         elif what == "heads":
             group = ParallelDims.sequence_parallel(4).sp_group
             x = torch.zeros(1, 4, 6, 8)  # 6 heads over 4 ranks

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from partita import cluster_env, comm, engine_experts, engine_setup, engine_tensor, env
@@ -107,6 +108,75 @@ def _job_dims(from_mpu: comm.ParallelDims | None, shard: int | None, sp: int) ->
     return from_mpu or comm.ParallelDims.world()
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What `initialize` decides before any collective: the validated config and the sizes of
+    the job's parallel dimensions."""
+
+    config: DeepSpeedConfig
+    sp: int
+    """Ulysses sequence-parallel size (1: off)."""
+    tp: int
+    """AutoTP tensor-parallel size (1: off)."""
+    ep: int | None
+    """MoE expert-parallel size (None: no MoE layers)."""
+    shard: int | None
+    """Hybrid sharding's shard group size (None: off)."""
+
+
+def _plan_job(model: Any, source: Any, mpu: Any, dims: comm.ParallelDims | None) -> _Job:
+    """Reads and checks the config against the model, the mpu and the world, on every rank
+    alike, before any collective (a bad value fails every rank at once, naming its key)."""
+    # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
+    sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
+    # Not so the ranks of one tensor slice: DeepSpeed's AutoTP batch arithmetic counts them
+    # (its config sees the world), and Accelerate and the Trainer fill "auto" batch sizes so.
+    tp = engine_tensor.autotp_size(source, _job_world())
+    cfg: DeepSpeedConfig = (
+        source
+        if isinstance(source, DeepSpeedConfig)
+        else load_config(source, world_size=_world_size(dims) // sp)
+    )
+    engine_setup.check_supported(cfg)
+    engine_setup.check_sequence_parallel(
+        cfg, None if mpu else _world_size(dims), None if dims is None else dims.dp_world_size
+    )
+    shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))
+    rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
+    engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
+    engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
+    cfg = engine_tensor.with_autotp(cfg, tp)  # tp_model_init's size, as DeepSpeed merges it
+    ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
+    return _Job(cfg, sp, tp, ep, shard)
+
+
+def _build_dims(model: Any, job: _Job, dims: comm.ParallelDims | None) -> comm.ParallelDims:
+    """The job's groups, once the process group is up (collective), recorded as the job's and
+    checked to be replicas of one shape."""
+    if job.tp > 1:  # the tensor groups (or the mpu's): ZeRO runs over each slice's lane
+        dims = engine_tensor.tensor_dims(job.tp, dims)
+    dims = engine_experts.with_expert_groups(model, _job_dims(dims, job.shard, job.sp), job.ep)
+    set_job_dims(dims)
+    dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
+    return dims
+
+
+def _training_loader(
+    data: Any, cfg: DeepSpeedConfig, dims: comm.ParallelDims, collate_fn: Any
+) -> DistributedDataLoader:
+    """``initialize(training_data=...)``'s loader, split by data-parallel rank: the same rank
+    of every replica reads the same samples (model-parallel peers work on one batch)."""
+    return DistributedDataLoader(
+        data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        rank=dims.dp_rank,
+        world_size=dims.dp_world_size,
+        collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
+        seed=env.data_seed(),
+    )
+
+
 def initialize(
     args: Any = None,
     model: Any = None,
@@ -143,34 +213,13 @@ def initialize(
         from partita.parallel.pipe_engine import take_pipeline_section
 
         source = take_pipeline_section(source, model)
-    # Ranks of one sequence group read one batch: the batch arithmetic counts world / sp.
-    sp = engine_setup.sequence_parallel_size(source, mpu, _world_size(dims))
-    # Not so the ranks of one tensor slice: DeepSpeed's AutoTP batch arithmetic counts them
-    # (its config sees the world), and Accelerate and the Trainer fill "auto" batch sizes so.
-    tp = engine_tensor.autotp_size(source, _job_world())
-    cfg: DeepSpeedConfig = (
-        source
-        if isinstance(source, DeepSpeedConfig)
-        else load_config(source, world_size=_world_size(dims) // sp)
-    )
-    engine_setup.check_supported(cfg)
-    engine_setup.check_sequence_parallel(cfg, None if mpu else _world_size(dims))
-    shard = engine_setup.hybrid_shard_size(cfg, mpu, _world_size(dims))  # before collectives
-    rank = comm.get_rank() if comm.is_initialized() else cluster_env.detect().rank
-    engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
-    engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
-    cfg = engine_tensor.with_autotp(cfg, tp)  # tp_model_init's size, as DeepSpeed merges it
-    # MoE layers' expert-parallel size, checked before any collective.
-    ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
+    job = _plan_job(model, source, mpu, dims)  # every check, before any collective
+    cfg = job.config
     if dist_init_required is not False:
         comm.init_distributed(distributed_port=distributed_port)
-    if tp > 1:  # the tensor groups (or the mpu's): ZeRO runs over each slice's lane
-        dims = engine_tensor.tensor_dims(tp, dims)
-    dims = engine_experts.with_expert_groups(model, _job_dims(dims, shard, sp), ep)
-    set_job_dims(dims)
-    dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
+    dims = _build_dims(model, job, dims)
     _check_same_config_on_every_rank(cfg)
-    if tp > 1:  # AutoTP splits the model; an mpu's tensor group alone means it is split
+    if job.tp > 1:  # AutoTP splits the model; an mpu's tensor group alone means it is split
         engine_tensor.parallelize_model(model, dims)  # before the engine broadcasts over dp
     engine_tensor.clear_recorded()  # tp_model_init's arguments were this job's
     engine = engine_class(
@@ -183,17 +232,7 @@ def initialize(
     )
     loader = None
     if training_data is not None:
-        # Split by data-parallel rank: the same rank of every replica reads the same samples
-        # (model-parallel peers work on one batch).
-        loader = DistributedDataLoader(
-            training_data,
-            batch_size=cfg.train_micro_batch_size_per_gpu,
-            rank=dims.dp_rank,
-            world_size=dims.dp_world_size,
-            collate_fn=collate_fn,
-            drop_last=cfg.dataloader_drop_last,
-            seed=env.data_seed(),
-        )
+        loader = _training_loader(training_data, cfg, dims, collate_fn)
         engine.training_dataloader = loader
     # An engine built without an optimizer returns None in its place, as DeepSpeed does.
     optimizer_out = (

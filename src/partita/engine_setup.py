@@ -263,11 +263,13 @@ def sequence_parallel_size(source: Any, mpu: Any, world: int) -> int:
     return raw
 
 
-def check_sequence_parallel(config: DeepSpeedConfig, world: int | None) -> None:
+def check_sequence_parallel(
+    config: DeepSpeedConfig, world: int | None, mpu_dp: int | None = None
+) -> None:
     """Refuses what partita does not compose with sequence parallelism yet, and a
     ``data_parallel_size`` (DeepSpeed's mesh with ``sequence_parallel_size``) other than the
-    `world` over the sequence-parallel size (`world` None: the groups come from an mpu, which
-    says), naming the keys."""
+    `world` over the sequence-parallel size, or (`world` None: the groups come from an mpu)
+    than the mpu's data-parallel size `mpu_dp`, naming the keys."""
     size = int(config.sequence_parallel_size)
     dp = config.data_parallel_size
     if world is not None and dp is not None and world % size == 0 and dp != world // size:
@@ -275,6 +277,11 @@ def check_sequence_parallel(config: DeepSpeedConfig, world: int | None) -> None:
             "data_parallel_size",
             f"{dp}: with {world} ranks and sequence_parallel_size {size} the data-parallel "
             f"size is {world // size}",
+        )
+    if world is None and dp is not None and mpu_dp is not None and dp != mpu_dp:
+        raise config_error(
+            "data_parallel_size",
+            f"{dp}: the mpu's data-parallel group has {mpu_dp} ranks (config and mpu disagree)",
         )
     if size > 1 and int(config.zero_optimization.mics_shard_size) != -1:
         raise config_error(
