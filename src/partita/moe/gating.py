@@ -16,7 +16,9 @@ gate values (``drop_policy="probs"``) or the first tokens (``"position"``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +55,26 @@ def capacity_for(num_tokens: int, num_experts: int, factor: float, min_capacity:
     return max(int(torch.ceil(product)), int(min_capacity))
 
 
-def dropless_capacity(exp_counts: torch.Tensor, ep_group: comm.ProcessGroup | None) -> int:
+ReduceMax = Callable[[torch.Tensor, Any], None]
+"""In-place MAX all-reduce of a tensor over a group (`all_reduce_max` unless a caller routes
+it elsewhere: DeepSpeed's API goes through ``deepspeed.comm``, which its tests watch)."""
+
+
+def all_reduce_max(tensor: torch.Tensor, group: comm.ProcessGroup | None) -> None:
+    """`tensor` replaced by its maximum over `group`."""
+    comm.all_reduce(tensor, op=comm.ReduceOp.MAX, group=group, tag="moe_capacity")
+
+
+def dropless_capacity(
+    exp_counts: torch.Tensor,
+    ep_group: comm.ProcessGroup | None,
+    reduce_max: ReduceMax | None = None,
+) -> int:
     """The largest expert count on any rank of `ep_group` (a MAX all-reduce of one scalar when
     the group has more than one rank)."""
     most = exp_counts.max().clone()
     if ep_group is not None and comm.is_initialized() and comm.get_world_size(ep_group) > 1:
-        comm.all_reduce(most, op=comm.ReduceOp.MAX, group=ep_group, tag="moe_capacity")
+        (reduce_max or all_reduce_max)(most, ep_group)
     return int(most)
 
 
@@ -100,6 +116,7 @@ def top1_routing(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group: comm.ProcessGroup | None = None,
+    reduce_max: ReduceMax | None = None,
 ) -> Routing:
     """Top-1 gating ([Note: routes]); ``RSample`` picks the expert by logits plus Gumbel noise."""
     num_tokens, num_experts = logits.shape
@@ -121,7 +138,7 @@ def top1_routing(
         mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
     exp_counts = mask.sum(dim=0).detach()
     if not drop_tokens:
-        capacity = min(dropless_capacity(exp_counts, ep_group), num_tokens)
+        capacity = min(dropless_capacity(exp_counts, ep_group, reduce_max), num_tokens)
     l_aux = torch.sum(_balance(gates, mask)) * num_experts
     ranked = mask * torch.rand(mask.shape, device=logits.device) if use_rts else mask
     chosen = torch.topk(ranked, k=min(capacity, num_tokens), dim=0)[1]
@@ -138,6 +155,7 @@ def top2_routing(
     drop_tokens: bool = True,
     ep_group: comm.ProcessGroup | None = None,
     second_expert_sampling: bool = True,
+    reduce_max: ReduceMax | None = None,
 ) -> Routing:
     """Top-2 gating ([Note: routes]): the best expert, and the best other one by logits (plus
     Gumbel noise with `second_expert_sampling`); the two weights renormalised to sum to 1."""
@@ -158,7 +176,7 @@ def top2_routing(
         mask1 = mask1 * torch.lt(loc1, capacity)
         mask2 = mask2 * torch.lt(loc2, capacity)
     else:
-        capacity = dropless_capacity(exp_counts, ep_group)
+        capacity = dropless_capacity(exp_counts, ep_group, reduce_max)
     g1 = (gates * mask1.float()).sum(dim=1)
     g2 = (gates * mask2.float()).sum(dim=1)
     denom = torch.clamp(g1 + g2, min=torch.finfo(g1.dtype).eps)
@@ -175,6 +193,7 @@ def topk_routing(
     drop_tokens: bool = True,
     ep_group: comm.ProcessGroup | None = None,
     drop_policy: str = "probs",
+    reduce_max: ReduceMax | None = None,
 ) -> Routing:
     """Top-k gating ([Note: routes]): the k largest gates, renormalised over the kept routes."""
     num_tokens, num_experts = logits.shape
@@ -189,7 +208,7 @@ def topk_routing(
         capacity = capacity_for(num_tokens, num_experts, capacity_factor * k, min_capacity)
         mask = _drop(mask, gates, top_gate, top_idx, capacity, drop_policy)
     else:
-        capacity = dropless_capacity(exp_counts, ep_group)
+        capacity = dropless_capacity(exp_counts, ep_group, reduce_max)
     locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(

@@ -26,6 +26,12 @@ from partita.moe.gating import (
 from partita.moe.layer import MOELayer, TopKGate
 
 
+def _reduce_max(tensor: torch.Tensor, group: comm.ProcessGroup | None) -> None:
+    """The dropless capacity's MAX all-reduce, through ``deepspeed.comm`` (``dist`` here), as
+    DeepSpeed issues it (its unit tests count the calls)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
 def _out(routing: Routing, num_tokens: int, sparse_routes: bool) -> tuple[Any, ...]:
     """DeepSpeed's return shape: dense ``(l_aux, combine_weights, dispatch_mask,
     exp_counts)`` or sparse ``(l_aux, capacity, E, indices, locations, gates, exp_counts)``."""
@@ -55,7 +61,7 @@ def top1gating(
     del use_tutel
     routing = top1_routing(
         logits, capacity_factor, min_capacity, used_token, noisy_gate_policy, drop_tokens,
-        use_rts, ep_group,
+        use_rts, ep_group, _reduce_max,
     )  # fmt: skip
     return _out(routing, logits.shape[0], sparse_routes)
 
@@ -71,8 +77,9 @@ def top2gating(
 ) -> tuple[Any, ...]:
     """Top-2 gating (`partita.moe.gating.top2_routing`) in DeepSpeed's return shape."""
     routing = top2_routing(
-        logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling
-    )
+        logits, capacity_factor, min_capacity, drop_tokens, ep_group, top2_2nd_expert_sampling,
+        _reduce_max,
+    )  # fmt: skip
     return _out(routing, logits.shape[0], sparse_routes)
 
 
@@ -88,7 +95,7 @@ def topkgating(
 ) -> tuple[Any, ...]:
     """Top-k gating (`partita.moe.gating.topk_routing`) in DeepSpeed's return shape."""
     routing = topk_routing(
-        logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy
+        logits, k, capacity_factor, min_capacity, drop_tokens, ep_group, drop_policy, _reduce_max
     )
     return _out(routing, logits.shape[0], sparse_routes)
 
