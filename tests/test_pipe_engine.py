@@ -63,10 +63,12 @@ FOUR = [
     {"tied": True, "stages": 4, "dp": 1, "schedule": "interleaved_1f1b", "stage": 1, **BASE},
     {"tied": True, "stages": 2, "dp": 2, "stage": 2, "clip": 0.05, **BASE},
     {"tied": True, "stages": 2, "dp": 2, "stage": 2, "inf_step": 1, **BASE},
+    {"tied": False, "stages": 2, "dp": 2, "stage": 3, **BASE},  # ZeRO 3 in the stages
+    {"tied": True, "stages": 2, "dp": 2, "stage": 3, "clip": 0.05, **BASE},
 ]
 BAD_TWO = [
     {"stages": 2, "stage": 2, "schedule": "interleaved_1f1b"},  # ZeRO 2: partita's 1F1B only
-    {"stages": 2, "stage": 3},
+    {"stages": 2, "stage": 3, "schedule": "zero_bubble"},
     {"stages": 3},  # does not divide 2 ranks
     {"stages": 2, "layers": [LayerSpec(nn.Linear, 4, 4)]},  # fewer layers than stages
     {"stages": 2, "schedule": "gpipe"},
@@ -126,7 +128,7 @@ def test_two_stages_match_one_process(two: dict[str, Any], index: int) -> None:
 
 
 @pytest.mark.parity
-@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 6, 7, 8])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 6, 7, 8, 10, 11])
 def test_four_ranks_match_one_process(four: list[list[dict[str, Any]]], index: int) -> None:
     _assert_parity(four[index], FOUR[index])
 
@@ -183,15 +185,17 @@ def test_engine_checkpoint_of_every_stage_resumes_and_loads_at_other_degrees(
                     assert abs(g - w) <= LOSS_RTOL * abs(w), (load, got[load], want)
 
 
-def test_zero2_in_stages_shards_optimizer_state_and_skips_overflow_everywhere(
+def test_zero2_and_3_in_stages_shard_optimizer_state_and_skip_overflow_everywhere(
     four: list[list[dict[str, Any]]],
 ) -> None:
-    """ZeRO 2 inside pp 2 x dp 2 stages: each rank holds half its stage's Adam state (two
-    moments of half the parameters, plus at most a few padding elements per bucket), where
-    ZeRO 0 holds all of it; an inf gradient on the last stage skips that step on every rank."""
-    for zero0, zero2 in zip(four[0], four[8], strict=True):
+    """ZeRO 2 and 3 inside pp 2 x dp 2 stages: each rank holds half its stage's Adam state
+    (two moments of half the parameters, plus at most a few padding elements per bucket or
+    unit), where ZeRO 0 holds all of it; an inf gradient on the last stage skips that step on
+    every rank."""
+    for zero0, zero2, zero3 in zip(four[0], four[8], four[10], strict=True):
         assert zero0["opt_numel"] == 2 * zero0["stage_numel"]
         assert 0 <= zero2["opt_numel"] - zero2["stage_numel"] <= 64, zero2
+        assert 0 <= zero3["opt_numel"] - zero0["stage_numel"] <= 64, zero3
     for result in four[9]:
         assert result["applied"] == [True, False, True, True], result["stage"]
 

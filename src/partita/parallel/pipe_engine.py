@@ -31,11 +31,11 @@ instead (``interleaved_1f1b``, ``zero_bubble``, with ``PipelineModule(virtual_st
 [Note: torch pipeline schedules] in `partita.parallel.pipe_torch`); what happens around the
 schedule (tied sums, the reduction, the step, the loss report) is the same.
 
-ZeRO stage 2 (which DeepSpeed refuses with pipelines) reduce-scatters inside every backward,
-so full gradients never pile up over the micro-batches; the buckets holding tied weights are
-held back (`ShardedGradients.hold`) until ``ReduceTiedGrads`` has summed them over the stages,
-and ``ReduceGrads`` then reduces just those. Stage 3 is refused (it would gather parameters
-stage by stage), and so is a
+ZeRO stages 2 and 3 (which DeepSpeed refuses with pipelines) reduce-scatter inside every
+backward, so full gradients never pile up over the micro-batches (stage 3 also gathers each
+stage's parameters unit by unit); the buckets or units holding tied weights are held back
+(``hold_gradients``) until ``ReduceTiedGrads`` has summed their gradients over the stages, and
+``ReduceGrads`` then reduces just those. Refused: stages 2-3 with torch's schedules, and a
 topology with a model (tensor) axis over more than one rank. Engine checkpoints hold every
 stage, each stage's group writing its own files ([Note: pipeline stage checkpoints] in
 `partita.checkpoint.stages`), and load at any pipeline degree; the module's weights also save
@@ -119,9 +119,9 @@ class PipelineEngine(Engine):
         self._recv_tuple = False
         self._dynamic_shape = bool(module.dynamic_shape)
         self._point_norm_at_pipeline(module)
-        # ZeRO 2 reduces inside every backward; the tied weights' gradients must first be
+        # ZeRO 2-3 reduce inside every backward; the tied weights' gradients must first be
         # summed over the stages, so they wait in held buckets ([Note: pipeline engine]).
-        self._held = self.zero_optimization_stage() == 2 and self.num_stages > 1
+        self._held = self.zero_optimization_stage() >= 2 and self.num_stages > 1
         if self._held:
             tied = [w for w, _ in module.get_tied_weights_and_groups()]
             self.strategy.hold_gradients(tied)  # type: ignore[attr-defined]
@@ -498,13 +498,13 @@ class PipelineEngine(Engine):
         if not self._held:
             self.module.allreduce_tied_weight_gradients()  # type: ignore[operator]
             return
-        # ZeRO 2: the tied weights' gradients wait, summed so far, in held buckets.
+        # ZeRO 2-3: the tied weights' gradients wait, summed so far, in held buckets/units.
         for weight, group in self.module.get_tied_weights_and_groups():  # type: ignore[operator]
             grad = self.strategy.held_grad(weight)  # type: ignore[attr-defined]
             comm.all_reduce(grad, group=group, tag="tied_grad")
 
     def _exec_reduce_grads(self) -> None:
-        if self._held:  # ZeRO 2 reduced the rest in every backward
+        if self._held:  # ZeRO 2-3 reduced the rest in every backward
             self.strategy.flush_held()  # type: ignore[attr-defined]
             return
         # An armed, empty backward: the strategy reduces every bucket as it stands.
@@ -535,16 +535,10 @@ def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> No
     """Raises for what the pipeline engine cannot run (the same on every rank: configs are
     checked equal first, and every rank holds the same topology)."""
     stage = int(config.zero_optimization.stage)
-    if stage == 3:
+    if stage >= 2 and module.schedule != "1f1b":
         raise config_error(
             "zero_optimization.stage",
-            "3 is not supported with pipeline parallelism (PipelineModule) yet: stage 3 "
-            "would gather each stage's parameters layer by layer; use stage 0, 1 or 2",
-        )
-    if stage == 2 and module.schedule != "1f1b":
-        raise config_error(
-            "zero_optimization.stage",
-            f"2 with pipeline.schedule {module.schedule!r} is not supported yet (torch's "
+            f"{stage} with pipeline.schedule {module.schedule!r} is not supported yet (torch's "
             "schedules run every micro-batch's backward in one call); use stage 0-1 or the "
             "'1f1b' schedule",
         )

@@ -102,6 +102,21 @@ class UnitGradReducer:
             region.copy_(grad.reshape(-1))
             written.add(index)
 
+    def grad_region(self, unit: ShardedUnit, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Parameter `index`'s gradient in the unit's buffer as a view shaped like `like`
+        (zeroed first when no gradient was written to it), for sums over other groups."""
+        if unit.grad_buffer is None:
+            unit.grad_buffer = self._pool.acquire(
+                unit.layout.padded_numel, like.dtype, like.device, zero=False
+            )
+            unit.grad_written = set()
+        off = unit.layout.offsets[index]
+        region = unit.grad_buffer[off : off + like.numel()]
+        if index not in unit.grad_written:
+            region.zero_()
+            unit.grad_written.add(index)
+        return region.view_as(like)
+
     def _fill_holes(self, unit: ShardedUnit, buffer: torch.Tensor) -> None:
         """Zeroes what no gradient was written to: parameters without one this backward, and
         the layout's padding. Cheaper than zeroing the whole buffer before every backward."""

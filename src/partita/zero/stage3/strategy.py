@@ -242,7 +242,7 @@ class FullySharded:
             quantized=reduce_groups_from_config(zero, gather_plan),
         )  # fmt: skip
         self.scheduler = UnitScheduler(
-            self.units, bindings, self.reducer.reduce,
+            self.units, bindings, self._reduce_unit,
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             max_reuse_distance=int(zero.stage3_max_reuse_distance),
@@ -365,6 +365,33 @@ class FullySharded:
         assert self.swapped is not None
         self.swapped.add_grad(self._master_index[id(unit.masters[seg])], value)
 
+    _held: tuple[ShardedUnit, ...] = ()
+    """Units whose reduction waits for `flush_held` (a pipeline's tied weights)."""
+
+    def _reduce_unit(self, unit: ShardedUnit) -> None:
+        """Reduces `unit` when its backward is over, unless it is held."""
+        if not any(unit is u for u in self._held):
+            self.reducer.reduce(unit)
+
+    def hold_gradients(self, params: list[torch.Tensor]) -> None:
+        """A pipeline's tied weights: the units holding `params` keep accumulating their
+        gradients over the micro-batches, reduced only by `flush_held` (after the tied sum over
+        the stages, [Note: pipeline engine]); the same on every rank of the group."""
+        ids = {id(self._where[p][0]) for p in params}  # type: ignore[index]
+        self._held = tuple(u for u in self.all_units if id(u) in ids)
+
+    def held_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """`p`'s gradient accumulated so far (zeros when none arrived), a view into its held
+        unit's gradient buffer."""
+        unit, i = self._where[p]  # type: ignore[index]
+        return self.reducer.grad_region(unit, i, p)
+
+    def flush_held(self) -> None:
+        """Reduces the held units (in unit order) and finishes every reduction."""
+        for unit in self._held:
+            self.reducer.reduce(unit)
+        self.reducer.finish()
+
     def _on_grad(self, p: torch.Tensor) -> None:
         unit, i = self._where[p]  # type: ignore[index]
         if p.grad is not None:
@@ -381,7 +408,7 @@ class FullySharded:
         with trace("end_backward"):
             self.scheduler.end_backward()
             if self.persistent is not None:
-                self.reducer.reduce(self.persistent)
+                self._reduce_unit(self.persistent)
             # A rank done with this backward meets any rank still gathering: [Note: rank
             # divergence].
             self.divergence.check(END)
