@@ -128,11 +128,17 @@ def test_nvme_offload_bad_paths_fail_before_training(tmp_path) -> None:  # type:
     )
     with pytest.raises(ConfigError, match=r"needs zero_optimization\.stage 3"):
         partita.initialize(model=make_model(), config=stage2, dist_init_required=False)
+    # Below stage 3 DeepSpeed ignores offload_param, and so does partita (with a warning): its
+    # path is not checked and no swap space is set up for it.
+    from partita.config import load_config
+    from partita.engine_setup import check_offload_paths, offload_placement
+
     params_stage2 = base_config(
-        2, 1, **_zero(2, offload_param={"device": "nvme", "nvme_path": str(tmp_path)})
+        2, 1, **_zero(2, offload_param={"device": "nvme", "nvme_path": str(missing)})
     )
-    with pytest.raises(ConfigError, match=r"offload_param"):
-        partita.initialize(model=make_model(), config=params_stage2, dist_init_required=False)
+    cfg = load_config(params_stage2, world_size=1)
+    check_offload_paths(cfg, make_model(), 0, 1)  # the missing path is not an error here
+    assert offload_placement(cfg).params.where == "device"
 
 
 def test_disk_full_during_a_swap_stops_the_run_naming_the_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
