@@ -388,6 +388,14 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         self.module.compile(**options)
 
     # --- checkpoints (partita.checkpoint) -------------------------------------------------------
+    def pipeline_place(self) -> tuple[int, int] | None:
+        """None: not a pipeline stage (`partita.parallel.pipe_engine.PipelineEngine` is)."""
+        return None
+
+    def pipeline_tied_copies(self) -> list[torch.Tensor]:
+        """No tied copies outside a pipeline."""
+        return []
+
     def save_checkpoint(
         self,
         save_dir: str,

@@ -24,34 +24,20 @@ changes: a stage's module holds part of the saved tensors (`check_stage_names`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-
-
-class PipelineStage(Protocol):
-    """What a pipeline engine tells checkpoints (`partita.parallel.pipe_engine`)."""
-
-    def pipeline_place(self) -> tuple[int, int] | None:
-        """``(stage, stages)``; None outside a pipeline."""
-        ...
-
-    def pipeline_tied_copies(self) -> list[torch.Tensor]:
-        """This stage's copies of tied parameters saved by an earlier stage."""
-        ...
+from partita.checkpoint.subject import CheckpointSubject
 
 
-def pipeline_place(engine: Any) -> tuple[int, int] | None:
+def pipeline_place(engine: CheckpointSubject) -> tuple[int, int] | None:
     """``(stage, stages)`` of a pipeline engine with more than one stage, else None."""
-    place = getattr(engine, "pipeline_place", None)
-    found = place() if callable(place) else None
+    found = engine.pipeline_place()
     return found if found is not None and found[1] > 1 else None
 
 
-def tied_copies(engine: Any) -> set[int]:
+def tied_copies(engine: CheckpointSubject) -> set[int]:
     """Ids of the tensors this stage leaves to an earlier stage's files."""
-    copies = getattr(engine, "pipeline_tied_copies", None)
-    return {id(t) for t in copies()} if callable(copies) else set()
+    return {id(t) for t in engine.pipeline_tied_copies()}
 
 
 def stage_file_name(stage: int, stages: int, rank: int, world: int) -> str:
@@ -100,7 +86,6 @@ def check_stage_names(meta: dict[str, Any], place: tuple[int, int] | None) -> bo
 
 
 __all__ = [
-    "PipelineStage",
     "check_stage_names",
     "merge_tables",
     "pipeline_place",

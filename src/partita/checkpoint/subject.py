@@ -54,3 +54,12 @@ class CheckpointSubject(Protocol):
     def gradient_accumulation_steps(self) -> int:
         """Micro steps per optimizer step."""
         ...
+
+    def pipeline_place(self) -> tuple[int, int] | None:
+        """``(stage, stages)`` of a pipeline engine; None outside a pipeline ([Note: pipeline
+        stage checkpoints] in `partita.checkpoint.stages`)."""
+        ...
+
+    def pipeline_tied_copies(self) -> list[torch.Tensor]:
+        """This stage's copies of tied parameters that an earlier stage saves."""
+        ...

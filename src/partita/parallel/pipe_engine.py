@@ -248,9 +248,7 @@ class PipelineEngine(Engine):
     def _train_batch_torch(self) -> None:
         """One batch on torch's schedule, then what follows partita's own: tied sums, the
         data-parallel reduction, the step ([Note: torch pipeline schedules])."""
-        if self._torch_schedule is None:
-            self._torch_schedule = TorchSchedule(self, self.module.schedule)  # type: ignore[arg-type]
-        self._total_loss = self._torch_schedule.train_batch(self._next_batch)
+        self._total_loss = self._torch().train_batch(self._next_batch)
         self._exec_reduce_tied_grads()
         self._exec_reduce_grads()
         self._exec_optimizer_step()
@@ -293,6 +291,12 @@ class PipelineEngine(Engine):
             return output, outputs
         return output
 
+    def _torch(self) -> TorchSchedule:
+        """torch's schedule for this engine, built at its first batch (shapes come then)."""
+        if self._torch_schedule is None:
+            self._torch_schedule = TorchSchedule(self, self.module.schedule)  # type: ignore[arg-type]
+        return self._torch_schedule
+
     def _eval_batch_torch(
         self,
         data_iter: Iterator[Any],
@@ -318,9 +322,7 @@ class PipelineEngine(Engine):
         saved = self.data_iterator
         self.module.eval()
         self.set_dataiterator(data_iter)
-        if self._torch_schedule is None:
-            self._torch_schedule = TorchSchedule(self, self.module.schedule)  # type: ignore[arg-type]
-        total = self._torch_schedule.eval_batch(self._next_batch)
+        total = self._torch().eval_batch(self._next_batch)
         self.data_iterator = saved
         output = self._dp_mean(total / asked) if total is not None else None
         return self._bcast_from_last(output, 1)[0] if bcast_loss else output

@@ -507,9 +507,13 @@ class PipelineModule(nn.Module):
         # `seed_layers` reseeds as `forward` does (chunks are not called in layer order).
         self._chunk_calls[k] += 1
         self.micro_offset = self._chunk_calls[k]
+        return self._run_layers(*self._chunk_span(k), forward_input)
+
+    def _chunk_span(self, k: int) -> tuple[int, int]:
+        """Local layer indices ``[begin, end)`` of this rank's `k`-th chunk."""
         sizes = [self.parts[c + 1] - self.parts[c] for c in self.local_chunks]
         begin = sum(sizes[:k])
-        return self._run_layers(begin, begin + sizes[k], forward_input)
+        return begin, begin + sizes[k]
 
     def expect_metadata_pass(self) -> None:
         """torch's stages run every chunk once before the first micro-batch to learn the
@@ -519,10 +523,9 @@ class PipelineModule(nn.Module):
 
     def chunk_modules(self, k: int) -> list[nn.Module]:
         """The modules (with their weights) of this rank's `k`-th chunk, each once."""
-        sizes = [self.parts[c + 1] - self.parts[c] for c in self.local_chunks]
-        begin = sum(sizes[:k])
+        begin, end = self._chunk_span(k)
         out: list[nn.Module] = []
-        for fn in self.forward_funcs[begin : begin + sizes[k]]:
+        for fn in self.forward_funcs[begin:end]:
             module = fn.args[0] if isinstance(fn, functools.partial) else fn
             if isinstance(module, nn.Module) and all(module is not m for m in out):
                 out.append(module)
