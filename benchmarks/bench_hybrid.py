@@ -4,7 +4,8 @@ One 4-rank CPU job (gloo) per configuration, laid out as 2 "nodes" of 2 ranks: s
 {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}. The same GPT-2 shape, data, AdamW and
 clipping as the other training benchmarks (`common`). Configurations:
 
-* ``partita-h2`` / ``partita-h1``: partita ZeRO stage 2 / 1 with ``mics_shard_size: 2``;
+* ``partita-h3`` / ``partita-h2`` / ``partita-h1``: partita ZeRO stage 3 / 2 / 1 with
+  ``mics_shard_size: 2``;
 * ``fsdp2-hsdp``: FSDP2 ``fully_shard`` (per block, then the root) on a 2-D ``DeviceMesh`` of
   shape (2, 2), dims ("replicate", "shard"): torch's HSDP; ``AdamW(fused=True)``;
 * ``deepspeed-mics``: DeepSpeed ZeRO stage 3 with ``mics_shard_size: 2`` (its MiCS); when
@@ -57,6 +58,7 @@ common.MODEL_SHAPES.setdefault(
 
 WORLD, SHARD = 4, 2
 IMPLS: dict[str, str] = {
+    "partita-h3": "partita stage 3, mics_shard_size 2",
     "partita-h2": "partita stage 2, mics_shard_size 2",
     "partita-h1": "partita stage 1, mics_shard_size 2",
     "fsdp2-hsdp": "FSDP2 HSDP (fully_shard, 2-D mesh 2x2) + AdamW(fused=True)",
@@ -222,7 +224,7 @@ def engine_config(impl: str, micro_batch: int) -> dict[str, Any]:
     """The DeepSpeed-style config of an engine configuration."""
     if impl == "deepspeed-z2":
         return common.ds_config(micro_batch, 2)
-    stage = {"partita-h2": 2, "partita-h1": 1, "deepspeed-mics": 3}[impl]
+    stage = {"partita-h3": 3, "partita-h2": 2, "partita-h1": 1, "deepspeed-mics": 3}[impl]
     config = common.ds_config(micro_batch, stage)
     config["zero_optimization"]["mics_shard_size"] = SHARD
     return config

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import partita
-from engine_workers import base_config, train
+from engine_workers import base_config, init_probe, train
 from models import make_model
 from partita import comm
 from partita.config import ConfigError
@@ -52,10 +52,13 @@ def bad_config(zero: dict[str, Any]) -> str:
 
 def hybrid_grid(cases: list[dict[str, Any]]) -> list[Any]:
     """Runs every case in one set of processes: ``{"train": ...}`` through `hybrid_train`,
-    ``{"probe": config}`` through `layout_probe`, ``{"bad": zero}`` through `bad_config`."""
+    ``{"probe": config}`` through `layout_probe`, ``{"bad": zero}`` through `bad_config`,
+    ``{"init": kwargs}`` through `init_probe` (the model built under ``zero.Init``)."""
     out: list[Any] = []
     for case in cases:
-        if "probe" in case:
+        if "init" in case:
+            out.append(init_probe(**case["init"]))
+        elif "probe" in case:
             out.append(layout_probe(case["probe"]))
         elif "bad" in case:
             out.append(bad_config(case["bad"]))

@@ -213,7 +213,7 @@ RULES = [
         "hpZ",
     ),
     (
-        {"zero_optimization": {"stage": 3, "mics_shard_size": 8}},
+        {"zero_optimization": {"stage": 0, "mics_shard_size": 8}},
         "zero_optimization.mics_shard_size",
         "MiCS",
     ),

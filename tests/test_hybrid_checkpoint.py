@@ -20,8 +20,8 @@ from partita import comm
 from partita.testing import run_distributed
 
 SHARD = 2
-SAVED_STAGES = (1, 2)
-"""The stages saved at hybrid (hybrid sharding runs stages 1 and 2)."""
+SAVED_STAGES = (1, 2, 3)
+"""The stages saved at hybrid (hybrid sharding runs stages 1-3)."""
 
 
 def _engine(stage: int, seed: int, shard: int | None = None) -> Any:
@@ -100,7 +100,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = str(tmp_path_factory.mktemp("hybrid-ckpt"))
     saved = run_distributed(saving_world, 4, root, timeout=240)
     want = {s: saved[0][s]["states"] for s in SAVED_STAGES}
-    two = run_distributed(loading_world, 2, root, want, [0, 2], timeout=180)
+    two = run_distributed(loading_world, 2, root, want, [0, 2, 3], timeout=180)
     one = run_distributed(loading_world, 1, root, want, [1], timeout=180)
     return {"root": root, "saved": saved, "loads": {2: two, 1: one}}
 
@@ -132,7 +132,7 @@ def test_plain_stage3_at_world_4_loads_it(runs: dict, stage: int) -> None:
 
 
 @pytest.mark.parametrize("saved", SAVED_STAGES)
-@pytest.mark.parametrize(("world", "stage"), [(2, 0), (2, 2), (1, 1)])
+@pytest.mark.parametrize(("world", "stage"), [(2, 0), (2, 2), (2, 3), (1, 1)])
 def test_smaller_worlds_load_it(runs: dict, saved: int, world: int, stage: int) -> None:
     for rank in runs["loads"][world]:
         assert rank[(saved, stage)] == {"differ": [], "global_steps": RESHARD_STEPS}

@@ -419,7 +419,8 @@ def strategy(
     if zero.stage == 3:
         return FullySharded(
             module, groups, policy, make_optimizer, zero, scaling, group=group,
-            placement=offload_placement(config), tensor=tensor,
+            placement=offload_placement(config), tensor=tensor, replicas=replicas,
+            holders=dims.grad_group,
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(

@@ -71,7 +71,7 @@ def _not_implemented(cfg: DeepSpeedConfig) -> list[Problem]:
 
 
 def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
-    """MiCS-style hybrid sharding (``mics_shard_size``) is implemented for stages 1 and 2;
+    """MiCS-style hybrid sharding (``mics_shard_size``) is implemented for stages 1-3;
     whether the size divides the world is checked once the world is known (engine_setup)."""
     zero = cfg.zero_optimization
     size = zero.mics_shard_size
@@ -80,12 +80,12 @@ def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
     path = "zero_optimization.mics_shard_size"
     if size < 1:
         return [Problem(path, f"{size}: use -1 (off) or a positive shard group size")]
-    if zero.stage not in (1, 2):
+    if zero.stage not in (1, 2, 3):
         return [
             Problem(
                 path,
-                f"MiCS hybrid sharding is implemented by partita for zero_optimization.stage 1 "
-                f"and 2 (got stage {zero.stage}); use -1 or stage 1-2",
+                f"MiCS hybrid sharding shards ZeRO's states: it needs zero_optimization.stage "
+                f"1-3 (got stage {zero.stage}); use -1 or stage 1-3",
             )
         ]
     return []

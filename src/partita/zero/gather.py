@@ -2,8 +2,8 @@
 
 Inside the block the listed parameters hold their full values on every rank (their units are
 gathered and pinned so hooks do not release them). With ``modifier_rank=r``, the values of
-rank r of the parameters' data-parallel group at exit are broadcast and become every rank's new
-shards, fp32 masters included; without it, changes are discarded. Parameters not sharded by
+rank r of the parameters' data-parallel group (every rank holding them: under hybrid sharding
+every replica too) at exit are broadcast and become every rank's new shards, fp32 masters included; without it, changes are discarded. Parameters not sharded by
 stage 3 are left as they are.
 """
 
@@ -68,9 +68,10 @@ class GatheredParameters:
             if self.modifier_rank is not None and exc_type is None:
                 with torch.no_grad():
                     for owner, unit in self._units:
-                        # modifier_rank is a rank of the unit's data-parallel group (as in
-                        # DeepSpeed); the broadcast names its source globally.
-                        group = unit.process_group
+                        # modifier_rank is a rank of the data-parallel group holding the
+                        # unit (as in DeepSpeed; with replicas, every replica, which DeepSpeed's
+                        # MiCS leaves out); the broadcast names its source globally.
+                        group = owner.modifier_group
                         src = comm.get_global_rank(group, self.modifier_rank)
                         comm.broadcast(unit.flat_full, src=src, group=group, tag="gathered")
                         owner.load_gathered(unit, self.params)

@@ -62,6 +62,10 @@ class UnitGradReducer:
     quantized: NodeGroups | None = None
     """qgZ: reduce in two quantized hops over these groups instead of one reduce-scatter over
     `group` ([Note: quantized gradient reduce-scatter])."""
+    replicas: comm.ProcessGroup | None = None
+    """Hybrid sharding: the ranks holding the same shard as this one, over which each reduced
+    chunk is summed before it is scaled ([Note: hybrid sharding] in `partita.comm.dims`; None:
+    no replicas)."""
     _in_flight: list[_Pending] = field(default_factory=list, init=False)
     _pool: BufferPool = field(default_factory=lambda: BufferPool(keep=POOL_KEEP), init=False)
     _host_adds: HostAdds = field(default_factory=HostAdds, init=False)
@@ -186,6 +190,10 @@ class UnitGradReducer:
             data = torch.zeros(seg.padded_numel, dtype=self.reduce_dtype, device=device)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=device)
             handle = self._start(out, data)
+            if self.replicas is not None:  # its peers' retire sums across the replicas next
+                if handle is not None:
+                    handle.wait()
+                handle = comm.all_reduce(out, group=self.replicas, async_op=True, tag="grad")
             if handle is not None:
                 works.append(handle)
         return works
@@ -211,6 +219,10 @@ class UnitGradReducer:
         if pending.handle is not None:
             pending.handle.wait()
         out = pending.output
+        if self.replicas is not None:
+            # Each replica reduced its own shard group's gradients: the sum across replicas
+            # makes the sum over every data-parallel rank, scaled below by its size.
+            comm.all_reduce(out, group=self.replicas, tag="grad")
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         if self.sink is not None:

@@ -212,8 +212,17 @@ class FullySharded:
         group: comm.ProcessGroup | None = None,
         placement: OffloadPlacement | None = None,
         tensor: TensorParallelNorm | None = None,
+        replicas: comm.ProcessGroup | None = None,
+        holders: comm.ProcessGroup | None = None,
     ) -> None:
+        # Hybrid sharding: units are cut over `group` (the shard group) and every gradient
+        # chunk is summed across `replicas` ([Note: hybrid sharding] in `partita.comm.dims`);
+        # gathers, norms and overflow checks stay inside `group`, which holds every shard.
         self.process_group = group
+        self.modifier_group = holders if replicas is not None else group
+        """Every rank holding these parameters (`holders`, the whole data-parallel group, when
+        hybrid; None: the default group): `GatheredParameters(modifier_rank=r)` broadcasts rank
+        r's values over it, so that every replica takes them."""
         self.placement = placement = placement or OffloadPlacement()
         """Where masters with optimizer state, and parameter shards, live (chosen once)."""
         self.comm_device = next(module.parameters()).device
@@ -239,7 +248,7 @@ class FullySharded:
         bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
             scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket,
-            quantized=reduce_groups_from_config(zero, gather_plan),
+            quantized=reduce_groups_from_config(zero, gather_plan), replicas=replicas,
         )  # fmt: skip
         self.scheduler = UnitScheduler(
             self.units, bindings, self._reduce_unit,
