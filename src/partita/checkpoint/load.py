@@ -65,11 +65,13 @@ def load_checkpoint(
         return None, None
     folder, kind, manifest = found
     dims = engine.dims
-    # A tensor-parallel engine reads its own slice's files, and checks them with the other
-    # ranks of its data-parallel group; degree 1 reads the whole model, every rank checking
-    # a share of all files (see [Note: tensor-parallel slices]).
+    # A tensor-parallel engine at the saved degree reads its own slice's files, and checks
+    # them with the other ranks of its data-parallel group; at another degree (1: the whole
+    # model) a rank reads from several slices' files, every rank checking a share of all
+    # files (see [Note: tensor-parallel slices]).
     tp_rank = dims.tp_rank if dims.tp_world_size > 1 else None
-    share = (dims.dp_rank, dims.dp_world_size) if tp_rank is not None else (rank, world)
+    own_slice = tp_rank is not None and saved_degree(manifest) == dims.tp_world_size
+    share = (dims.dp_rank, dims.dp_world_size) if own_slice else (rank, world)
 
     def open_checked() -> StateSource:
         if kind != PARTITA and dims.tp_world_size > 1:
@@ -80,7 +82,7 @@ def load_checkpoint(
                 f"{dims.tp_world_size}"
             )
         check_degree(manifest or {}, folder, dims.tp_world_size)
-        return open_source(folder, kind, trust_pickle, manifest, tp_rank)
+        return open_source(folder, kind, trust_pickle, manifest, tp_rank, dims.tp_world_size)
 
     source = _run_all(open_checked)
     try:
@@ -176,6 +178,7 @@ def _load_tensors(
                 f"{src.folder}: {e.name!r} has shape {info['shape']} in the checkpoint, "
                 f"{list(e.tensor.shape)} in the module"
             )
+        src.check_split(e.name, e.tensor)
         todo.append((e, info))
     # Frozen parameters and buffers first: under stage 3 writing a frozen parameter re-shards
     # its whole unit from the module's values, masters of trainable neighbours included, so

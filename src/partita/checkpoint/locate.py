@@ -15,7 +15,7 @@ from partita.checkpoint.manifest import (
     tag_folder,
 )
 from partita.checkpoint.reader import PartitaSource, StateSource
-from partita.checkpoint.slices import WholeModelSource, saved_degree, slice_meta
+from partita.checkpoint.slices import RecutSource, saved_degree, slice_meta
 
 PARTITA = "partita"
 DEEPSPEED = "deepspeed"
@@ -59,17 +59,21 @@ def open_source(
     trust_pickle: bool = False,
     manifest: dict[str, Any] | None = None,
     tp_rank: int | None = None,
+    degree: int | None = None,
 ) -> StateSource:
     """A reader for the checkpoint in `folder` (`manifest`: an already parsed one). A
-    tensor-parallel checkpoint is read as tensor slice `tp_rank`'s, or with None as the whole
-    model (see [Note: tensor-parallel slices])."""
+    tensor-parallel checkpoint is read as tensor slice `tp_rank`'s of tensor-parallel
+    `degree` (None: the saved degree), re-cut at another degree, or with `tp_rank` None as
+    the whole model (see [Note: tensor-parallel slices])."""
     if kind == DEEPSPEED:
         return DeepSpeedSource(folder, trust_pickle)
     meta = manifest if manifest is not None else read_manifest(folder)
     if saved_degree(meta) == 1:
         return PartitaSource(folder, meta)
     if tp_rank is None:
-        return WholeModelSource(folder, meta)
+        return RecutSource(folder, meta)
+    if degree is not None and degree != saved_degree(meta):
+        return RecutSource(folder, meta, degree, tp_rank)
     return PartitaSource(folder, slice_meta(meta, tp_rank))
 
 

@@ -85,6 +85,11 @@ class StateSource:
     def verify(self, rank: int, world: int) -> None:
         """Checks the files this rank is responsible for; raises `CheckpointError`."""
 
+    def check_split(self, name: str, tensor: torch.Tensor) -> None:
+        """Raises `CheckpointError` when `tensor`, the loading engine's `name`, is split over
+        tensor-parallel ranks otherwise than the source cuts it (a re-cut at another degree,
+        see [Note: re-cutting slices]); nothing to check elsewhere."""
+
     def close(self) -> None:
         """Releases open files."""
 

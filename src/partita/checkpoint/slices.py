@@ -17,13 +17,16 @@ and per tensor how it is split (`tensor_layout`, read from the attributes Megatr
 Per-rank RNG and data loader states are kept per slice (``tp_rank_state``; ``rng`` and
 ``data_loader`` are tensor rank 0's, as a tp-1 reader expects). A load at the saving degree
 reads its own slice's files (`slice_meta`), at any data-parallel size and stage (the usual
-resharding, see [Note: resharding]); a load at degree 1 (the whole model) joins the slices
-along ``partition_dim`` (`WholeModelSource`). Other degrees are refused, naming both.
+resharding, see [Note: resharding]). A load at another degree (1 being the whole model, the
+slices joined) re-cuts every split tensor, master weights and optimizer state, from the saved
+slices along ``partition_dim`` (`RecutSource`, [Note: re-cutting slices]), then reshards it
+over the data-parallel ranks as usual; its RNG and data loader states are tensor rank 0's. A
+tp-1 checkpoint records no split, and loads at degree 1 only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,18 +85,17 @@ def check_degree(manifest: dict[str, Any], folder: str, here: int) -> None:
     saved = saved_degree(manifest)
     if saved == here:
         return
-    if here != 1:
+    if saved == 1:
         raise CheckpointError(
-            f"{folder}: saved at tensor-parallel degree {saved}, this engine runs at degree "
-            f"{here}; a checkpoint loads at its own degree, or at degree 1 (the whole model, "
-            "slices joined); other degrees are not supported yet"
+            f"{folder}: saved at tensor-parallel degree 1, this engine runs at degree {here}; "
+            "a tp-1 checkpoint records no split to cut its tensors by: load it at degree 1"
         )
     unknown = [n for n, i in manifest["tensors"].items()
                if _sliced(i) and i["tp"].get("partition_dim") is None]  # fmt: skip
     if unknown:
         raise CheckpointError(
             f"{folder}: saved at tensor-parallel degree {saved}, loading at degree {here} "
-            f"joins the slices, but {unknown[:10]} are marked tensor_model_parallel / "
+            f"re-cuts the slices, but {unknown[:10]} are marked tensor_model_parallel / "
             "model_parallel without a partition_dim (along which dimension they were cut is "
             f"unknown); load at degree {saved}, or set partition_dim on those parameters "
             "when saving"
@@ -108,37 +110,94 @@ def _with_shape(info: dict[str, Any], shape: list[int]) -> dict[str, Any]:
     return {**info, "shape": list(shape)}
 
 
-def _whole_shape(info: dict[str, Any]) -> list[int]:
-    """The unsplit shape of a sliced tensor: its slices' sizes along the dimension summed."""
-    shapes = info["tp"]["shapes"]
-    dim = info["tp"]["partition_dim"]
-    whole = list(shapes[0])
-    whole[dim] = sum(int(s[dim]) for s in shapes)
-    return whole
+def _pieces(
+    layout: dict[str, Any], degree: int, rank: int, name: str
+) -> list[tuple[int, int, int]]:
+    """Where rank `rank` of `degree` finds its slice of a tensor saved with `layout`: ``(saved
+    tensor rank, start, length)`` along ``partition_dim`` in that rank's saved slice, in
+    order (see [Note: re-cutting slices])."""
+    dim, stride = int(layout["partition_dim"]), int(layout["partition_stride"])
+    sizes = [int(shape[dim]) for shape in layout["shapes"]]
+    if any(size % stride for size in sizes):
+        raise CheckpointError(
+            f"{name!r}: saved slices of sizes {sizes} along dimension {dim} do not hold "
+            f"{stride} equal parts each (partition_stride {stride})"
+        )
+    chunks = [size // stride for size in sizes]  # each saved rank's part of one stride group
+    group = sum(chunks)
+    if group % degree:
+        raise CheckpointError(
+            f"{name!r}: each of its {stride} parts along dimension {dim} is {group} wide, "
+            f"which does not split evenly over tensor-parallel degree {degree}"
+        )
+    lo, hi = rank * group // degree, (rank + 1) * group // degree
+    out = []
+    for part in range(stride):
+        at = 0
+        for saved, chunk in enumerate(chunks):
+            a, b = max(lo, at), min(hi, at + chunk)
+            if a < b:
+                out.append((saved, part * chunk + a - at, b - a))
+            at += chunk
+    return out
 
 
-def join(pieces: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    """The whole tensor from the tensor ranks' slices (Megatron's split inverted: with a
-    stride ``s`` the whole is cut into ``s * ranks`` chunks and rank ``r`` holds chunks
-    ``r, r + ranks, ...``, concatenated)."""
-    if stride == 1:
-        return torch.cat(pieces, dim)
-    chunks = [p.split(p.shape[dim] // stride, dim) for p in pieces]
-    return torch.cat([chunks[r][j] for j in range(stride) for r in range(len(pieces))], dim)
+def recut(
+    read: Callable[[int], torch.Tensor],
+    layout: dict[str, Any],
+    degree: int,
+    rank: int,
+    name: str,
+) -> torch.Tensor:
+    """[Note: re-cutting slices]
+    Rank `rank`'s slice at tensor-parallel `degree` of a tensor saved with `layout` (sliced:
+    ``partition_dim``, ``partition_stride``, the saved ranks' ``shapes``); `read(t)` gives
+    saved tensor rank ``t``'s slice, shaped, and is called only for the slices that overlap.
+
+    Megatron's strided split: with stride ``s`` the whole tensor is ``s`` parts along the
+    dimension (a fused [q | k | v] has three, a packed [gate | up] two) and each rank holds
+    its share of every part, concatenated. A re-cut so takes, part by part, the range of the
+    new rank's share from the saved ranks whose shares overlap it; degree 1 joins the slices.
+    The training planner cuts every fused, grouped-head and vocabulary split this way (it
+    marks a parameter with ``partition_dim`` only then), so the slice equals what the planner
+    gives the new rank. Only elements move: a re-cut of a re-cut is bitwise the original."""
+    dim = int(layout["partition_dim"])
+    saved: dict[int, torch.Tensor] = {}
+    parts = []
+    for t, start, length in _pieces(layout, degree, rank, name):
+        if t not in saved:
+            saved[t] = read(t)
+        parts.append(saved[t].narrow(dim, start, length))
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
 
 
-class WholeModelSource(StateSource):
-    """A tensor-parallel checkpoint read as the whole model (degree 1): sliced tensors are
-    joined along their ``partition_dim``, replicated ones read from tensor rank 0's files."""
+def cut_shape(layout: dict[str, Any], degree: int, rank: int, name: str) -> list[int]:
+    """The shape of rank `rank`'s slice at `degree` of a tensor saved with `layout`."""
+    dim = int(layout["partition_dim"])
+    shape = list(layout["shapes"][0])
+    shape[dim] = sum(n for _, _, n in _pieces(layout, degree, rank, name))
+    return shape
 
-    def __init__(self, folder: str, manifest: dict[str, Any]) -> None:
-        check_degree(manifest, folder, 1)
+
+class RecutSource(StateSource):
+    """A tensor-parallel checkpoint read as rank `rank` of another tensor degree `degree`
+    (degree 1: the whole model): sliced tensors re-cut from the saved slices (see [Note:
+    re-cutting slices]), master weights and optimizer state alike; replicated ones, scalar
+    state, RNG and data loader states from tensor rank 0's files, as at degree 1."""
+
+    def __init__(
+        self, folder: str, manifest: dict[str, Any], degree: int = 1, rank: int = 0
+    ) -> None:
+        check_degree(manifest, folder, degree)
+        self.degree, self.rank = degree, rank
         self.parts = [
             PartitaSource(folder, slice_meta(manifest, t)) for t in range(saved_degree(manifest))
         ]
         meta = dict(self.parts[0].meta)
         meta["tensors"] = {
-            name: _with_shape(info, _whole_shape(info)) if _sliced(info) else info
+            name: _with_shape(info, cut_shape(info["tp"], degree, rank, name))
+            if _sliced(info)
+            else info
             for name, info in manifest["tensors"].items()
         }
         super().__init__(folder, meta)
@@ -148,13 +207,23 @@ class WholeModelSource(StateSource):
         info = self.tensors.get(name) or {}
         return info["tp"] if _sliced(info) else None
 
-    def _join(self, name: str, pieces: list[torch.Tensor | None]) -> torch.Tensor | None:
-        layout = self._layout(name)
-        assert layout is not None
-        if any(p is None for p in pieces):
+    def _cut(self, name: str, layout: dict[str, Any], what: str | None) -> torch.Tensor | None:
+        """This rank's slice of state `what` of `name` (None: the module tensor)."""
+        shapes = layout["shapes"]
+
+        def read(t: int) -> torch.Tensor:
+            part = self.parts[t]
+            if what is None:
+                return part.read_module(name)
+            piece = part.read(name, what, [(0, _numel(shapes[t]))])
+            if piece is None:
+                raise _Absent
+            return piece.reshape(shapes[t])
+
+        try:
+            return recut(read, layout, self.degree, self.rank, name)
+        except _Absent:
             return None
-        shaped = [p.reshape(s) for p, s in zip(pieces, layout["shapes"], strict=True)]  # type: ignore[union-attr]
-        return join(shaped, int(layout["partition_dim"]), int(layout["partition_stride"]))
 
     def read(
         self,
@@ -164,18 +233,14 @@ class WholeModelSource(StateSource):
         *,
         borrow: bool = False,
     ) -> torch.Tensor | None:
-        """As `StateSource.read`, over the whole tensor (each slice read whole, joined)."""
+        """As `StateSource.read`, over this rank's re-cut slice of the tensor."""
         layout = self._layout(name)
         if layout is None:
             return self.parts[0].read(name, what, ranges, borrow=borrow)
-        pieces = [
-            part.read(name, what, [(0, _numel(shape))])
-            for part, shape in zip(self.parts, layout["shapes"], strict=True)
-        ]
-        whole = self._join(name, pieces)
-        if whole is None:
+        mine = self._cut(name, layout, what)
+        if mine is None:
             return None
-        flat = whole.reshape(-1)
+        flat = mine.reshape(-1)
         return torch.cat([flat[o : o + n] for o, n in ranges]) if ranges else flat[:0]
 
     def scalar(self, name: str, what: str) -> torch.Tensor | None:
@@ -185,11 +250,29 @@ class WholeModelSource(StateSource):
         return self.parts[0].has_state(source, name, what)
 
     def read_module(self, name: str) -> torch.Tensor:
-        if self._layout(name) is None:
+        layout = self._layout(name)
+        if layout is None:
             return self.parts[0].read_module(name)
-        whole = self._join(name, [part.read_module(name) for part in self.parts])
-        assert whole is not None
-        return whole
+        mine = self._cut(name, layout, None)
+        assert mine is not None
+        return mine
+
+    def check_split(self, name: str, tensor: torch.Tensor) -> None:
+        """Raises unless `tensor` (this engine's slice of `name`) is split as the saved slices
+        were, along the same ``partition_dim`` with the same ``partition_stride``: the re-cut
+        is then the engine's own cut. At degree 1 the shapes say enough."""
+        if self.degree == 1:
+            return
+        saved, here = self._layout(name), tensor_layout(tensor)
+        if saved is None and here == REPLICATED:
+            return
+        keys = ("partition_dim", "partition_stride")
+        if saved is None or here == REPLICATED or any(saved[k] != here[k] for k in keys):
+            raise CheckpointError(
+                f"{self.folder}: {name!r} is saved {_describe(saved)} but "
+                f"{_describe(None if here == REPLICATED else here)} in this engine; a "
+                "re-cut needs the same split at both degrees"
+            )
 
     def verify(self, rank: int, world: int) -> None:
         for part in self.parts:
@@ -200,6 +283,19 @@ class WholeModelSource(StateSource):
             part.close()
 
 
+class _Absent(Exception):
+    """A saved slice without the state asked for (`RecutSource._cut` returns None)."""
+
+
+def _describe(layout: dict[str, Any] | None) -> str:
+    if layout is None:
+        return "replicated"
+    return (
+        f"split along dimension {layout.get('partition_dim')} with partition_stride "
+        f"{layout.get('partition_stride')}"
+    )
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -208,9 +304,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 __all__ = [
-    "WholeModelSource",
+    "RecutSource",
     "check_degree",
-    "join",
+    "cut_shape",
+    "recut",
     "saved_degree",
     "slice_file_name",
     "slice_meta",
