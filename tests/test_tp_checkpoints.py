@@ -30,6 +30,7 @@ from partita.inference.plan import build_plan
 from partita.parallel.tensor import _slice_parameter
 from partita.testing import run_distributed_grid
 from tp_checkpoint_workers import grid, reference
+from tp_training_workers import CLIP
 
 WORLD = 4
 RESUMES: list[tuple[str, tuple[int, int], tuple[int, int], bool]] = [
@@ -86,6 +87,7 @@ def _reference(kind: str) -> dict[str, Any]:
 def test_training_continues_at_another_degree(results: dict[str, Any], i: int) -> None:
     kind, save, load, _ = RESUMES[i]
     want = _reference(kind)["losses"]
+    assert all(n > CLIP for n in _reference(kind)["norms"])  # clipping acts at every step
     for run in results["resume"][i]:
         assert run["tp"] == (save[0], load[0])
         assert_losses(run["losses"], want)

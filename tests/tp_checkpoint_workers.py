@@ -40,11 +40,12 @@ def probe() -> torch.Tensor:
 
 def reference(kind: str) -> dict[str, Any]:
     """One process, the whole model and batch, AdamW and clip_grad_norm_ from torch: the
-    per-step losses, and the logits of `probe` after `SAVED_AFTER` steps (the checkpoint's
-    state)."""
+    per-step losses and gradient norms before clipping, and the logits of `probe` after
+    `SAVED_AFTER` steps (the checkpoint's state)."""
     model = build_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses: list[float] = []
+    norms: list[float] = []
     logits = torch.empty(0)
     for step, ids in enumerate(batches()):
         if step == SAVED_AFTER:
@@ -52,11 +53,11 @@ def reference(kind: str) -> dict[str, Any]:
                 logits = model(input_ids=probe()).logits
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "logits": logits}
+    return {"losses": losses, "norms": norms, "logits": logits}
 
 
 def _engine(kind: str, tp: int, stage: int, perturb: bool = True) -> Any:
