@@ -31,6 +31,9 @@ class ActivationProfile:
     """Bytes of each block's input (what checkpointing keeps)."""
     largest: int
     """The largest saved tensor: backward holds its gradient (and a temporary) beside it."""
+    storages: tuple[tuple[int, int], ...] = ()
+    """Each saved storage as (index of the block saving it or -1 outside blocks, bytes), in
+    the order first saved: what `partita.estimate.longest` fits over sequence lengths."""
 
     def peak(self, checkpointing: bool) -> int:
         """Peak activation bytes: saved ones plus two of the largest for backward's gradients;
@@ -54,6 +57,7 @@ def trace_activations(
     """Runs ``run(module)`` (one forward, typically on meta tensors) recording saved tensors;
     `blocks` are the modules checkpointing would wrap (transformer blocks)."""
     seen: dict[int, int] = {}
+    where: list[int] = []  # the block (or -1) of each storage, in `seen`'s order
     keep: list[torch.Tensor] = []  # keeps storages alive so their ids are not reused
     current: list[int] = []
     per_block = [0] * len(blocks)
@@ -66,6 +70,7 @@ def trace_activations(
         key = storage._cdata
         if key not in seen:
             seen[key] = storage.nbytes()
+            where.append(current[-1] if current else -1)
             keep.append(t)
             if current:
                 per_block[current[-1]] += storage.nbytes()
@@ -95,4 +100,5 @@ def trace_activations(
         for h in handles:
             h.remove()
     largest = max(seen.values(), default=0)
-    return ActivationProfile(sum(seen.values()), tuple(per_block), tuple(inputs), largest)
+    storages = tuple(zip(where, seen.values(), strict=True))
+    return ActivationProfile(sum(seen.values()), tuple(per_block), tuple(inputs), largest, storages)

@@ -142,10 +142,10 @@ def calibrate_model_flops(
     `threads` threads, as 6 x trainable parameters x tokens per second. When even one block
     with the embeddings and head would count over 8 x `budget`, the square-matmul peak on
     `threads` threads instead (`calibrate_flops`), an overestimate of the rate."""
-    from partita.estimate.model import _meta_model, describe_module
+    from partita.estimate.model import describe_module, meta_model
 
     key = _layers_key(config)
-    shape = describe_module(_meta_model(config, dtype))
+    shape = describe_module(meta_model(config, dtype))
     layers = getattr(config, key)
     block = shape.blocks // layers if layers else 0
     tokens = micro_batch * seq_len

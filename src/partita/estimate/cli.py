@@ -7,13 +7,16 @@ Exit status 0, 1 when nothing fits (said plainly), 2 on bad input (one line nami
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from partita.estimate import plan, trial
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
 from partita.estimate.model import ModelShape
 from partita.estimate.plan import HEADROOM
+from partita.estimate.ulysses import check_sequence_parallel
 from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
 
 __all__ = ["estimate_main", "plan_main"]
@@ -65,6 +68,12 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     ap.add_argument("--nvme", help="NVMe space per node, e.g. 4TB (enables NVMe offload)")
     ap.add_argument("--micro_batch", type=_positive, default=1)
     ap.add_argument("--seq_len", type=_positive, default=2048)
+    ap.add_argument(
+        "--sp", type=_positive, nargs="+", metavar="N",
+        help="sequence_parallel_size (Ulysses): each rank holds seq_len / N tokens; several "
+        "values estimate each (default: --ds_config's, else 1)",
+    )  # fmt: skip
+    ap.add_argument("--ds_config", help="DeepSpeed config to read sequence_parallel_size from")
     ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument(
         "--checkpointing", choices=["on", "off", "both"], default="both",
@@ -83,22 +92,55 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def _model(args: argparse.Namespace) -> ModelShape:
+def _model(args: argparse.Namespace, sp: int = 1) -> ModelShape:
     if args.params is not None:
         largest = (
             None if args.largest_unit is None else parse_count(args.largest_unit, "--largest_unit")
         )
         return ModelShape.from_count(parse_count(args.params, "--params"), largest)
-    import torch
-
     from partita.estimate.model import from_hf_config
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
-    return from_hf_config(args.model, args.micro_batch, args.seq_len, dtype)
+    return from_hf_config(args.model, args.micro_batch, args.seq_len, _dtype(args), sp)
 
 
-def _estimates(args: argparse.Namespace) -> tuple[ModelShape, list[Estimate]]:
-    hw = Hardware(
+def _dtype(args: argparse.Namespace) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
+
+
+def _sp_values(args: argparse.Namespace) -> list[int]:
+    """The sequence-parallel degrees asked for: ``--sp``, else ``--ds_config``'s
+    ``sequence_parallel_size``, else 1; each must divide the ranks."""
+    if args.sp:
+        values = list(dict.fromkeys(args.sp))
+    elif args.ds_config:
+        values = [_config_sp(args.ds_config)]
+    else:
+        values = [1]
+    world = args.devices_per_node * args.nodes
+    for sp in values:
+        check_sequence_parallel(None, sp, world)
+    return values
+
+
+def _config_sp(path: str) -> int:
+    """``sequence_parallel_size`` of a DeepSpeed JSON config (1 when absent)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as error:
+        raise EstimateError(f"--ds_config {path!r}: not readable as JSON: {error}") from None
+    sp = config.get("sequence_parallel_size", 1) if isinstance(config, dict) else None
+    if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
+        raise EstimateError(
+            f"--ds_config {path!r}: sequence_parallel_size {sp!r} must be an integer >= 1"
+        )
+    return sp
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    return Hardware(
         args.devices_per_node,
         args.nodes,
         None if args.device_memory is None else parse_bytes(args.device_memory, "--device_memory"),
@@ -107,15 +149,24 @@ def _estimates(args: argparse.Namespace) -> tuple[ModelShape, list[Estimate]]:
         "cpu" if args.cpu else "cuda",
         args.headroom,
     )
-    model = _model(args)
+
+
+def _candidates(args: argparse.Namespace, hw: Hardware, activations: bool) -> list[Candidate]:
     ckpt = {"on": True, "off": False, "both": None}[args.checkpointing]
-    if model.activations is None:
+    if not activations:
         ckpt = False  # without shapes checkpointing changes nothing estimated
-    cands = [
+    return [
         c
         for c in candidates(args.precision, ckpt)
         if hw.nvme is not None or "nvme" not in (c.offload_optimizer, c.offload_param)
     ]
+
+
+def _estimates(args: argparse.Namespace, sp: int = 1) -> tuple[ModelShape, list[Estimate]]:
+    """One rank's model (at sequence-parallel degree `sp`) and every candidate's estimate."""
+    hw = _hardware(args)
+    model = _model(args, sp)
+    cands = _candidates(args, hw, model.activations is not None)
     return model, [estimate(model, c, hw, Settings()) for c in cands]
 
 
@@ -163,12 +214,15 @@ def _per_param_row(e: Estimate) -> str:
     return f"    bytes/param: {parts} = {per['total']:.2f}"
 
 
-def _print(model: ModelShape, estimates: list[Estimate], detail: bool) -> None:
+def _print(model: ModelShape, estimates: list[Estimate], detail: bool, sp: int = 1) -> None:
     hw = estimates[0].hardware
+    tokens = f", micro-batch {model.micro_batch} x {model.seq_len} tokens" if model.seq_len else ""
+    if sp > 1:
+        per_rank = f" ({model.seq_len // sp} per rank)" if model.seq_len else ""
+        tokens += f", sequence_parallel_size {sp}{per_rank}"
     print(
         f"{model.name}: {model.trainable / 1e9:.3g}B trainable parameters on {hw.nodes} node(s) "
-        f"x {hw.devices_per_node} device(s)"
-        + (f", micro-batch {model.micro_batch} x {model.seq_len} tokens" if model.seq_len else "")
+        f"x {hw.devices_per_node} device(s)" + tokens
     )
     print(f"{'configuration':30s} {'device/rank':>10s} {'host/node':>10s} {'nvme/node':>10s}")
     shared = estimates[0].notes[1:]  # the first note names the moment of each one's peak
@@ -206,22 +260,63 @@ def _nothing_fits(estimates: list[Estimate]) -> str:
 
 def estimate_main(argv: Sequence[str]) -> int:
     """``partita estimate``: prints every configuration's per-rank memory and whether it fits."""
-    args = _parser("partita estimate", estimate_main.__doc__ or "").parse_args(list(argv))
+    ap = _parser("partita estimate", estimate_main.__doc__ or "")
+    ap.add_argument(
+        "--longest", action="store_true",
+        help="search the longest sequence (a multiple of sp) each configuration fits at each "
+        "--sp, and itemise one rank's memory there (needs --model and a memory limit)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max_seq_len", type=_positive, default=1 << 24,
+        help="with --longest: the longest sequence searched (default 16M tokens)",
+    )  # fmt: skip
+    args = ap.parse_args(list(argv))
+    if args.longest:
+        return _longest_main(args)
+    everything: list[Estimate] = []
     try:
-        model, estimates = _estimates(args)
-        _print(model, estimates, args.detail)
+        for sp in _sp_values(args):
+            model, estimates = _estimates(args, sp)
+            _print(model, estimates, args.detail, sp)
+            everything += estimates
         if args.plot:
             from partita.estimate.plot import plot_estimates
 
-            plot_estimates(estimates, args.plot)
+            plot_estimates(everything, args.plot)
             print(f"wrote {args.plot}")
     except EstimateError as error:
         print(f"partita estimate: error: {error}", file=sys.stderr)
         return 2
-    if not any(e.fits for e in estimates):
-        print(_nothing_fits(estimates))
+    if not any(e.fits for e in everything):
+        print(_nothing_fits(everything))
         return 1
     return 0
+
+
+def _longest_main(args: argparse.Namespace) -> int:
+    """``partita estimate --longest``: the longest sequence of every configuration and degree,
+    with one rank's memory there by group (`longest.format_longest`)."""
+    from partita.estimate import longest
+
+    try:
+        if args.model is None:
+            raise EstimateError("--longest needs --model: activations come from its shapes")
+        hw = _hardware(args)
+        if (hw.host_memory if hw.accelerator == "cpu" else hw.device_memory) is None:
+            need = "--host_memory (with --cpu)" if args.cpu else "--device_memory"
+            raise EstimateError(f"--longest needs a memory to fit: give {need}")
+        found = []
+        for sp in _sp_values(args):
+            shape, fit = longest.fit_sequence(args.model, args.micro_batch, sp, _dtype(args))
+            found += [
+                longest.longest_sequence(shape, fit, c, hw, args.max_seq_len)
+                for c in _candidates(args, hw, True)
+            ]
+    except EstimateError as error:
+        print(f"partita estimate: error: {error}", file=sys.stderr)
+        return 2
+    print(longest.format_longest(shape, hw, found))
+    return 0 if any(r.seq_len for r in found) else 1
 
 
 def _compute_rate(args: argparse.Namespace) -> float:

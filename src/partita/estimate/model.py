@@ -17,9 +17,17 @@ from typing import Any
 import torch
 
 from partita.estimate.activations import ActivationProfile, trace_activations
+from partita.estimate.ulysses import check_sequence_parallel, rank_attention
 from partita.estimate.units import EstimateError
 
-__all__ = ["ModelShape", "describe_module", "from_hf_config", "load_hf_config"]
+__all__ = [
+    "ModelShape",
+    "describe_module",
+    "from_hf_config",
+    "load_hf_config",
+    "meta_model",
+    "trace_rank",
+]
 
 _DEFAULT_UNITS = 32
 """A parameter count alone says nothing about units: assume 32 equal blocks (Llama-7B and
@@ -177,7 +185,8 @@ def load_hf_config(source: Any) -> Any:
         raise EstimateError(f"model folder {path!r}: config.json not readable: {first}") from None
 
 
-def _meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+def meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """`config`'s model (a causal LM when it is one) on the meta device, in training mode."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -192,15 +201,39 @@ def _meta_model(config: Any, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def from_hf_config(
-    source: Any, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.bfloat16
+    source: Any,
+    micro_batch: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    sp: int = 1,
 ) -> ModelShape:
-    """The shape of a Hugging Face model with activations traced at ``micro_batch x seq_len``
-    in `dtype` (built on the meta device: nothing is downloaded or allocated)."""
+    """The shape of a Hugging Face model with one rank's activations traced at ``micro_batch x
+    seq_len`` in `dtype` (built on the meta device: nothing is downloaded or allocated); with
+    ``sequence_parallel_size`` `sp`, those of one Ulysses rank holding ``seq_len / sp`` tokens
+    ([Note: a rank's activations under Ulysses] in ``ulysses.py``)."""
     if micro_batch <= 0 or seq_len <= 0:
         raise EstimateError(f"micro_batch {micro_batch} and seq_len {seq_len} must be > 0")
     config = load_hf_config(source)
-    model = _meta_model(config, dtype)
+    check_sequence_parallel(config, sp)
+    if seq_len % sp:
+        raise EstimateError(
+            f"seq_len {seq_len} does not divide by sequence_parallel_size {sp} (each rank "
+            "holds seq_len / sp tokens)"
+        )
+    model = meta_model(config, dtype)
     shape = describe_module(model)
+    profile = trace_rank(model, micro_batch, seq_len // sp, sp)
+    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
+    return replace(
+        shape, name=str(name), activations=profile, micro_batch=micro_batch, seq_len=seq_len
+    )
+
+
+def trace_rank(
+    model: torch.nn.Module, micro_batch: int, local_len: int, sp: int = 1
+) -> ActivationProfile:
+    """The activations one rank saves running `model` (built by `meta_model`) on
+    ``micro_batch x local_len`` tokens as one of `sp` Ulysses ranks (sp 1: plainly)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from partita.zero.stage3.strategy import default_unit_modules
@@ -209,14 +242,11 @@ def from_hf_config(
         # Fake inputs: Transformers skips its value checks (packed sequences, all-ones masks)
         # for fake tensors, which meta tensors alone would fail (they have no values).
         with FakeTensorMode(allow_non_fake_inputs=True):
-            ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
+            ids = torch.zeros((micro_batch, local_len), dtype=torch.long, device="meta")
             return m(input_ids=ids, labels=ids) if _has_labels(m) else m(input_ids=ids)
 
-    profile = trace_activations(model, run, default_unit_modules(model))
-    name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
-    return replace(
-        shape, name=str(name), activations=profile, micro_batch=micro_batch, seq_len=seq_len
-    )
+    with rank_attention(model, sp):
+        return trace_activations(model, run, default_unit_modules(model))
 
 
 def _has_labels(model: torch.nn.Module) -> bool:

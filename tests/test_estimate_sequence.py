@@ -1,0 +1,229 @@
+"""The estimator's sequence dimension: one Ulysses rank's activations, their fit over the
+sequence length, and the longest sequence that fits (``partita estimate --sp/--longest``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from partita.estimate import EstimateError, Hardware, estimate, from_hf_config
+from partita.estimate.cli import estimate_main
+from partita.estimate.longest import (
+    FIT_LENGTHS,
+    fit_sequence,
+    longest_sequence,
+    shape_at,
+)
+from partita.estimate.memory import Candidate
+from partita.estimate.model import meta_model, trace_rank
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _llama(kv: int = 4, impl: str = "eager", layers: int = 2) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=128, intermediate_size=344, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=kv, vocab_size=1024,
+        attn_implementation=impl,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_sp_divides_position_wise_activations_and_the_score_heads(impl: str) -> None:
+    """With all heads their own key/value (nothing repeated, no fused view kept alive), one
+    rank at S tokens and degree sp saves exactly: every position-wise storage as the model
+    does at S/sp tokens, and every attention-score storage sp times its size at S/sp (h/sp
+    heads of S x S, not h heads of (S/sp)^2), read storage by storage from two traces."""
+    model = meta_model(_llama(impl=impl), torch.float32)
+    seq = 1024
+    for sp in (2, 4):
+        plain = trace_rank(model, 1, seq // sp)
+        plain_twice = trace_rank(model, 1, 2 * seq // sp)
+        rank = trace_rank(model, 1, seq // sp, sp)
+        assert [b for b, _ in rank.storages] == [b for b, _ in plain.storages]
+        quadratic = 0
+        for (_, r), (_, p), (_, p2) in zip(
+            rank.storages, plain.storages, plain_twice.storages, strict=True
+        ):
+            if p2 == 4 * p:  # grows with the square of the length: attention's scores
+                assert r == sp * p
+                quadratic += 1
+            else:
+                assert r == p
+        assert quadratic >= 2  # one score matrix per layer at least: the test sees them
+
+
+def test_the_fit_matches_a_trace_at_a_fourth_length() -> None:
+    """Fitted from three traced lengths, the profile at a fourth equals its own trace,
+    storage by storage, for GPT-2 (fused qkv) and a grouped-query Llama under Ulysses."""
+    from transformers import GPT2Config
+
+    gpt2 = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=4096, vocab_size=1024)
+    for config, sp in ((gpt2, 1), (gpt2, 2), (_llama(kv=2, impl="sdpa"), 4)):
+        shape, fit = fit_sequence(config, 2, sp, torch.float32)
+        local = 1000
+        assert local not in FIT_LENGTHS
+        traced = trace_rank(meta_model(config, torch.float32), 2, local, sp)
+        assert fit.sizes(local) == traced.storages
+        assert fit.profile(local) == replace(traced, storages=())
+        direct = from_hf_config(config, 2, local * sp, torch.float32, sp)
+        assert shape_at(shape, fit, local * sp).activations == replace(
+            direct.activations, storages=()
+        )
+
+
+def test_ulysses_saves_less_than_a_slice_where_its_copies_replace_views() -> None:
+    """GPT-2 keeps its fused qkv storage alive through value's view; after the all-to-all
+    the rank keeps only its own value: less than the model saves at S/sp tokens."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=4096, vocab_size=1024)
+    model = meta_model(config, torch.float32)
+    plain = trace_rank(model, 1, 512)
+    rank = trace_rank(model, 1, 512, 2)
+    scores = sum(n for _, n in plain.storages if n >= 512 * 512)
+    assert rank.saved < plain.saved + scores  # scores double (h/sp heads of 2x the length)
+
+
+@pytest.fixture(scope="module")
+def fits() -> dict[int, Any]:
+    config = _llama(kv=2, impl="sdpa")
+    return {sp: fit_sequence(config, 1, sp, torch.bfloat16) for sp in (1, 2, 4)}
+
+
+_CANDIDATES = [Candidate(0, checkpointing=True), Candidate(3, "cpu", checkpointing=False)]
+
+
+@pytest.mark.parametrize("cand", _CANDIDATES, ids=lambda c: c.label)
+def test_the_longest_sequence_fits_and_one_step_more_does_not(
+    fits: dict[int, Any], cand: Candidate
+) -> None:
+    """At the answer the estimate fits and sp tokens more does not, checked against
+    activations traced directly at those lengths (not the fit)."""
+    config = _llama(kv=2, impl="sdpa")
+    hw = Hardware(4, 1, 1 << 30, headroom=0.08)
+    for sp, (shape, fit) in fits.items():
+        found = longest_sequence(shape, fit, cand, hw, 1 << 24)
+        assert found.seq_len > 0 and found.seq_len % sp == 0 and not found.limit
+        assert found.at is not None and found.at.fits
+        assert found.beyond is not None and not found.beyond.fits
+        at = from_hf_config(config, 1, found.seq_len, torch.bfloat16, sp)
+        assert estimate(at, cand, hw).fits
+        beyond = from_hf_config(config, 1, found.seq_len + sp, torch.bfloat16, sp)
+        assert not estimate(beyond, cand, hw).fits
+
+
+def test_the_longest_sequence_grows_with_memory_and_with_sp(fits: dict[int, Any]) -> None:
+    cand = Candidate(2, checkpointing=True)
+    table = {
+        (sp, mib): longest_sequence(shape, fit, cand, Hardware(4, 1, mib << 20), 1 << 24).seq_len
+        for sp, (shape, fit) in fits.items()
+        for mib in (256, 512, 1024, 4096)
+    }
+    for sp in (1, 2, 4):
+        row = [table[sp, mib] for mib in (256, 512, 1024, 4096)]
+        assert row == sorted(row) and row[0] < row[-1], row
+    for mib in (256, 512, 1024, 4096):
+        column = [table[sp, mib] for sp in (1, 2, 4)]
+        assert column == sorted(column) and column[0] < column[-1], column
+
+
+def test_the_search_stops_at_max_seq_len_and_says_so(fits: dict[int, Any]) -> None:
+    shape, fit = fits[2]
+    found = longest_sequence(shape, fit, _CANDIDATES[0], Hardware(4, 1, 64 << 30), 4097)
+    assert found.limit and found.seq_len == 4096 and found.beyond is None
+
+
+def test_zero_shards_model_states_over_every_rank_with_sp() -> None:
+    """Model states shard over dp x sp (all 4 ranks), so they do not change with sp; only the
+    activations shrink."""
+    config = _llama(kv=2, impl="sdpa")
+    hw = Hardware(4, 1, 8 << 30)
+    one, two = (from_hf_config(config, 1, 2048, torch.bfloat16, sp) for sp in (1, 2))
+    for stage in (1, 3):
+        a, b = (estimate(m, Candidate(stage), hw) for m in (one, two))
+        assert a.model_states() == b.model_states() > 0
+        acts = {e.candidate.stage: e.peaks["activations"] for e in (a, b)}
+        assert b.peaks["activations"] < a.peaks["activations"], acts
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv", "sp", "said"),
+    [
+        (4, 4, 3, "4 query heads do not divide by the sequence-parallel size 3"),
+        (12, 6, 4, "6 key/value heads cannot be split over the sequence-parallel size 4"),
+    ],
+)
+def test_sp_the_heads_cannot_split_is_refused_naming_key_and_sizes(
+    heads: int, kv: int, sp: int, said: str
+) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=kv, vocab_size=256,
+    )  # fmt: skip
+    for call in (
+        lambda: from_hf_config(config, 1, 12 * sp, torch.float32, sp),
+        lambda: fit_sequence(config, 1, sp),
+    ):
+        with pytest.raises(EstimateError, match=f"sequence_parallel_size {sp}: .*{said}"):
+            call()
+
+
+def test_a_length_sp_does_not_divide_is_refused() -> None:
+    with pytest.raises(EstimateError, match="seq_len 1001 does not divide by sequence_paral"):
+        from_hf_config(_llama(), 1, 1001, torch.float32, 2)
+
+
+def test_cli_refuses_sp_that_does_not_divide_the_ranks(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _llama().save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "8GB"]
+    assert estimate_main([*argv, "--sp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "sequence_parallel_size 3 does not divide the 4 ranks" in err
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"sequence_parallel_size": 8}))
+    assert estimate_main([*argv, "--ds_config", str(config)]) == 2
+    assert "sequence_parallel_size 8 does not divide the 4 ranks" in capsys.readouterr().err
+
+
+def test_cli_reads_sp_from_the_ds_config_and_prints_each_degree(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _llama().save_pretrained(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"sequence_parallel_size": 2}))
+    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "8GB"]
+    assert estimate_main([*argv, "--seq_len", "4096", "--ds_config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_parallel_size 2 (2048 per rank)" in out
+    assert estimate_main([*argv, "--seq_len", "4096", "--sp", "1", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_parallel_size 4 (1024 per rank)" in out and "x 4096 tokens\n" in out
+
+
+def test_cli_longest_prints_a_row_per_degree_and_configuration(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _llama().save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--longest", "--checkpointing", "on"]
+    assert estimate_main(argv) == 2  # no memory to fit
+    assert "--longest needs a memory to fit: give --device_memory" in capsys.readouterr().err
+    assert estimate_main([*argv, "--device_memory", "1GiB", "--sp", "1", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert len(rows) == 2 * 8  # no NVMe given: 8 checkpointed configurations per degree
+    by_sp = {(r[0], " ".join(r[1:-20])): int(r[-20]) for r in rows}  # 9 sizes of 2 words
+    for (sp, label), seq in by_sp.items():
+        assert seq % int(sp) == 0
+        if sp == "2":
+            assert seq > by_sp["1", label]
