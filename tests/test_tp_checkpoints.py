@@ -40,6 +40,8 @@ RESUMES: list[tuple[str, tuple[int, int], tuple[int, int], bool]] = [
     ("gpt2", (2, 2), (4, 1), True),
     ("gpt2", (4, 3), (2, 2), False),
 ]
+FROZEN_CASE = ("llama", (2, 2), (4, 1), False)
+"""Llama with one split weight frozen (`tp_checkpoint_workers.FROZEN`): a module tensor."""
 RERUN = 3
 """The index of the case run a second time: the same losses bitwise."""
 INFERENCE = [(kind, tp) for kind in ("llama", "gpt2") for tp in (1, 2, 4)]
@@ -56,15 +58,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folders = [str(tmp_path_factory.mktemp(f"tp-{_ids(c)}")) for c in RESUMES]
     again = str(tmp_path_factory.mktemp("tp-rerun"))
 
-    def resume(i: int, folder: str) -> dict[str, Any]:
-        kind, save, load, round_trip = RESUMES[i]
+    def resume(i: int, folder: str, frozen: bool = False) -> dict[str, Any]:
+        kind, save, load, round_trip = FROZEN_CASE if frozen else RESUMES[i]
         return {"case": "resume", "model_kind": kind, "save": save, "load": load,
-                "folder": folder, "round_trip": round_trip}  # fmt: skip
+                "folder": folder, "round_trip": round_trip, "frozen": frozen}  # fmt: skip
 
     saved_at_tp2 = {c[0]: f for c, f in zip(RESUMES, folders, strict=True) if c[1][0] == 2}
     cases = [
         *[resume(i, f) for i, f in enumerate(folders)],
         resume(RERUN, again),
+        resume(-1, str(tmp_path_factory.mktemp("tp-frozen")), frozen=True),
         *[
             {"case": "inference", "model_kind": k, "folder": saved_at_tp2[k], "tp": tp}
             for k, tp in INFERENCE
@@ -74,13 +77,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {
         "resume": [next(per_case) for _ in RESUMES],
         "rerun": next(per_case),
+        "frozen": next(per_case),
         "inference": {c: next(per_case) for c in INFERENCE},
     }
 
 
 @functools.cache
-def _reference(kind: str) -> dict[str, Any]:
-    return reference(kind)
+def _reference(kind: str, frozen: bool = False) -> dict[str, Any]:
+    return reference(kind, frozen)
 
 
 @pytest.mark.parametrize("i", range(len(RESUMES)), ids=[_ids(c) for c in RESUMES])
@@ -89,6 +93,15 @@ def test_training_continues_at_another_degree(results: dict[str, Any], i: int) -
     want = _reference(kind)["losses"]
     assert all(n > CLIP for n in _reference(kind)["norms"])  # clipping acts at every step
     for run in results["resume"][i]:
+        assert run["tp"] == (save[0], load[0])
+        assert_losses(run["losses"], want)
+
+
+def test_a_frozen_split_weight_is_recut_too(results: dict[str, Any]) -> None:
+    kind, save, load, _ = FROZEN_CASE
+    want = _reference(kind, frozen=True)["losses"]
+    assert want != _reference(kind)["losses"]  # the frozen weight changes the run
+    for run in results["frozen"]:
         assert run["tp"] == (save[0], load[0])
         assert_losses(run["losses"], want)
 

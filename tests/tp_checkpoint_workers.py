@@ -38,12 +38,24 @@ def probe() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
 
 
-def reference(kind: str) -> dict[str, Any]:
+FROZEN = "model.layers.0.mlp.down_proj.weight"
+"""A split (row-parallel) weight the `frozen` cases do not train: saved as a module tensor per
+slice, re-cut at the loading degree like the rest."""
+
+
+def _freeze(model: nn.Module, frozen: bool) -> nn.Module:
+    if frozen:
+        model.get_parameter(FROZEN).requires_grad_(False)
+    return model
+
+
+def reference(kind: str, frozen: bool = False) -> dict[str, Any]:
     """One process, the whole model and batch, AdamW and clip_grad_norm_ from torch: the
     per-step losses and gradient norms before clipping, and the logits of `probe` after
-    `SAVED_AFTER` steps (the checkpoint's state)."""
-    model = build_model(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    `SAVED_AFTER` steps (the checkpoint's state). With `frozen`, `FROZEN` is not trained."""
+    model = _freeze(build_model(kind), frozen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     losses: list[float] = []
     norms: list[float] = []
     logits = torch.empty(0)
@@ -53,19 +65,19 @@ def reference(kind: str) -> dict[str, Any]:
                 logits = model(input_ids=probe()).logits
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(nn.utils.clip_grad_norm_(params, CLIP)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms, "logits": logits}
 
 
-def _engine(kind: str, tp: int, stage: int, perturb: bool = True) -> Any:
+def _engine(kind: str, tp: int, stage: int, perturb: bool = True, frozen: bool = False) -> Any:
     """A fresh engine at tensor degree `tp` over the world (data-parallel over the rest); with
     `perturb` its model's weights are moved off the saved ones, so that only a load can make
-    them right."""
+    them right; with `frozen`, `FROZEN` is not trained."""
     dp = dist.get_world_size() // tp
-    model = build_model(kind)
+    model = _freeze(build_model(kind), frozen)
     if perturb:
         with torch.no_grad():
             for p in model.parameters():
@@ -128,17 +140,18 @@ def resume(
     load: tuple[int, int],
     folder: str,
     round_trip: bool = False,
+    frozen: bool = False,
 ) -> dict[str, Any]:
     """Trains `SAVED_AFTER` steps at ``save = (tp, stage)``, saves; a fresh engine at
     ``load = (tp, stage)`` loads the checkpoint and trains the remaining steps. With
     `round_trip` the loading engine saves again at once, and a third engine at `save`'s
     degree and stage loads that: its master weights and optimizer state must be the first
-    engine's, bitwise (re-cutting only moves elements)."""
-    first = _engine(model_kind, *save, perturb=False)
+    engine's, bitwise (re-cutting only moves elements). `frozen`: see `FROZEN`."""
+    first = _engine(model_kind, *save, perturb=False, frozen=frozen)
     losses = _train(first, range(SAVED_AFTER))
     first.save_checkpoint(folder, tag="saved")
     saved_state = _state(first) if round_trip else {}
-    second = _engine(model_kind, *load)
+    second = _engine(model_kind, *load, frozen=frozen)
     second.load_checkpoint(folder, tag="saved")
     if round_trip:
         second.save_checkpoint(folder, tag="again")
@@ -148,7 +161,7 @@ def resume(
         "tp": (first.get_tensor_parallel_world_size(), second.get_tensor_parallel_world_size()),
     }
     if round_trip:
-        third = _engine(model_kind, *save)
+        third = _engine(model_kind, *save, frozen=frozen)
         third.load_checkpoint(folder, tag="again")
         out["round_trip_differs"] = _differences(saved_state, _state(third))
     return out
