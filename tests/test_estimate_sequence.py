@@ -59,6 +59,20 @@ def test_sp_divides_position_wise_activations_and_the_score_heads(impl: str) -> 
         assert quadratic >= 2  # one score matrix per layer at least: the test sees them
 
 
+def test_fused_attention_keeps_nothing_quadratic_and_sp_divides_all() -> None:
+    """Counted as a fused kernel (flash / memory-efficient SDPA), attention keeps no score
+    matrix: a rank's activations have no quadratic term, and at S and degree sp they are the
+    model's at S/sp (all heads their own key/value); the traced math path keeps more."""
+    config = _llama(impl="sdpa")
+    fits = {sp: fit_sequence(config, 1, sp, torch.float32, "fused")[1] for sp in (1, 2, 4)}
+    traced = fit_sequence(config, 1, 1, torch.float32, "traced")[1]
+    for fit in fits.values():
+        assert fit.total[2] == 0
+        assert fit.total == fits[1].total  # a polynomial in the rank's own tokens
+    assert traced.total[2] > 0
+    assert traced.profile(4096).saved > fits[1].profile(4096).saved
+
+
 def test_the_fit_matches_a_trace_at_a_fourth_length() -> None:
     """Fitted from three traced lengths, the profile at a fourth equals its own trace,
     storage by storage, for GPT-2 (fused qkv) and a grouped-query Llama under Ulysses."""
@@ -227,3 +241,30 @@ def test_cli_longest_prints_a_row_per_degree_and_configuration(
         assert seq % int(sp) == 0
         if sp == "2":
             assert seq > by_sp["1", label]
+
+
+def test_plan_writes_the_degree_and_plans_one_ranks_share(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from partita.config import validate_config
+    from partita.estimate.cli import plan_main
+
+    _llama().save_pretrained(tmp_path)
+    out = tmp_path / "ds_config.json"
+    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "8GB"]
+    argv += ["--seq_len", "4096", "--flops", "1e14", "--output", str(out)]
+    steps = {}
+    for sp in (1, 2):
+        assert plan_main([*argv, "--sp", str(sp)]) == 0
+        config = json.loads(out.read_text())
+        assert config.get("sequence_parallel_size", 1) == sp
+        validate_config(config, world_size=4)
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        # A ranking row: configuration, then step, compute, comm, offload, nvme seconds.
+        steps[sp] = {" ".join(r[:-5]): float(r[-4]) for r in rows if r[:1] and r[0][0] == "z"}
+    assert steps[1] and steps[2].keys() == steps[1].keys()
+    for label, compute in steps[1].items():
+        # Half the tokens per rank: half the compute (printed to 3 digits).
+        assert steps[2][label] == pytest.approx(compute / 2, rel=0.01)
+    assert plan_main([*argv, "--sp", "1", "2"]) == 2
+    assert "partita plan takes one --sp, got 1 2" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from partita.estimate import plan, trial
 from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
 from partita.estimate.model import ModelShape
 from partita.estimate.plan import HEADROOM
-from partita.estimate.ulysses import check_sequence_parallel
+from partita.estimate.ulysses import ATTENTION, check_sequence_parallel
 from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
 
 __all__ = ["estimate_main", "plan_main"]
@@ -74,6 +74,12 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         "values estimate each (default: --ds_config's, else 1)",
     )  # fmt: skip
     ap.add_argument("--ds_config", help="DeepSpeed config to read sequence_parallel_size from")
+    ap.add_argument(
+        "--attention", choices=ATTENTION, default="traced",
+        help="attention's memory: 'traced' (what the model's attention saves on fake tensors: "
+        "the seq x seq scores for eager and SDPA's math path) or 'fused' (flash / "
+        "memory-efficient kernels: inputs, output, a log-sum-exp per row)",
+    )  # fmt: skip
     ap.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument(
         "--checkpointing", choices=["on", "off", "both"], default="both",
@@ -100,7 +106,9 @@ def _model(args: argparse.Namespace, sp: int = 1) -> ModelShape:
         return ModelShape.from_count(parse_count(args.params, "--params"), largest)
     from partita.estimate.model import from_hf_config
 
-    return from_hf_config(args.model, args.micro_batch, args.seq_len, _dtype(args), sp)
+    return from_hf_config(
+        args.model, args.micro_batch, args.seq_len, _dtype(args), sp, args.attention
+    )
 
 
 def _dtype(args: argparse.Namespace) -> Any:
@@ -307,7 +315,9 @@ def _longest_main(args: argparse.Namespace) -> int:
             raise EstimateError(f"--longest needs a memory to fit: give {need}")
         found = []
         for sp in _sp_values(args):
-            shape, fit = longest.fit_sequence(args.model, args.micro_batch, sp, _dtype(args))
+            shape, fit = longest.fit_sequence(
+                args.model, args.micro_batch, sp, _dtype(args), args.attention
+            )
             found += [
                 longest.longest_sequence(shape, fit, c, hw, args.max_seq_len)
                 for c in _candidates(args, hw, True)
@@ -345,12 +355,13 @@ def plan_main(argv: Sequence[str]) -> int:
     if args.trial and (args.model is None or args.nodes != 1):
         ap.error("--trial runs the model on this node: it needs --model and --nodes 1")
     try:
+        sp = _plan_sp(args)
         rates = _rates(args)
-        model, estimates = _estimates(args)
+        model, estimates = _estimates(args, sp)
     except EstimateError as error:
         print(f"partita plan: error: {error}", file=sys.stderr)
         return 2
-    tokens = args.micro_batch * args.seq_len
+    tokens = args.micro_batch * args.seq_len // sp  # one rank's share of the sequence
     ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
     kept = (
         plan.kept_out_by_headroom(model, estimates, ranked, tokens, rates)
@@ -371,12 +382,29 @@ def plan_main(argv: Sequence[str]) -> int:
     if best is None:  # only trials could have found one, and none fit
         print(_nothing_fits(estimates))
         return 1
-    plan.write_ds_config(args.output, plan.ds_config(best, args.micro_batch, args.nvme_path))
+    config = plan.ds_config(best, args.micro_batch, args.nvme_path, sp)
+    plan.write_ds_config(args.output, config)
     extra = " (enable activation checkpointing in the model)" if best.checkpointing else ""
     print(f"chose {best.label}; wrote {args.output}{extra}")
     if not args.trial:
         _print_kept_out(args, estimates, ranked, kept)
     return 0
+
+
+def _plan_sp(args: argparse.Namespace) -> int:
+    """The one sequence-parallel degree ``partita plan`` plans for."""
+    values = _sp_values(args)
+    if len(values) > 1:
+        raise EstimateError(
+            f"partita plan takes one --sp, got {' '.join(map(str, values))} (partita estimate "
+            "compares degrees)"
+        )
+    if args.trial and values[0] > 1:
+        raise EstimateError(
+            f"--trial runs the model without sequence parallelism: sequence_parallel_size "
+            f"{values[0]} cannot be tried (leave out --trial)"
+        )
+    return values[0]
 
 
 def _plan_parser() -> argparse.ArgumentParser:

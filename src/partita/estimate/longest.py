@@ -158,16 +158,18 @@ def fit_sequence(
     micro_batch: int,
     sp: int,
     dtype: torch.dtype = torch.bfloat16,
+    attention: str = "traced",
     lengths: Sequence[int] = FIT_LENGTHS,
 ) -> tuple[ModelShape, SequenceFit]:
     """The model's shape (without activations) and one Ulysses rank's fitted activations at
-    ``sequence_parallel_size`` `sp`, from a Hugging Face config or folder `source`."""
+    ``sequence_parallel_size`` `sp`, from a Hugging Face config or folder `source`
+    (`attention` as in `partita.estimate.ulysses.ATTENTION`)."""
     config = load_hf_config(source)
     check_sequence_parallel(config, sp)
     model = meta_model(config, dtype)
     shape = describe_module(model)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
-    fit = fit_from(lambda n: _trace_rank(model, micro_batch, n, sp), sp, lengths)
+    fit = fit_from(lambda n: _trace_rank(model, micro_batch, n, sp, attention), sp, lengths)
     return replace(shape, name=str(name), micro_batch=micro_batch), fit
 
 
@@ -295,9 +297,10 @@ def _notes(shape: ModelShape, found: Sequence[Longest]) -> list[str]:
         "tightest (the device, or the host on CPU ranks), '+sp tokens' the need one step "
         "longer, which does not fit; the groups are one rank's bytes on device, host and NVMe",
         "note: activations are one Ulysses rank's: position-wise tensors at seq_len/sp tokens, "
-        "attention's score matrices (eager, and SDPA's math path as traced) for h/sp heads of "
-        "the whole sequence; model states shard over all ranks (dp x sp); sequence-tiled MLP "
-        "and loss (partita.tiling) and the all-to-all buffers are not modelled",
+        "attention's own (--attention: traced score matrices, or a fused kernel's) for h/sp "
+        "heads of the whole sequence; model states shard over all ranks (dp x sp); "
+        "sequence-tiled MLP and loss (partita.tiling) and the all-to-all buffers are not "
+        "modelled",
     ]
     if any(r.limit for r in found):
         notes.append("note: >= : the search stopped at --max_seq_len")

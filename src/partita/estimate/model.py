@@ -206,6 +206,7 @@ def from_hf_config(
     seq_len: int,
     dtype: torch.dtype = torch.bfloat16,
     sp: int = 1,
+    attention: str = "traced",
 ) -> ModelShape:
     """The shape of a Hugging Face model with one rank's activations traced at ``micro_batch x
     seq_len`` in `dtype` (built on the meta device: nothing is downloaded or allocated); with
@@ -222,7 +223,7 @@ def from_hf_config(
         )
     model = meta_model(config, dtype)
     shape = describe_module(model)
-    profile = trace_rank(model, micro_batch, seq_len // sp, sp)
+    profile = trace_rank(model, micro_batch, seq_len // sp, sp, attention)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
     return replace(
         shape, name=str(name), activations=profile, micro_batch=micro_batch, seq_len=seq_len
@@ -230,10 +231,15 @@ def from_hf_config(
 
 
 def trace_rank(
-    model: torch.nn.Module, micro_batch: int, local_len: int, sp: int = 1
+    model: torch.nn.Module,
+    micro_batch: int,
+    local_len: int,
+    sp: int = 1,
+    attention: str = "traced",
 ) -> ActivationProfile:
     """The activations one rank saves running `model` (built by `meta_model`) on
-    ``micro_batch x local_len`` tokens as one of `sp` Ulysses ranks (sp 1: plainly)."""
+    ``micro_batch x local_len`` tokens as one of `sp` Ulysses ranks (sp 1: plainly), attention
+    counted as `attention` says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from partita.zero.stage3.strategy import default_unit_modules
@@ -245,7 +251,7 @@ def trace_rank(
             ids = torch.zeros((micro_batch, local_len), dtype=torch.long, device="meta")
             return m(input_ids=ids, labels=ids) if _has_labels(m) else m(input_ids=ids)
 
-    with rank_attention(model, sp):
+    with rank_attention(model, sp, attention):
         return trace_activations(model, run, default_unit_modules(model))
 
 

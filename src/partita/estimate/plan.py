@@ -23,6 +23,10 @@ Step time follows the engine's schedule (`partita.zero`):
 - NVMe: optimizer state read and written each step, parameter shards read in forward and
   backward, through the node's disk bandwidth shared by its ranks.
 
+With sequence parallelism (sp) a rank computes on seq_len / sp tokens of each sequence; the
+Ulysses all-to-alls (4 per layer each way, b x S x h x d / sp elements each) and attention's
+quadratic FLOPs are not in the step time.
+
 Not modelled: the device optimizer step without offload, the copies of gradients into buckets
 and of updated shards into the parameters, the wait of a rank for a slower one.
 """
@@ -115,7 +119,7 @@ def step_time(
     est: Estimate, params: int, tokens_per_rank: int, rates: Rates, recomputed: int | None = None
 ) -> Timing:
     """Predicted step time of `est`'s configuration for `params` trainable parameters and
-    `tokens_per_rank` tokens per rank per step (micro-batch x sequence length); `recomputed`:
+    `tokens_per_rank` tokens per rank per step (micro-batch x sequence length / sp); `recomputed`:
     the parameters inside the checkpointed blocks (`ModelShape.recomputed`; None: all)."""
     c, hw = est.candidate, est.hardware
     n, p = hw.world, DTYPE_BYTES[c.precision]
@@ -206,8 +210,11 @@ def rank_need(est: Estimate) -> int:
     return est.device
 
 
-def ds_config(c: Candidate, micro_batch: int, nvme_path: str | None = None) -> dict[str, Any]:
-    """The DeepSpeed config of candidate `c` (AdamW; ``nvme_path`` for NVMe offload)."""
+def ds_config(
+    c: Candidate, micro_batch: int, nvme_path: str | None = None, sequence_parallel_size: int = 1
+) -> dict[str, Any]:
+    """The DeepSpeed config of candidate `c` (AdamW; ``nvme_path`` for NVMe offload; the
+    ``sequence_parallel_size`` key when above 1)."""
     zero: dict[str, Any] = {"stage": c.stage}
     for key, where in (
         ("offload_optimizer", c.offload_optimizer),
@@ -227,6 +234,8 @@ def ds_config(c: Candidate, micro_batch: int, nvme_path: str | None = None) -> d
     }
     if c.precision != "fp32":
         config[c.precision] = {"enabled": True}
+    if sequence_parallel_size > 1:
+        config["sequence_parallel_size"] = sequence_parallel_size
     return config
 
 

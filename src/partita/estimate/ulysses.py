@@ -11,7 +11,9 @@ So what scales with the sequence splits in two:
   b x S x h x d / sp elements on either side) is what the model saves at S/sp tokens;
 - the attention core's own tensors (eager attention's score and probability matrices, b x h x
   S x S, and SDPA's math path, which is what tracing on fake tensors sees) hold h/sp heads of the
-  whole sequence: S^2/sp per rank, not (S/sp)^2.
+  whole sequence: S^2/sp per rank, not (S/sp)^2. A fused kernel (flash or memory-efficient
+  SDPA, what GPUs run) keeps no scores: counted as `fused_attention` (``--attention fused``),
+  attention's memory is position-wise too.
 
 Rather than add those up by formula, the rank is traced: the model runs at S/sp tokens with its
 attention function replaced by `_RankAttention`, which turns query, key and value into the
@@ -34,7 +36,7 @@ import torch
 
 from partita.estimate.units import EstimateError
 
-__all__ = ["check_sequence_parallel", "rank_attention"]
+__all__ = ["ATTENTION", "check_sequence_parallel", "fused_attention", "rank_attention"]
 
 _KEY = "partita_estimate_ulysses"
 """The attention implementation name the traced model is switched to while tracing."""
@@ -88,6 +90,34 @@ class _FakeAllToAll(torch.autograd.Function):
         return grad.new_empty(ctx.shape_in), None
 
 
+class _FusedAttention(torch.autograd.Function):
+    """A fused attention kernel's memory (flash or memory-efficient SDPA, flash-attn): it
+    saves its inputs, its output and a float32 log-sum-exp per query row, never the
+    ``[b, h, S, S]`` scores; grouped key/value heads are read as they are (not repeated)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, s, _ = q.shape
+        out = q.new_empty((b, h, s, v.shape[-1]))
+        lse = q.new_empty((b, h, s), dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return grad.new_empty(q.shape), grad.new_empty(k.shape), grad.new_empty(v.shape)
+
+
+def fused_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: Any, *args: Any, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """An attention function (Transformers' signature) with `_FusedAttention`'s memory,
+    returning ``[b, s, h, d]`` as Transformers' SDPA function does."""
+    return _FusedAttention.apply(query, key, value).transpose(1, 2).contiguous(), None
+
+
 class _RankAttention:
     """The attention function of one Ulysses rank ([Note: a rank's activations under Ulysses]):
     ``[b, h, S/sp, d]`` query, key, value in, ``[b, S/sp, h, d]`` output out, the model's own
@@ -104,6 +134,9 @@ class _RankAttention:
         from partita.parallel.ulysses import check_heads
 
         sp = self.sp
+        core = self.core or sys.modules[type(module).__module__].eager_attention_forward
+        if sp == 1:  # no all-to-all: the core alone
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
         b, h, s, _ = query.shape
         repeat = check_heads(h, key.shape[1], sp)
         if repeat > 1:
@@ -113,7 +146,6 @@ class _RankAttention:
             _FakeAllToAll.apply(t, (b, t.shape[1] // sp, s * sp, t.shape[3]))
             for t in (query, key, value)
         )
-        core = self.core or sys.modules[type(module).__module__].eager_attention_forward
         groups = getattr(module, "num_key_value_groups", None)
         if groups is not None:
             module.num_key_value_groups = q.shape[1] // k.shape[1]
@@ -126,12 +158,22 @@ class _RankAttention:
         return _FakeAllToAll.apply(out, (b, s, h, out.shape[-1])), weights
 
 
+ATTENTION = ("traced", "fused")
+"""How attention's memory is counted: "traced", what the model's own attention function saves
+on fake tensors (eager: the scores; SDPA: its math path, which also keeps the scores, as the
+fused kernels are not chosen on fake tensors); "fused", a fused kernel's (`fused_attention`:
+what flash or memory-efficient SDPA keep on GPUs, and CPU's fused SDPA)."""
+
+
 @contextmanager
-def rank_attention(model: torch.nn.Module, sp: int) -> Iterator[None]:
+def rank_attention(model: torch.nn.Module, sp: int, attention: str = "traced") -> Iterator[None]:
     """While open, `model` (a Hugging Face model using Transformers' attention interface) runs
     as one rank of a Ulysses group of `sp`: its attention sees h/sp heads of sp times the
-    tokens it is given. sp 1 changes nothing."""
-    if sp == 1:
+    tokens it is given, and counts its memory as `attention` says (`ATTENTION`). sp 1 with
+    "traced" changes nothing."""
+    if attention not in ATTENTION:
+        raise EstimateError(f"attention {attention!r} must be one of {', '.join(ATTENTION)}")
+    if sp == 1 and attention == "traced":
         yield
         return
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -141,6 +183,8 @@ def rank_attention(model: torch.nn.Module, sp: int) -> Iterator[None]:
     given = config._attn_implementation_internal
     impl = given or "eager"
     core = None if impl == "eager" else ALL_ATTENTION_FUNCTIONS[impl]
+    if attention == "fused":
+        core = fused_attention
     ALL_ATTENTION_FUNCTIONS[_KEY] = _RankAttention(sp, core)
     ALL_MASK_ATTENTION_FUNCTIONS[_KEY] = ALL_MASK_ATTENTION_FUNCTIONS[impl]
     config._attn_implementation_internal = _KEY
