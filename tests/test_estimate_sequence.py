@@ -268,3 +268,45 @@ def test_plan_writes_the_degree_and_plans_one_ranks_share(
         assert steps[2][label] == pytest.approx(compute / 2, rel=0.01)
     assert plan_main([*argv, "--sp", "1", "2"]) == 2
     assert "partita plan takes one --sp, got 1 2" in capsys.readouterr().err
+
+
+def real_rank_saves(local: int) -> Any:
+    """On one rank of a live group: the tensors a real forward of a tiny Llama saves for
+    backward through partita's Ulysses (`UlyssesHFAttention` around Transformers' SDPA, the
+    whole world as the sequence group), counted as the estimator counts them."""
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from partita.estimate.activations import trace_activations
+    from partita.parallel.ulysses import UlyssesHFAttention
+    from partita.zero.stage3.strategy import default_unit_modules
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama(kv=2, impl="sdpa")).train()
+    core = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = UlyssesHFAttention(core, None)
+    try:
+        ids = torch.randint(0, 1024, (1, local))
+        run = lambda m: m(input_ids=ids, labels=ids)  # noqa: E731
+        return trace_activations(model, run, default_unit_modules(model))
+    finally:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = core
+
+
+def test_a_real_ulysses_rank_saves_what_the_fused_count_says() -> None:
+    """Two CPU ranks run a tiny grouped-query Llama through partita's Ulysses (CPU SDPA runs
+    its fused kernel there): each rank's saved tensors are, storage for storage, the ones
+    `trace_rank` counts with ``attention="fused"`` at the same degree; the traced math path
+    counts more (the scores)."""
+    from partita.testing import run_distributed
+
+    local = 256
+    ranks = run_distributed(real_rank_saves, 2, local, timeout=120)
+    model = meta_model(_llama(kv=2, impl="sdpa"), torch.float32)
+    fused = trace_rank(model, 1, local, 2, "fused")
+    for real in ranks:
+        assert sorted(real.storages) == sorted(fused.storages)
+        assert (real.saved, real.block_saved, real.block_inputs, real.largest) == (
+            fused.saved, fused.block_saved, fused.block_inputs, fused.largest,
+        )  # fmt: skip
+    assert trace_rank(model, 1, local, 2).saved > fused.saved
