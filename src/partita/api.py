@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from partita import cluster_env, comm, engine_experts, engine_setup, engine_tensor, env
+from partita.comm import mesh as comm_mesh
 from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
@@ -156,6 +158,7 @@ def _build_dims(model: Any, job: _Job, dims: comm.ParallelDims | None) -> comm.P
     if job.tp > 1:  # the tensor groups (or the mpu's): ZeRO runs over each slice's lane
         dims = engine_tensor.tensor_dims(job.tp, dims)
     dims = engine_experts.with_expert_groups(model, _job_dims(dims, job.shard, job.sp), job.ep)
+    dims = dataclasses.replace(dims, mesh=comm_mesh.job_mesh(dims))  # collective
     set_job_dims(dims)
     dims.check_replicas()  # before the config check: mixed groups make the batch sizes differ
     return dims
@@ -199,16 +202,21 @@ def initialize(
     bad config fails fast with the offending key instead of hanging the job. `mpu`, DeepSpeed's
     model-parallel unit (``get_data_parallel_group/_world_size/_rank``), makes ZeRO run over its
     data-parallel group (see `partita.comm.ParallelDims`); without it, over every rank.
+    `mesh_param`, DeepSpeed's ``(data_parallel_size, sequence_parallel_size)`` or a torch
+    `DeviceMesh` with named dimensions, sets the sizes the config would (`partita.comm.mesh`);
+    ``engine.mesh_device`` is the job's layout as a `DeviceMesh`.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mesh_param is not None:
-        raise NotImplementedError("mesh_param (a device mesh) is not supported; pass mpu=")
     engine_class, mpu = _engine_class(model, mpu)
     # The mpu's groups exist already, so its dimensions are known before the config is read
     # (the batch arithmetic counts data-parallel ranks, not the world).
     dims = None if mpu is None else comm.ParallelDims.from_mpu(mpu)
     source = _config_source(args, config, config_params)
+    if mesh_param is not None:  # [Note: the job's mesh] in partita.comm.mesh
+        if mpu is not None:
+            raise ValueError("initialize(): pass mesh_param= or mpu=, not both")
+        source = comm_mesh.merge_mesh_sizes(source, comm_mesh.mesh_sizes(mesh_param, _job_world()))
     if engine_class is not Engine:  # the pipeline engine reads the config's "pipeline" section
         from partita.parallel.pipe_engine import take_pipeline_section
 

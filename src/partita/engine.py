@@ -137,6 +137,12 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         return self.strategy.state
 
     @property
+    def mesh_device(self) -> Any:
+        """The job's parallel dimensions as a torch `DeviceMesh` with named dimensions (None
+        without a process group): see [Note: the job's mesh] in `partita.comm.mesh`."""
+        return self.dims.mesh
+
+    @property
     def checkpoint_config(self) -> CheckpointConfig:
         """The ``checkpoint`` section of the config."""
         return self._config.checkpoint

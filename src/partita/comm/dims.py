@@ -125,6 +125,10 @@ class ParallelDims:
     """The ranks holding the same experts (expert-data-parallel group)."""
     edp_ranks: tuple[int, ...] = ()
     """Global ranks of the expert-data-parallel group (empty: no expert layers)."""
+    mesh: Any = dataclasses.field(default=None, compare=False)
+    """The dimensions above as one torch `DeviceMesh` ([Note: the job's mesh] in
+    `partita.comm.mesh`), set by `initialize` once the groups exist; None before, or without
+    a process group."""
 
     @property
     def hybrid(self) -> bool:
