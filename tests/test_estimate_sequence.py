@@ -148,6 +148,26 @@ def test_the_longest_sequence_grows_with_memory_and_with_sp(fits: dict[int, Any]
         assert column == sorted(column) and column[0] < column[-1], column
 
 
+def test_the_head_and_loss_hold_every_byte_the_vocabulary_adds() -> None:
+    """'head+loss': what the final norm, the LM head and the loss keep. Two models that differ
+    only in their vocabulary differ in their activations' peak by exactly the difference of
+    that part (the logits and their transients), and it is a part, not all."""
+    from transformers import LlamaConfig
+
+    def fit(vocab: int) -> Any:
+        config = LlamaConfig(
+            hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+        )  # fmt: skip
+        return fit_sequence(config, 1, 2, torch.float32, "fused")[1]
+
+    small, large = fit(1024), fit(8192)
+    local = 700
+    peak = {f: f.profile(local).peak(False) for f in (small, large)}
+    assert peak[large] - peak[small] == large.head_bytes(local) - small.head_bytes(local) > 0
+    assert 0 < small.head_bytes(local) < small.profile(local).saved
+
+
 def test_the_search_stops_at_max_seq_len_and_says_so(fits: dict[int, Any]) -> None:
     shape, fit = fits[2]
     found = longest_sequence(shape, fit, _CANDIDATES[0], Hardware(4, 1, 64 << 30), 4097)
@@ -236,7 +256,8 @@ def test_cli_longest_prints_a_row_per_degree_and_configuration(
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert len(rows) == 2 * 8  # no NVMe given: 8 checkpointed configurations per degree
-    by_sp = {(r[0], " ".join(r[1:-20])): int(r[-20]) for r in rows}  # 9 sizes of 2 words
+    at = [next(i for i, word in enumerate(r) if i and word.isdigit()) for r in rows]
+    by_sp = {(r[0], " ".join(r[1:i])): int(r[i]) for r, i in zip(rows, at, strict=True)}
     for (sp, label), seq in by_sp.items():
         assert seq % int(sp) == 0
         if sp == "2":

@@ -98,6 +98,8 @@ class SequenceFit:
     """All saved bytes."""
     distinct: tuple[Poly, ...]
     """The storages' different quadratics (the largest tensor is the largest of these)."""
+    tail: tuple[Poly, ...] = ()
+    """The storages saved after the last block's (the final norm, the LM head, the loss)."""
 
     @classmethod
     def of(
@@ -106,13 +108,23 @@ class SequenceFit:
         """The fit of `storages` and block `inputs`, with the sums a profile reads."""
         blocks = tuple(_sum([p for b, p in storages if b == i]) for i in range(len(inputs)))
         distinct = tuple(dict.fromkeys(p for _, p in storages))
-        return cls(
-            sp, tuple(storages), tuple(inputs), blocks, _sum([p for _, p in storages]), distinct
-        )
+        last = max((i for i, (b, _) in enumerate(storages) if b >= 0), default=len(storages))
+        tail = tuple(p for _, p in storages[last + 1 :])
+        total = _sum([p for _, p in storages])
+        return cls(sp, tuple(storages), tuple(inputs), blocks, total, distinct, tail)
 
     def sizes(self, local: int) -> tuple[tuple[int, int], ...]:
         """Each storage's (block, bytes) at `local` tokens per rank, as a trace lists them."""
         return tuple((b, _at(p, local)) for b, p in self.storages)
+
+    def head_bytes(self, local: int) -> int:
+        """What the final norm, the LM head and the loss save at `local` tokens per rank, with
+        backward's two transients of the largest tensor when it is theirs (the logits): the
+        part of the activations a sequence-tiled loss (`partita.tiling`) would cut to a
+        shard's."""
+        saved = [_at(p, local) for p in self.tail]
+        largest = self.profile(local).largest
+        return sum(saved) + (2 * largest if largest in saved else 0)
 
     def profile(self, local: int) -> ActivationProfile:
         """The `ActivationProfile` of a rank holding `local` tokens of each sequence (without
@@ -194,6 +206,8 @@ class Longest:
     beyond: Estimate | None
     """The estimate at `seq_len + sp`; None when `limit`."""
     limit: bool = False
+    head: int = 0
+    """Of the activations at `seq_len`, the head and loss's (`SequenceFit.head_bytes`)."""
 
 
 def longest_sequence(
@@ -224,26 +238,29 @@ def longest_sequence(
         lo, hi = hi, hi * 2
     if hi > top:
         if at(top).fits:
-            return Longest(sp, candidate, top * sp, at(top), None, limit=True)
+            return Longest(sp, candidate, top * sp, at(top), None, True, fit.head_bytes(top))
         hi = top
     while hi - lo > 1:  # at(lo) fits, at(hi) does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if at(mid).fits else (lo, mid)
-    return Longest(sp, candidate, lo * sp, at(lo), at(lo + 1))
+    return Longest(sp, candidate, lo * sp, at(lo), at(lo + 1), head=fit.head_bytes(lo))
 
 
 _GROUPS = ("weights", "grads", "optimizer", "buffers", "activations", "slack", "other")
 """The table's columns: `PER_PARAM_GROUPS`, with fp32 masters and moments as "optimizer"."""
 
 
-def groups(e: Estimate) -> dict[str, int]:
-    """One rank's bytes by group, wherever they live (device, host, NVMe)."""
-    out = dict.fromkeys(_GROUPS, 0)
+def groups(e: Estimate) -> tuple[dict[str, int], int]:
+    """One rank's bytes by group where its limit is checked (the device; on CPU ranks device
+    and host, one memory), and its bytes elsewhere (host and NVMe; NVMe on CPU ranks)."""
+    cpu = e.hardware.accelerator == "cpu"
+    out, elsewhere = dict.fromkeys(_GROUPS, 0), 0
     for i in e.items:
         group = PER_PARAM_GROUPS.get(i.name, "other")
         group = "optimizer" if group in ("master", "moments") else group
-        out[group] += i.device + i.host + i.nvme
-    return out
+        out[group] += i.device + (i.host if cpu else 0)
+        elsewhere += i.nvme + (0 if cpu else i.host)
+    return out, elsewhere
 
 
 def _mib(n: int) -> str:
@@ -272,9 +289,10 @@ def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) ->
         f"x {hw.devices_per_node} device(s), micro-batch {shape.micro_batch}; the longest "
         f"sequence that fits {_limit_text(hw)}, one rank's bytes there:"
     )
-    cols = "".join(f" {g:>11s}" for g in _GROUPS)
+    names = [*_GROUPS[:5], "head+loss", *_GROUPS[5:]]
+    cols = "".join(f" {g:>11s}" for g in names)
     lines = [head, f"{'sp':>3s} {'configuration':30s} {'seq_len':>9s} {'per rank':>8s}{cols}"
-             f" {'rank need':>13s} {'+sp tokens':>13s}"]  # fmt: skip
+             f" {'rank need':>13s} {'+sp tokens':>13s} {'elsewhere':>10s}"]  # fmt: skip
     for r in found:
         label = f"{r.sp:>3d} {r.candidate.label:30s}"
         beyond = "-" if r.beyond is None else _mib(rank_need(r.beyond))
@@ -282,10 +300,12 @@ def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) ->
             lines.append(f"{label} {'none':>9s} (even {r.sp} tokens need {beyond} per rank)")
             continue
         length = (">=" if r.limit else "") + str(r.seq_len)
-        parts = "".join(f" {format_bytes(v):>11s}" for v in groups(r.at).values())
+        values, elsewhere = groups(r.at)
+        shown = [*list(values.values())[:5], r.head, *list(values.values())[5:]]
+        parts = "".join(f" {format_bytes(v):>11s}" for v in shown)
         lines.append(
             f"{label} {length:>9s} {r.seq_len // r.sp:>8d}{parts}"
-            f" {_mib(rank_need(r.at)):>13s} {beyond:>13s}"
+            f" {_mib(rank_need(r.at)):>13s} {beyond:>13s} {format_bytes(elsewhere):>10s}"
         )
     lines += _notes(shape, found)
     return "\n".join(lines)
@@ -293,9 +313,12 @@ def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) ->
 
 def _notes(shape: ModelShape, found: Sequence[Longest]) -> list[str]:
     notes = [
-        "note: seq_len steps by sp tokens; 'rank need' is what the rank needs where it is "
-        "tightest (the device, or the host on CPU ranks), '+sp tokens' the need one step "
-        "longer, which does not fit; the groups are one rank's bytes on device, host and NVMe",
+        "note: seq_len steps by sp tokens; the groups are one rank's bytes where its limit is "
+        "checked (the device; device and host on CPU ranks) and add up to 'rank need'; "
+        "'head+loss' is the part of the activations the final norm, LM head and loss keep "
+        "(with backward's transients of the logits), which a sequence-tiled loss would cut; "
+        "'+sp tokens': the need one step longer, which does not fit; 'elsewhere': the rank's "
+        "offloaded bytes (host, NVMe)",
         "note: activations are one Ulysses rank's: position-wise tensors at seq_len/sp tokens, "
         "attention's own (--attention: traced score matrices, or a fused kernel's) for h/sp "
         "heads of the whole sequence; model states shard over all ranks (dp x sp); "
