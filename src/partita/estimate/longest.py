@@ -297,7 +297,8 @@ def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) ->
         label = f"{r.sp:>3d} {r.candidate.label:30s}"
         beyond = "-" if r.beyond is None else _mib(rank_need(r.beyond))
         if r.at is None:
-            lines.append(f"{label} {'none':>9s} (even {r.sp} tokens need {beyond} per rank)")
+            tokens = f"{r.sp} tokens need" if r.sp > 1 else "1 token needs"
+            lines.append(f"{label} {'none':>9s} (even {tokens} {beyond} per rank)")
             continue
         length = (">=" if r.limit else "") + str(r.seq_len)
         values, elsewhere = groups(r.at)
