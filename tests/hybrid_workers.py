@@ -17,7 +17,13 @@ def hybrid_train(case: dict[str, Any]) -> dict[str, Any]:
     groups (read from a probe engine built with the same config)."""
     before = {g: comm.COUNTERS.bytes(group=g) for g in ("dp_shard", "dp_replicate")}
     by_op = dict(comm.COUNTERS.total_group_bytes)
+    by_link = dict(comm.COUNTERS.total_link_bytes)
     result = train(**case)
+    result["inter_by_op"] = {
+        f"{op}/{tag}": v - by_link.get((k, op, tag), 0)
+        for (k, op, tag), v in comm.COUNTERS.total_link_bytes.items()
+        if k == "inter" and v - by_link.get((k, op, tag), 0)
+    }
     result["group_bytes"] = {g: comm.COUNTERS.bytes(group=g) - b for g, b in before.items()}
     result["replicate_by_op"] = {
         f"{op}/{tag}": v - by_op.get((g, op, tag), 0)

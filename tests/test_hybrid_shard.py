@@ -69,7 +69,10 @@ def results() -> dict:
         {"train": {"config": stage3, "steps": STEPS, "model_kwargs": TINY}},
     ]
     cases += [{"bad": zero} for zero in BAD]
-    per_rank = run_distributed(hybrid_grid, WORLD, cases, timeout=240)
+    # 2 "nodes" of 2 ranks ([Note: links] in partita.comm.counters): the shard groups lie
+    # inside one, the replicate groups cross.
+    env = {"LOCAL_WORLD_SIZE": str(SHARD)}
+    per_rank = run_distributed(hybrid_grid, WORLD, cases, timeout=240, env=env)
     return {
         "train": [r[:runs] for r in per_rank],
         "probe": [r[runs] for r in per_rank],
@@ -133,6 +136,12 @@ def test_bytes_between_replicas_are_one_gradient_shard_per_step(results: dict) -
             run = per_rank[i]
             shard_bytes = _shard_bytes(run, STAGES[i % half])
             assert run["replicate_by_op"] == {"all_reduce/grad": STEPS * shard_bytes}
+            # Across the 2 "nodes": that all-reduce each step, and nothing else of the steps
+            # (the start-up broadcast of the model and the test's own loss sum aside).
+            inter = dict(run["inter_by_op"])
+            assert inter.pop("broadcast/init") == run["numel"] * (4 if i < half else 8)
+            assert inter.pop("all_reduce/test") > 0
+            assert inter == {"all_reduce/grad": STEPS * shard_bytes}
             assert run["group_bytes"]["dp_replicate"] == STEPS * shard_bytes
             assert run["group_bytes"]["dp_shard"] > 0
         for stage, clipped in zip((2, 3), per_rank[3:5], strict=True):

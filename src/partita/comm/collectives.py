@@ -35,7 +35,32 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 def _record(op: str, tag: str, tensor: torch.Tensor, group: ProcessGroup | None) -> None:
     nbytes = tensor.numel() * tensor.element_size()
-    COUNTERS.record(op, tag, nbytes, tensor.numel(), group_name(group))
+    COUNTERS.record(op, tag, nbytes, tensor.numel(), group_name(group), link_of(group))
+
+
+_LINKS: dict[int, tuple[Any, str]] = {}
+"""`link_of`'s answers by group id (the group kept with it, so that an id is not reused while
+its entry lives)."""
+
+
+def link_of(group: ProcessGroup | None) -> str:
+    """The link `group`'s collectives use (None: the default group): "intra" when all its
+    ranks are on one node, else "inter" ([Note: links] in `partita.comm.counters`)."""
+    entry = _LINKS.get(id(group))
+    if entry is not None and entry[0] is group:
+        return entry[1]
+    if not is_initialized():
+        return "intra"
+    from partita import cluster_env
+
+    node = max(1, cluster_env.detect().local_world_size)
+    if group is None:
+        ranks = list(range(dist.get_world_size()))
+    else:
+        ranks = dist.get_process_group_ranks(group)
+    link = "intra" if len({r // node for r in ranks}) == 1 else "inter"
+    _LINKS[id(group)] = (group, link)
+    return link
 
 
 def _single_process(group: ProcessGroup | None) -> bool:

@@ -14,6 +14,14 @@ measure (an all-reduce is a reduce-scatter followed by an all-gather, so it coun
 Each record also names the group it ran on, when the group was named with `name_group` (the
 hybrid layout names its groups ``"dp_shard"`` and ``"dp_replicate"``; others read as ``""``):
 ``bytes(group="dp_replicate")`` is the traffic between replicas, the one that crosses nodes.
+
+[Note: links]
+Each record also says which link carries it: ``"intra"`` when every rank of its group is on one
+node, ``"inter"`` when the group spans nodes (`partita.comm.collectives.link_of`; a node is a
+block of ``LOCAL_WORLD_SIZE`` consecutive ranks, as the launchers place them). The payload of a
+collective over a group that spans nodes is counted as inter-node whole: an upper bound of what
+crosses (a ring over 2 nodes of n ranks sends 2 of its n hops across), and the figure a
+hierarchical layout (hybrid sharding, hpZ, qgZ) is judged by: ``bytes(link="inter")``.
 """
 
 from __future__ import annotations
@@ -51,12 +59,24 @@ class CommCounters:
     step_group_bytes: dict[tuple[str, str, str], int] = field(
         default_factory=lambda: defaultdict(int)
     )
+    total_link_bytes: dict[tuple[str, str, str], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
+    """Bytes by (link, op, tag), link "intra" or "inter" node ([Note: links])."""
+    step_link_bytes: dict[tuple[str, str, str], int] = field(
+        default_factory=lambda: defaultdict(int)
+    )
     observer: CommObserver | None = None
     """Told of every record and completion when set (the comms logger); None costs one test."""
 
-    def record(self, op: str, tag: str, nbytes: int, numel: int, group: str = "") -> None:
-        """Adds one collective's payload to the totals (`group`: its group's name)."""
+    def record(
+        self, op: str, tag: str, nbytes: int, numel: int, group: str = "", link: str = "intra"
+    ) -> None:
+        """Adds one collective's payload to the totals (`group`: its group's name; `link`:
+        "intra" or "inter" node, [Note: links])."""
         key = (op, tag)
+        self.total_link_bytes[(link, op, tag)] += nbytes
+        self.step_link_bytes[(link, op, tag)] += nbytes
         self.total_group_bytes[(group, op, tag)] += nbytes
         self.step_group_bytes[(group, op, tag)] += nbytes
         self.total_bytes[key] += nbytes
@@ -76,12 +96,14 @@ class CommCounters:
         self.step_bytes = defaultdict(int)
         self.step_elements = defaultdict(int)
         self.step_group_bytes = defaultdict(int)
+        self.step_link_bytes = defaultdict(int)
 
     def reset(self) -> None:
         """Clears every total."""
         self.total_bytes = defaultdict(int)
         self.total_calls = defaultdict(int)
         self.total_group_bytes = defaultdict(int)
+        self.total_link_bytes = defaultdict(int)
         self.begin_step()
 
     def bytes(
@@ -91,8 +113,13 @@ class CommCounters:
         *,
         step: bool = False,
         group: str | None = None,
+        link: str | None = None,
     ) -> int:
-        """Sum of payload bytes matching `op`, `tag` and the group's name (None matches any)."""
+        """Sum of payload bytes matching `op`, `tag` and the group's name, or the `link`
+        ("intra" / "inter" node; None matches any)."""
+        if link is not None:
+            by_link = self.step_link_bytes if step else self.total_link_bytes
+            return sum(v for (k, o, t), v in by_link.items() if k == link and _match(o, t, op, tag))
         if group is not None:
             by_group = self.step_group_bytes if step else self.total_group_bytes
             return sum(

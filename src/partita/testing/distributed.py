@@ -146,13 +146,16 @@ def execute(
         base_env = rank_environ(_rank_env(world_size, run_dir, env))
         threads = rank_threads(world_size)
         ctx, parent_pid = start_context(base_env)
+        # `env` may set LOCAL_WORLD_SIZE to lay the ranks out as several "nodes" of that many
+        # consecutive ranks (what the node-aware counters and layouts read).
+        node = int(base_env.get("LOCAL_WORLD_SIZE", world_size))
         for rank in range(world_size):
             spec = ChildSpec(
                 rank=rank,
                 world_size=world_size,
                 run_dir=run_dir,
                 payload=payload,
-                env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                env={**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank % node)},
                 num_threads=threads,
                 pg_timeout_s=max(timeout, startup),
                 parent_pid=parent_pid,
