@@ -262,6 +262,11 @@ def test_cli_longest_prints_a_row_per_degree_and_configuration(
         assert seq % int(sp) == 0
         if sp == "2":
             assert seq > by_sp["1", label]
+    (sp, label), seq = max(by_sp.items(), key=lambda kv: kv[1])
+    assert f"longest: {seq} tokens at sequence_parallel_size {sp} with {label}\n" in out
+    limit = _llama().max_position_embeddings
+    said = f"answers above {limit} tokens pass the model's max_position_embeddings" in out
+    assert said == (seq > limit)
 
 
 def test_plan_writes_the_degree_and_plans_one_ranks_share(

@@ -305,6 +305,7 @@ def _longest_main(args: argparse.Namespace) -> int:
     """``partita estimate --longest``: the longest sequence of every configuration and degree,
     with one rank's memory there by group (`longest.format_longest`)."""
     from partita.estimate import longest
+    from partita.estimate.model import load_hf_config
 
     try:
         if args.model is None:
@@ -325,7 +326,11 @@ def _longest_main(args: argparse.Namespace) -> int:
     except EstimateError as error:
         print(f"partita estimate: error: {error}", file=sys.stderr)
         return 2
-    print(longest.format_longest(shape, hw, found))
+    config = load_hf_config(args.model)
+    positions = getattr(config, "max_position_embeddings", None) or getattr(
+        config, "n_positions", None
+    )
+    print(longest.format_longest(shape, hw, found, positions))
     return 0 if any(r.seq_len for r in found) else 1
 
 

@@ -281,9 +281,12 @@ def _limit_text(hw: Hardware) -> str:
     return f"{format_bytes(have)} {where} ({_mib(usable)} per rank usable{kept})"
 
 
-def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) -> str:
+def format_longest(
+    shape: ModelShape, hw: Hardware, found: Sequence[Longest], positions: int | None = None
+) -> str:
     """The table of `found`: per degree and configuration, the longest sequence and one rank's
-    memory there by group, with the need one step (sp tokens) longer."""
+    memory there by group, with the need one step (sp tokens) longer; `positions`: the model's
+    own length limit (``max_position_embeddings``), named where an answer passes it."""
     head = (
         f"{shape.name}: {shape.trainable / 1e9:.3g}B trainable parameters on {hw.nodes} node(s) "
         f"x {hw.devices_per_node} device(s), micro-batch {shape.micro_batch}; the longest "
@@ -308,12 +311,24 @@ def format_longest(shape: ModelShape, hw: Hardware, found: Sequence[Longest]) ->
             f"{label} {length:>9s} {r.seq_len // r.sp:>8d}{parts}"
             f" {_mib(rank_need(r.at)):>13s} {beyond:>13s} {format_bytes(elsewhere):>10s}"
         )
-    lines += _notes(shape, found)
+    lines += _notes(found, positions)
     return "\n".join(lines)
 
 
-def _notes(shape: ModelShape, found: Sequence[Longest]) -> list[str]:
-    notes = [
+def _notes(found: Sequence[Longest], positions: int | None) -> list[str]:
+    best = max(found, key=lambda r: r.seq_len, default=None)
+    notes = []
+    if best is not None and best.seq_len:
+        notes.append(
+            f"longest: {best.seq_len} tokens at sequence_parallel_size {best.sp} with "
+            f"{best.candidate.label}"
+        )
+    if positions is not None and any(r.seq_len > positions for r in found):
+        notes.append(
+            f"note: answers above {positions} tokens pass the model's max_position_embeddings "
+            "(memory allows them; the model must be trained or scaled for such positions)"
+        )
+    notes += [
         "note: seq_len steps by sp tokens; the groups are one rank's bytes where its limit is "
         "checked (the device; device and host on CPU ranks) and add up to 'rank need'; "
         "'head+loss' is the part of the activations the final norm, LM head and loss keep "
