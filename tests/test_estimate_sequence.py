@@ -92,6 +92,20 @@ def test_the_fit_matches_a_trace_at_a_fourth_length() -> None:
         )
 
 
+def test_sizes_that_are_not_quadratic_in_the_length_are_refused() -> None:
+    """A storage growing with the cube of the length fits three lengths exactly and misses the
+    fourth: refused, not extrapolated; a quadratic one passes."""
+    from partita.estimate.activations import ActivationProfile
+    from partita.estimate.longest import fit_from
+
+    def trace(power: int) -> Any:
+        return lambda n: ActivationProfile(n**power, (n**power,), (n,), n**power, ((0, n**power),))
+
+    assert fit_from(trace(2), 1).profile(1000).saved == 1000**2
+    with pytest.raises(EstimateError, match="do not grow as a quadratic"):
+        fit_from(trace(3), 1)
+
+
 def test_ulysses_saves_less_than_a_slice_where_its_copies_replace_views() -> None:
     """GPT-2 keeps its fused qkv storage alive through value's view; after the all-to-all
     the rank keeps only its own value: less than the model saves at S/sp tokens."""

@@ -11,7 +11,8 @@ its own quadratic exactly (Lagrange, in fractions), and at any other length the 
 rebuilt storage by storage: the sums, each block's part and the largest tensor (a maximum of
 quadratics, which is why the storages are fitted one by one rather than the totals). A trace
 whose storages do not line up with the others (a model that saves different tensors at
-different lengths) is refused rather than guessed. Under Ulysses the rank's traces are taken at
+different lengths) is refused rather than guessed, and so is a fit that does not predict a
+fourth trace (`CHECK_LENGTH`) storage by storage. Under Ulysses the rank's traces are taken at
 its own S/sp tokens ([Note: a rank's activations under Ulysses] in ``ulysses.py``), so the
 polynomial is in the rank's tokens and the search steps the sequence by sp tokens.
 """
@@ -53,6 +54,8 @@ __all__ = [
 
 FIT_LENGTHS = (64, 128, 192)
 """The rank's token counts traced for a fit (three points fix a quadratic)."""
+CHECK_LENGTH = 320
+"""A fourth token count the fit must predict storage by storage, or it is refused."""
 
 Poly = tuple[Fraction, Fraction, Fraction]
 
@@ -138,10 +141,13 @@ class SequenceFit:
 
 
 def fit_from(
-    trace: Callable[[int], ActivationProfile], sp: int, lengths: Sequence[int] = FIT_LENGTHS
+    trace: Callable[[int], ActivationProfile],
+    sp: int,
+    lengths: Sequence[int] = FIT_LENGTHS,
+    check: int | None = CHECK_LENGTH,
 ) -> SequenceFit:
-    """Fits ``trace(local tokens)`` at three `lengths` ([Note: fitting activations over the
-    sequence length])."""
+    """Fits ``trace(local tokens)`` at three `lengths` and checks the fit against a trace at
+    `check` tokens (None: unchecked) ([Note: fitting activations over the sequence length])."""
     if len(lengths) != 3 or len(set(lengths)) != 3:
         raise EstimateError(f"a fit needs three different lengths, got {list(lengths)}")
     profiles = [trace(n) for n in lengths]
@@ -162,7 +168,18 @@ def fit_from(
     )
     if len(inputs) != len(profiles[0].block_saved):
         raise EstimateError("a trace's blocks and block inputs do not match")
-    return SequenceFit.of(sp, storages, inputs)
+    fit = SequenceFit.of(sp, storages, inputs)
+    if check is not None:
+        traced = trace(check)
+        if fit.sizes(check) != traced.storages or fit.profile(check).block_inputs != tuple(
+            traced.block_inputs
+        ):
+            raise EstimateError(
+                f"the activations fitted at {', '.join(map(str, lengths))} tokens per rank do "
+                f"not predict the trace at {check}: they do not grow as a quadratic of the "
+                "sequence length"
+            )
+    return fit
 
 
 def fit_sequence(
