@@ -25,7 +25,7 @@ from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.shard_step import TensorParallelNorm
 from partita.zero.sharded import Sharded
 from partita.zero.stage0 import DataParallel
-from partita.zero.stage3 import FullySharded
+from partita.zero.stage3 import FullySharded, Stage3Settings
 from partita.zero.stage3.nvme import optimizer_pipeline
 from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
 
@@ -418,7 +418,8 @@ def strategy(
         )  # fmt: skip
     if zero.stage == 3:
         return FullySharded(
-            module, groups, policy, make_optimizer, zero, scaling, group=group,
+            module, groups, policy, make_optimizer, Stage3Settings.from_config(zero), scaling,
+            group=group,
             placement=offload_placement(config), tensor=tensor, replicas=replicas,
             holders=dims.grad_group,
         )  # fmt: skip

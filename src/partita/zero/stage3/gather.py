@@ -30,7 +30,6 @@ step) stay exact and primary, as DeepSpeed's are: a saved model never holds quan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -39,6 +38,7 @@ from partita.comm.dims import node_block_group, node_lane_group
 from partita.config.errors import config_error
 from partita.precision.quantize import check_block_size, pack, packed_nbytes, unpack_rows
 from partita.zero.stage3.qgz import NodeGroups
+from partita.zero.stage3.settings import Stage3Settings
 
 DEFAULT_BLOCK_SIZE = 2048
 """Elements per quantization block (one fp32 scale each: 0.2% more bytes than int8 alone)."""
@@ -173,19 +173,19 @@ def check_hpz_size(size: int, world: int, zero_world: int) -> None:
         )
 
 
-def plan_from_config(zero: Any, group: comm.ProcessGroup | None) -> GatherPlan:
-    """The training gathers' plan for stage 3 from its config section: qwZ's quantization and
+def plan_from_config(zero: Stage3Settings, group: comm.ProcessGroup | None) -> GatherPlan:
+    """The training gathers' plan for stage 3 from its settings: qwZ's quantization and
     hpZ's node group (made here, collectively, after its size is checked on every rank)."""
-    size = int(zero.zero_hpz_partition_size)
+    size = zero.hpz_partition_size
     secondary = None
     if size > 1:
         check_hpz_size(size, comm.get_world_size(), comm.get_world_size(group))
         node, _ = node_block_group(size, "hpz")
         secondary = SecondaryGroup(node, size, comm.get_rank(group) % size)
-    weights = bool(zero.zero_quantized_weights)
+    weights = zero.quantized_weights
     return GatherPlan(
         quantize_trainable=weights,
-        quantize_frozen=weights or bool(zero.zero_quantized_nontrainable_weights),
+        quantize_frozen=weights or zero.quantized_nontrainable_weights,
         secondary=secondary,
     )
 
@@ -193,11 +193,11 @@ def plan_from_config(zero: Any, group: comm.ProcessGroup | None) -> GatherPlan:
 QGZ_KEY = "zero_optimization.zero_quantized_gradients"
 
 
-def reduce_groups_from_config(zero: Any, plan: GatherPlan) -> NodeGroups | None:
+def reduce_groups_from_config(zero: Stage3Settings, plan: GatherPlan) -> NodeGroups | None:
     """qgZ's two hops (``zero_quantized_gradients``; None when off): hpZ's node group, and the
     lane across nodes made here (collectively). The node dimension is hpZ's: without
     ``zero_hpz_partition_size`` > 1 partita knows no nodes, and refuses naming the key."""
-    if not bool(zero.zero_quantized_gradients):
+    if not zero.quantized_gradients:
         return None
     if plan.secondary is None:
         raise config_error(

@@ -36,6 +36,7 @@ from partita.zero.stage3.identity import END, GATHER, DivergenceCheck
 from partita.zero.stage3.leaves import declared_leaves, leaf_groups
 from partita.zero.stage3.nvme import SwappedOptimizerState
 from partita.zero.stage3.schedule import UnitScheduler
+from partita.zero.stage3.settings import Stage3Settings
 from partita.zero.stage3.state import UnitShardLayout
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, trace
 from partita.zero.state_access import ParamStates
@@ -122,12 +123,12 @@ def _binding_modules(
 
 
 def _plan(
-    model: torch.nn.Module, blocks: list[torch.nn.Module], zero: Any
+    model: torch.nn.Module, blocks: list[torch.nn.Module], zero: Stage3Settings
 ) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
     """`plan_units` with the conditional modules the model and ``zero.leaf_module`` declare;
     their parents join `blocks` (in place): a parent's own forward gathers its unit whole."""
     leaves = declared_leaves(model, zero.leaf_module)
-    plan = plan_units(model, blocks, int(zero.stage3_param_persistence_threshold), leaves)
+    plan = plan_units(model, blocks, zero.param_persistence_threshold, leaves)
     blocks += [parent for _, parent, _ in leaf_groups(model, leaves)]
     return plan
 
@@ -206,7 +207,7 @@ class FullySharded:
         groups: ParamGroups,
         policy: PrecisionPolicy,
         make_optimizer: OptimizerFactory,
-        zero: Any,
+        zero: Stage3Settings,
         scaling: ReduceScaling,
         unit_modules: Sequence[torch.nn.Module] | None = None,
         group: comm.ProcessGroup | None = None,
@@ -235,26 +236,26 @@ class FullySharded:
         # sub_group_size elements per rank.
         build = _UnitFactory(
             group_of, len(groups), world, rank, policy, placement,
-            int(zero.sub_group_size) * world, placement.params.max_in_cpu, group, gather_plan,
+            zero.sub_group_size * world, placement.params.max_in_cpu, group, gather_plan,
         )  # fmt: skip
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
         bindings = self._build_units(build, plan, persistent, module, modules)
-        self.divergence = self._check_divergence(group, bool(zero.stage3_check_divergence))
+        self.divergence = self._check_divergence(group, zero.check_divergence)
         """Identities of the units' collectives, checked across ranks ([Note: rank
         divergence])."""
         if opt.where == "host" and opt.ratio < 1.0:
             self._keep_masters_on_device(opt.ratio)
-        bucket = int(zero.reduce_bucket_size)  # gradient elements in reduce-scatters at once
+        bucket = zero.reduce_bucket_size  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
             scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket,
             quantized=reduce_groups_from_config(zero, gather_plan), replicas=replicas,
         )  # fmt: skip
         self.scheduler = UnitScheduler(
             self.units, bindings, self._reduce_unit,
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-            max_live_numel=int(zero.stage3_max_live_parameters),
-            max_reuse_distance=int(zero.stage3_max_reuse_distance),
+            prefetch_numel=zero.prefetch_bucket_size,
+            max_live_numel=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
             read_ahead=placement.params.read_ahead,
         )  # fmt: skip
         self._where = {p: (unit, i) for unit in self.all_units for i, p in enumerate(unit.params)}
@@ -270,7 +271,7 @@ class FullySharded:
         if self.swapped is not None:
             self.swapped.bind(self.optimizer)
             self.reducer.sink = self._add_swapped_grad
-        self._host_step = self._make_host_step(int(zero.sub_group_size))
+        self._host_step = self._make_host_step(zero.sub_group_size)
         self._choose_step()
         if self.swapped is None:  # made by the first reduction: [Note: released gradients]
             release_grads(self._masters())
