@@ -151,12 +151,6 @@ def refusal(what: str) -> str:
             partita.initialize(model=Net(ep=3, k=1, experts=3), config=config(0, 0.0, False))
         elif what == "stage3":
             partita.initialize(model=Net(ep=2, k=1), config=config(3, 0.0, False))
-        elif what == "checkpoint":
-            engine, *_ = partita.initialize(model=Net(ep=2, k=1), config=config(1, 0.0, False))
-            try:
-                engine.save_checkpoint("/nonexistent-moe-checkpoint")
-            finally:
-                engine.destroy()
     except (ValueError, ConfigError, NotImplementedError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from partita.checkpoint import background
+from partita.checkpoint.experts import every_expert
 from partita.checkpoint.locate import PARTITA, locate, open_source
 from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
@@ -137,10 +138,12 @@ def _check_names(
     folder: str,
     rank: int,
     part: bool = False,
+    others: set[str] | None = None,
 ) -> None:
-    """Strict: the module's tensors and the checkpoint's are the same names; with `part`
-    (pipeline stages, see [Note: pipeline stage checkpoints]) the module's are among them."""
-    here = {e.name for e in entries if e.kind != "alias"}
+    """Strict: the module's tensors (with `others`: the experts other ranks hold) and the
+    checkpoint's are the same names; with `part` (pipeline stages, see [Note: pipeline stage
+    checkpoints]) the module's are among them."""
+    here = {e.name for e in entries if e.kind != "alias"} | (others or set())
     stored = {n for n, i in saved.items() if i["kind"] != "alias"}
     excluded = {n for n, i in saved.items() if i.get("stored") is False}
     missing = sorted(here - stored)
@@ -164,7 +167,8 @@ def _load_tensors(
     entries = inventory(engine)
     saved = src.tensors
     part = check_stage_names(src.meta, pipeline_place(engine))
-    _check_names(entries, saved, strict, src.folder, engine.dims.rank, part)
+    others = set(every_expert(engine.module, engine.dims))  # [Note: expert slices]
+    _check_names(entries, saved, strict, src.folder, engine.dims.rank, part, others)
     if load_opt:
         _check_optimizer(engine, src.meta)
     keys = list(src.meta.get("optimizer_state_keys") or []) if load_opt else []

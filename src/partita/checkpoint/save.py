@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from partita.checkpoint import background, digest, stfile
+from partita.checkpoint import background, digest, experts, stfile
 from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
@@ -303,7 +303,7 @@ def _shard_tensors(
     frozen parameters collectively, in the same order on every rank)."""
     strategy = engine.param_states
     rank, world = file_place(engine.dims)
-    writers = _replicated_writers(entries, world) if strategy.replicated else {}
+    writers = _stage0_writers(engine, entries, world) if strategy.replicated else {}
     keys = ["param", *strategy.optimizer_state_keys()]
     specs: list[stfile.TensorSpec] = []
     producers: dict[str, Producer] = {}
@@ -329,6 +329,16 @@ def _shard_tensors(
                 specs.append((key, value.dtype, tuple(value.shape)))
                 producers[key] = functools.partial(lambda v: v, value)
     return specs, producers, ranges
+
+
+def _stage0_writers(engine: CheckpointSubject, entries: list[Entry], world: int) -> dict[str, int]:
+    """`_replicated_writers` of the tensors every rank holds, and for this rank's experts
+    (which other expert-parallel ranks do not hold) one rank of their expert-data-parallel
+    group ([Note: expert slices] in `partita.checkpoint.experts`)."""
+    mine = list(experts.global_names(engine.module, engine.dims).values())
+    names = {e.name for e in mine}
+    writers = _replicated_writers([e for e in entries if e.name not in names], world)
+    return {**writers, **experts.replicated_writers(mine, engine.dims, engine.dims.grad_ranks)}
 
 
 def _replicated_writers(entries: list[Entry], world: int) -> dict[str, int]:
@@ -480,7 +490,7 @@ def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, 
         if sliced and e.kind != "alias":
             info["tp"] = tensor_layout(e.tensor)
         table[e.name] = info
-    return table
+    return experts.table(table, engine.module, engine.dims)  # every expert, not rank 0's only
 
 
 def _manifest(
@@ -506,6 +516,7 @@ def _manifest(
         "world_size": file_place(engine.dims)[1],
         **({"tp_world_size": engine.dims.tp_world_size} if engine.dims.tp_world_size > 1 else {}),
         **({"pp_world_size": place[1]} if (place := pipeline_place(engine)) else {}),
+        **({"ep_world_size": len(engine.dims.ep_ranks)} if engine.dims.ep_ranks else {}),
         "zero_stage": engine.zero_optimization_stage(),
         "replicated": bool(engine.param_states.replicated),
         "param_dtype": dtype_name(engine.policy.param_dtype),

@@ -3,7 +3,8 @@
 Tensors are named by the module's ``state_dict()`` keys. A parameter the strategy trains is
 "trainable" (its fp32 master and optimizer state are sharded over ranks); other parameters are
 "frozen" and buffers "buffer" (both replicated, saved once by rank 0 in the module's dtype); a
-key whose tensor already appeared under another name (tied weights) is an "alias".
+key whose tensor already appeared under another name (tied weights) is an "alias". Expert
+tensors go by their global expert index ([Note: expert slices] in `partita.checkpoint.experts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from partita.accelerator import get_accelerator
+from partita.checkpoint.experts import global_names
 from partita.checkpoint.manifest import CheckpointError
 from partita.checkpoint.subject import CheckpointSubject
 from partita.comm import ParallelDims
@@ -71,9 +73,12 @@ def inventory(engine: CheckpointSubject) -> list[Entry]:
     seen: dict[int, str] = {}
     entries = []
     param_ids = {id(p) for p in engine.module.parameters()}
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    # Expert tensors go by their global names ([Note: expert slices] in `.experts`).
+    experts = global_names(engine.module, engine.dims)
+    for local, t in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue  # `_extra_state` objects are not tensors; modules re-create them
+        name = experts[local].name if local in experts else local
         if id(t) in seen:
             entries.append(Entry(name, t, "alias", seen[id(t)]))
             continue

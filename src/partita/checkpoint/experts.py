@@ -1,0 +1,157 @@
+"""Checkpoints of mixture-of-experts layers: every expert saved once, by its global index.
+
+[Note: expert slices]
+Under expert parallelism ([Note: expert parallelism] in `partita.comm.dims`) expert-parallel
+rank ``r`` of ``ep`` holds experts ``r * L .. r * L + L - 1`` of an MoE layer's ``E`` (``L = E /
+ep``), under the local names ``...deepspeed_experts.{i}.*`` of its module, ``i < L``. A
+checkpoint names each expert tensor by its global index ``g = r * L + i`` instead
+(`global_names`), which is the name the one-process model (ep 1, every expert) gives it: a
+checkpoint of expert-parallel training reads as a checkpoint of that model. So:
+
+- saving, each rank writes the ranges its strategy owns of its own experts under their global
+  names, as it writes any parameter (ZeRO stages 1-2 cut an expert over its
+  expert-data-parallel group, whose ranks' ranges cover it once; at stage 0 one rank of that
+  group writes it, `replicated_writers`); rank 0's manifest lists every expert of every layer
+  (`every_expert`), not only its own, each with ``"expert": {"index": g, "of": E}``, and the
+  job's ``ep_world_size``;
+- loading, a rank asks for the ranges it owns of its experts' global names, at whatever ep,
+  world size and stage it runs: the usual resharding by range ([Note: resharding] in
+  `partita.checkpoint.reader`) re-splits the experts, master weights and optimizer state alike;
+- a plain module with every expert loads the consolidated state dict
+  (`get_fp32_state_dict_from_zero_checkpoint`), and ``partita export`` writes each expert under
+  its usual module name, with nothing expert-specific in either.
+
+Frozen expert parameters and expert buffers are refused by name when saving: module tensors
+are written by rank 0 alone, which does not hold the other ranks' experts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.checkpoint.manifest import CheckpointError
+from partita.comm import ParallelDims
+from partita.moe.experts import Experts
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One tensor of one expert, as the checkpoint names it: ``{prefix}.{index}.{key}``."""
+
+    prefix: str
+    """The state-dict prefix of the layer's experts (``...deepspeed_experts``)."""
+    index: int
+    """The expert's global index in its layer."""
+    key: str
+    """The tensor's name inside the expert module."""
+    of: int
+    """The layer's number of experts."""
+
+    @property
+    def name(self) -> str:
+        """The global state-dict name, the one-process model's."""
+        return f"{self.prefix}.{self.index}.{self.key}"
+
+
+def ep_place(dims: ParallelDims) -> tuple[int, int]:
+    """This rank's ``(expert-parallel rank, ep size)``; ``(0, 1)`` without experts."""
+    if not dims.ep_ranks:
+        return 0, 1
+    return dims.ep_ranks.index(dims.rank), len(dims.ep_ranks)
+
+
+def _containers(module: torch.nn.Module) -> Iterable[tuple[str, Experts]]:
+    """Every `Experts` container of `module` with the state-dict prefix of its experts."""
+    for name, m in module.named_modules():
+        if isinstance(m, Experts):
+            yield (f"{name}." if name else "") + "deepspeed_experts", m
+
+
+def global_names(module: torch.nn.Module, dims: ParallelDims) -> dict[str, ExpertTensor]:
+    """Local state-dict name -> `ExpertTensor` of every expert tensor this rank holds (see
+    [Note: expert slices])."""
+    rank, ep = ep_place(dims)
+    out = {}
+    for prefix, container in _containers(module):
+        local = container.num_local_experts
+        for i, expert in enumerate(container.deepspeed_experts):
+            for key in expert.state_dict(keep_vars=True):
+                out[f"{prefix}.{i}.{key}"] = ExpertTensor(prefix, rank * local + i, key, local * ep)
+    return out
+
+
+def every_expert(module: torch.nn.Module, dims: ParallelDims) -> dict[str, ExpertTensor]:
+    """Global name -> `ExpertTensor` of every expert tensor of every layer, this rank's and
+    the other expert-parallel ranks' (the experts are copies of one module, so the first
+    one's tensors name every expert's), in the one-process model's order."""
+    _, ep = ep_place(dims)
+    out = {}
+    for prefix, container in _containers(module):
+        total = container.num_local_experts * ep
+        keys = list(container.deepspeed_experts[0].state_dict(keep_vars=True))
+        for g in range(total):
+            for key in keys:
+                e = ExpertTensor(prefix, g, key, total)
+                out[e.name] = e
+    return out
+
+
+def table(
+    tensors: dict[str, dict[str, Any]], module: torch.nn.Module, dims: ParallelDims
+) -> dict[str, dict[str, Any]]:
+    """The manifest's tensor table `tensors` (rank 0's, global names: its own experts, expert
+    0 among them) with every expert of every layer, each marked with its index and the
+    layer's number of experts, in the one-process model's order. Raises `CheckpointError`
+    naming expert tensors that are not trainable (see [Note: expert slices])."""
+    experts = every_expert(module, dims)
+    if ep_place(dims)[1] > 1:  # at ep 1 rank 0 holds (and writes) every expert
+        check_saveable({n: info["kind"] for n, info in tensors.items() if n in experts})
+    out: dict[str, dict[str, Any]] = {}
+    done = set()
+    for name, info in tensors.items():
+        first = experts.get(name)
+        if first is None:
+            out[name] = info
+        elif first.prefix not in done:  # the layer's experts, all at once
+            done.add(first.prefix)
+            for n, e in experts.items():
+                if e.prefix == first.prefix:
+                    like = tensors[ExpertTensor(e.prefix, 0, e.key, e.of).name]
+                    out[n] = {**like, "expert": {"index": e.index, "of": e.of}}
+    return out
+
+
+def replicated_writers(
+    mine: Iterable[ExpertTensor], dims: ParallelDims, file_ranks: tuple[int, ...]
+) -> dict[str, int]:
+    """At stage 0 (every rank holding its experts whole): which file rank writes each of this
+    rank's expert tensors `mine`: one rank of its expert-data-parallel group, taking turns by
+    expert index. `file_ranks` are the global ranks in file order."""
+    edp = dims.edp_ranks or (dims.rank,)
+    return {e.name: file_ranks.index(edp[e.index % len(edp)]) for e in mine}
+
+
+def check_saveable(kinds: dict[str, str]) -> None:
+    """Raises `CheckpointError` naming the expert tensors (name -> kind) that are frozen
+    parameters or buffers (see [Note: expert slices])."""
+    bad = sorted(name for name, kind in kinds.items() if kind not in ("trainable", "alias"))
+    if bad:
+        raise CheckpointError(
+            f"expert tensors {bad[:10]} are frozen parameters or buffers: checkpoints of "
+            "expert-parallel training save trainable expert parameters only"
+        )
+
+
+__all__ = [
+    "ExpertTensor",
+    "check_saveable",
+    "ep_place",
+    "every_expert",
+    "global_names",
+    "replicated_writers",
+    "table",
+]
