@@ -286,14 +286,19 @@ def test_cli_longest_prints_a_row_per_degree_and_configuration(
 def test_plan_writes_the_degree_and_plans_one_ranks_share(
     tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """`plan --sp 2` predicts half the compute per rank and adds the all-to-alls' wait
+    (`all_to_all_bytes`, checked against a real run below, half of it over links, twice per
+    step and three times under checkpointing) to the collectives; it writes the key."""
     from partita.config import validate_config
     from partita.estimate.cli import plan_main
+    from partita.estimate.ulysses import all_to_all_bytes
 
     _llama().save_pretrained(tmp_path)
     out = tmp_path / "ds_config.json"
-    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "8GB"]
-    argv += ["--seq_len", "4096", "--flops", "1e14", "--output", str(out)]
-    steps = {}
+    argv = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "80GB"]
+    argv += ["--seq_len", "65536", "--attention", "fused", "--flops", "1e14"]
+    argv += ["--link_bandwidth", "1MB", "--output", str(out)]
+    times = {}
     for sp in (1, 2):
         assert plan_main([*argv, "--sp", str(sp)]) == 0
         config = json.loads(out.read_text())
@@ -301,22 +306,29 @@ def test_plan_writes_the_degree_and_plans_one_ranks_share(
         validate_config(config, world_size=4)
         rows = [line.split() for line in capsys.readouterr().out.splitlines()]
         # A ranking row: configuration, then step, compute, comm, offload, nvme seconds.
-        steps[sp] = {" ".join(r[:-5]): float(r[-4]) for r in rows if r[:1] and r[0][0] == "z"}
-    assert steps[1] and steps[2].keys() == steps[1].keys()
-    for label, compute in steps[1].items():
+        times[sp] = {
+            " ".join(r[:-5]): (float(r[-4]), float(r[-3])) for r in rows if r[:1] and r[0][0] == "z"
+        }
+    assert times[1] and times[2].keys() == times[1].keys()
+    link = all_to_all_bytes(_llama(), 1, 65536, 2, 2) / 2 / 1e6  # seconds per pass
+    for label, (compute, comm) in times[1].items():
         # Half the tokens per rank: half the compute (printed to 3 digits).
-        assert steps[2][label] == pytest.approx(compute / 2, rel=0.01)
+        assert times[2][label][0] == pytest.approx(compute / 2, rel=0.01)
+        passes = 3 if label.endswith("ckpt") else 2
+        assert times[2][label][1] - comm == pytest.approx(passes * link, rel=0.02)
     assert plan_main([*argv, "--sp", "1", "2"]) == 2
     assert "partita plan takes one --sp, got 1 2" in capsys.readouterr().err
 
 
-def real_rank_saves(local: int) -> Any:
+def real_rank_saves(local: int) -> tuple[Any, int]:
     """On one rank of a live group: the tensors a real forward of a tiny Llama saves for
     backward through partita's Ulysses (`UlyssesHFAttention` around Transformers' SDPA, the
-    whole world as the sequence group), counted as the estimator counts them."""
+    whole world as the sequence group), counted as the estimator counts them, and the bytes
+    its all-to-alls recorded over the forward and the backward."""
     from transformers import LlamaForCausalLM
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from partita.comm.counters import COUNTERS
     from partita.estimate.activations import trace_activations
     from partita.parallel.ulysses import UlyssesHFAttention
     from partita.zero.stage3.strategy import default_unit_modules
@@ -325,10 +337,14 @@ def real_rank_saves(local: int) -> Any:
     model = LlamaForCausalLM(_llama(kv=2, impl="sdpa")).train()
     core = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ALL_ATTENTION_FUNCTIONS["sdpa"] = UlyssesHFAttention(core, None)
+    losses = []
     try:
         ids = torch.randint(0, 1024, (1, local))
-        run = lambda m: m(input_ids=ids, labels=ids)  # noqa: E731
-        return trace_activations(model, run, default_unit_modules(model))
+        COUNTERS.reset()
+        run = lambda m: losses.append(m(input_ids=ids, labels=ids).loss)  # noqa: E731
+        profile = trace_activations(model, run, default_unit_modules(model))
+        losses[0].backward()
+        return profile, COUNTERS.bytes("all_to_all", "ulysses")
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = core
 
@@ -337,14 +353,18 @@ def test_a_real_ulysses_rank_saves_what_the_fused_count_says() -> None:
     """Two CPU ranks run a tiny grouped-query Llama through partita's Ulysses (CPU SDPA runs
     its fused kernel there): each rank's saved tensors are, storage for storage, the ones
     `trace_rank` counts with ``attention="fused"`` at the same degree; the traced math path
-    counts more (the scores)."""
+    counts more (the scores). Its all-to-alls record, forward and backward, twice what
+    `all_to_all_bytes` (the planner's) says one forward sends."""
+    from partita.estimate.ulysses import all_to_all_bytes
     from partita.testing import run_distributed
 
     local = 256
     ranks = run_distributed(real_rank_saves, 2, local, timeout=120)
     model = meta_model(_llama(kv=2, impl="sdpa"), torch.float32)
     fused = trace_rank(model, 1, local, 2, "fused")
-    for real in ranks:
+    sent = all_to_all_bytes(_llama(kv=2), 1, 2 * local, 2, 4)
+    assert all(recorded == 2 * sent > 0 for _, recorded in ranks)  # forward and backward
+    for real, _ in ranks:
         assert sorted(real.storages) == sorted(fused.storages)
         assert (real.saved, real.block_saved, real.block_inputs, real.largest) == (
             fused.saved, fused.block_saved, fused.block_inputs, fused.largest,

@@ -367,9 +367,10 @@ def plan_main(argv: Sequence[str]) -> int:
         print(f"partita plan: error: {error}", file=sys.stderr)
         return 2
     tokens = args.micro_batch * args.seq_len // sp  # one rank's share of the sequence
-    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed)
+    a2a = _a2a_link_bytes(args, sp)
+    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed, a2a)
     kept = (
-        plan.kept_out_by_headroom(model, estimates, ranked, tokens, rates)
+        plan.kept_out_by_headroom(model, estimates, ranked, tokens, rates, a2a)
         if args.headroom > 0
         else []
     )
@@ -394,6 +395,22 @@ def plan_main(argv: Sequence[str]) -> int:
     if not args.trial:
         _print_kept_out(args, estimates, ranked, kept)
     return 0
+
+
+def _a2a_link_bytes(args: argparse.Namespace, sp: int) -> int:
+    """What one forward's Ulysses all-to-alls send from a rank over links (0 without sp or
+    without a model config to read the layers and heads from)."""
+    if sp == 1 or args.model is None:
+        return 0
+    from partita.estimate.memory import DTYPE_BYTES
+    from partita.estimate.model import load_hf_config
+    from partita.estimate.ulysses import all_to_all_bytes
+
+    config = load_hf_config(args.model)
+    whole = all_to_all_bytes(
+        config, args.micro_batch, args.seq_len, sp, DTYPE_BYTES[args.precision]
+    )
+    return whole * (sp - 1) // sp  # each rank keeps its own block
 
 
 def _plan_sp(args: argparse.Namespace) -> int:

@@ -23,9 +23,11 @@ Step time follows the engine's schedule (`partita.zero`):
 - NVMe: optimizer state read and written each step, parameter shards read in forward and
   backward, through the node's disk bandwidth shared by its ranks.
 
-With sequence parallelism (sp) a rank computes on seq_len / sp tokens of each sequence; the
-Ulysses all-to-alls (4 per layer each way, b x S x h x d / sp elements each) and attention's
-quadratic FLOPs are not in the step time.
+With sequence parallelism (sp) a rank computes on seq_len / sp tokens of each sequence and
+waits for the Ulysses all-to-alls: query, key, value and the output of every layer, each a
+``[b, h, S/sp, d]`` block of which (sp - 1)/sp crosses a link, in forward, in backward and
+again in the recomputed forward under checkpointing (`partita.estimate.ulysses.
+all_to_all_bytes`). Attention's quadratic FLOPs are not in the step time.
 
 Not modelled: the device optimizer step without offload, the copies of gradients into buckets
 and of updated shards into the parameters, the wait of a rank for a slower one.
@@ -116,11 +118,19 @@ class Timing:
 
 
 def step_time(
-    est: Estimate, params: int, tokens_per_rank: int, rates: Rates, recomputed: int | None = None
+    est: Estimate,
+    params: int,
+    tokens_per_rank: int,
+    rates: Rates,
+    recomputed: int | None = None,
+    a2a_bytes: int = 0,
 ) -> Timing:
     """Predicted step time of `est`'s configuration for `params` trainable parameters and
     `tokens_per_rank` tokens per rank per step (micro-batch x sequence length / sp); `recomputed`:
-    the parameters inside the checkpointed blocks (`ModelShape.recomputed`; None: all)."""
+    the parameters inside the checkpointed blocks (`ModelShape.recomputed`; None: all);
+    `a2a_bytes`: what one forward's Ulysses all-to-alls send from this rank over links, sent
+    again by backward and by the recomputed forward under checkpointing, and waited for
+    (attention needs its heads)."""
     c, hw = est.candidate, est.hardware
     n, p = hw.world, DTYPE_BYTES[c.precision]
     again = params if recomputed is None else recomputed
@@ -130,6 +140,7 @@ def step_time(
     one = params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
     cpu = hw.accelerator == "cpu"
     comm = _comm(c.stage, one, backward, rates.comm_cpu_share if cpu else None)
+    comm += a2a_bytes * (3 if c.checkpointing else 2) / rates.link_bandwidth
     shard = params / n
     offload = 0.0
     if hw.accelerator == "cpu":
@@ -169,12 +180,16 @@ def rank(
     tokens_per_rank: int,
     rates: Rates,
     recomputed: int | None = None,
+    a2a_bytes: int = 0,
 ) -> list[tuple[Estimate, Timing]]:
     """The estimates that fit, fastest first; among equal predicted times the one with the
     smaller peak (more memory left for what the estimate misses), then `estimates`' order
-    (`candidates` gives the simplest first). `recomputed` as in `step_time`."""
+    (`candidates` gives the simplest first). `recomputed` and `a2a_bytes` as in
+    `step_time`."""
     timed = [
-        (e, step_time(e, params, tokens_per_rank, rates, recomputed)) for e in estimates if e.fits
+        (e, step_time(e, params, tokens_per_rank, rates, recomputed, a2a_bytes))
+        for e in estimates
+        if e.fits
     ]
     return sorted(timed, key=lambda et: (et[1].total, rank_need(et[0])))
 
@@ -185,6 +200,7 @@ def kept_out_by_headroom(
     ranked: list[tuple[Estimate, Timing]],
     tokens_per_rank: int,
     rates: Rates,
+    a2a_bytes: int = 0,
 ) -> list[tuple[Estimate, Timing]]:
     """Configurations predicted faster than the choice (``ranked[0]``, as `rank` ranks
     `estimates` of `model`) that fit the memory in full but not with the headroom kept free
@@ -197,7 +213,9 @@ def kept_out_by_headroom(
     fits_now = {e.candidate for e, _ in ranked}
     return [
         (e, t)
-        for e, t in rank(without, model.trainable, tokens_per_rank, rates, model.recomputed)
+        for e, t in rank(
+            without, model.trainable, tokens_per_rank, rates, model.recomputed, a2a_bytes
+        )
         if e.candidate not in fits_now and t.total < chosen
     ]
 

@@ -36,7 +36,13 @@ import torch
 
 from partita.estimate.units import EstimateError
 
-__all__ = ["ATTENTION", "check_sequence_parallel", "fused_attention", "rank_attention"]
+__all__ = [
+    "ATTENTION",
+    "all_to_all_bytes",
+    "check_sequence_parallel",
+    "fused_attention",
+    "rank_attention",
+]
 
 _KEY = "partita_estimate_ulysses"
 """The attention implementation name the traced model is switched to while tracing."""
@@ -62,6 +68,26 @@ def check_sequence_parallel(config: Any, sp: int, world: int | None = None) -> N
         check_heads(heads, kv, sp)
     except ValueError as error:
         raise EstimateError(f"sequence_parallel_size {sp}: {error}") from None
+
+
+def all_to_all_bytes(config: Any, micro_batch: int, seq_len: int, sp: int, dtype_bytes: int) -> int:
+    """Bytes of one forward's Ulysses all-to-alls on one rank, every layer, as partita's
+    counters record them (each rank's whole ``[b, h, S/sp, d]`` block; (sp - 1)/sp of it
+    crosses a link): query, key, value and the output per layer, key/value with their heads
+    repeated to sp when fewer ([Note: Ulysses attention]). Backward sends as much again."""
+    if sp == 1:
+        return 0
+    heads, kv = _heads(config)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not layers or not hidden:
+        raise EstimateError(
+            f"{type(config).__name__} names neither num_hidden_layers nor hidden_size"
+        )
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_sent = kv if kv % sp == 0 else sp  # fewer than sp: repeated to sp (check_heads)
+    per_token = (2 * heads + 2 * kv_sent) * head_dim * dtype_bytes
+    return int(layers) * per_token * micro_batch * seq_len // sp
 
 
 def _heads(config: Any) -> tuple[int, int]:
