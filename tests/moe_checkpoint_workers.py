@@ -31,12 +31,17 @@ def batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return data(STEPS, SAVED_WORLD)[:SAVED_AT] + data(STEPS, world)[SAVED_AT:]
 
 
-def _engine(ep: int, stage: int) -> Any:
+def _engine(ep: int, stage: int, split: bool) -> Any:
+    """An engine at `ep` and ZeRO `stage` of this spawn's world; with `split` the tutorial's
+    optimizer groups (experts apart), else every parameter in one group (the engine splits
+    them)."""
     torch.manual_seed(SEED)
     model = Net(ep, K)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"}
-    )
+    groups: Any = model.parameters()
+    if split:
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"}
+        )
     engine, *_ = partita.initialize(model=model, model_parameters=groups,
                                     config=config(stage, 0.0, False))  # fmt: skip
     return engine
@@ -67,10 +72,10 @@ def expert_weights(engine: Any) -> dict[str, list[float]]:
     return out
 
 
-def save(ep: int, stage: int, folder: str) -> dict[str, Any]:
+def save(ep: int, stage: int, folder: str, split: bool = True) -> dict[str, Any]:
     """Trains SAVED_AT steps at `ep` x (4 / ep) and ZeRO `stage`, saves under `folder`
     (tag TAG), trains on to STEPS: every step's loss and the experts' weights at the save."""
-    engine = _engine(ep, stage)
+    engine = _engine(ep, stage, split)
     steps = batches(SAVED_WORLD)
     losses = _steps(engine, steps[:SAVED_AT])
     engine.save_checkpoint(folder, tag=TAG)
@@ -80,11 +85,13 @@ def save(ep: int, stage: int, folder: str) -> dict[str, Any]:
     return {"losses": losses, "weights": weights}
 
 
-def resume(ep: int, stage: int, folder: str, again: str | None = None) -> dict[str, Any]:
+def resume(
+    ep: int, stage: int, folder: str, again: str | None = None, split: bool = True
+) -> dict[str, Any]:
     """A fresh engine at `ep` and `stage` (this spawn's world) loads `folder`, saves it
     again under `again` when given (a round trip), and trains the remaining steps: their
     losses and the experts' weights right after the load."""
-    engine = _engine(ep, stage)
+    engine = _engine(ep, stage, split)
     path, _ = engine.load_checkpoint(folder, tag=TAG)
     assert path is not None
     assert engine.global_steps == SAVED_AT

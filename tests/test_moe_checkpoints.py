@@ -28,13 +28,14 @@ from partita.checkpoint import export_checkpoint
 from partita.checkpoint.reader import PartitaSource
 from partita.testing import run_distributed_grid
 
-SAVES = {"A": (2, 2), "B": (4, 0)}
-"""Checkpoints saved at 4 ranks: name -> (ep, stage)."""
+SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2)}
+"""Checkpoints saved at 4 ranks: name -> (ep, stage). "U" is trained with every parameter in
+one optimizer group (the engine splits experts off), as are the runs that load it."""
 RESUMES: dict[int, list[tuple[str, int, int]]] = {
     # world -> (checkpoint, ep, stage) loaded
-    4: [("A", 2, 2), ("A", 4, 1), ("A", 4, 0), ("B", 2, 1), ("B", 2, 0)],
+    4: [("A", 2, 2), ("A", 4, 1), ("A", 4, 0), ("B", 2, 1), ("B", 2, 0), ("U", 4, 0)],
     2: [("A", 1, 0), ("A", 1, 2), ("B", 2, 1)],
-    1: [("A", 1, 0), ("B", 1, 2)],
+    1: [("A", 1, 0), ("B", 1, 2), ("U", 1, 0)],
 }
 ROUND_TRIP = 1
 """The world-4 resume that saves again right after loading (ep 2 -> ep 4)."""
@@ -44,13 +45,14 @@ EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folders = {name: str(tmp_path_factory.mktemp(f"moe-{name}")) for name in [*SAVES, "C"]}
-    saves = [{"case": "save", "ep": ep, "stage": s, "folder": folders[n]}
+    saves = [{"case": "save", "ep": ep, "stage": s, "folder": folders[n], "split": n != "U"}
              for n, (ep, s) in SAVES.items()]  # fmt: skip
     out: dict[str, Any] = {"folders": folders, "resumes": {}}
     for world, resumes in RESUMES.items():
         cases: list[dict[str, Any]] = [
             {"case": "resume", "ep": ep, "stage": stage, "folder": folders[name],
-             "again": folders["C"] if world == 4 and i == ROUND_TRIP else None}
+             "again": folders["C"] if world == 4 and i == ROUND_TRIP else None,
+             "split": name != "U"}
             for i, (name, ep, stage) in enumerate(resumes)
         ]  # fmt: skip
         if world == 4:

@@ -76,11 +76,13 @@ def expert_family(module: torch.nn.Module, dims: comm.ParallelDims) -> ExpertFam
 def split_expert_groups(
     groups: list[dict[str, Any]], module: torch.nn.Module, config: DeepSpeedConfig
 ) -> list[dict[str, Any]]:
-    """For ZeRO stages 1-2, `groups` with each group that mixes expert and dense parameters
-    cut in two with the same hyperparameters (the dense part in place, the expert part
-    appended, as DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer`` does for
-    an optimizer it builds): the two kinds are sharded over different groups."""
-    if config.zero_optimization.stage not in (1, 2):
+    """`groups` with each group that mixes expert and dense parameters cut in two with the
+    same hyperparameters (the dense part in place, the expert part appended, as DeepSpeed's
+    ``split_params_into_different_moe_groups_for_optimizer`` does for an optimizer it builds):
+    stages 1-2 shard the two kinds over different groups. Stage 0 splits alike (its elementwise
+    steps are the same either way), so that the optimizer has the same groups at every stage
+    and a checkpoint's group hyperparameters load at another stage."""
+    if config.zero_optimization.stage not in (0, 1, 2):
         return groups
     experts = set(expert_parameters(module))
     if not experts:
