@@ -266,6 +266,9 @@ def test_cli_longest_prints_a_row_per_degree_and_configuration(
     argv = ["--model", str(tmp_path), "--num_gpus", "4", "--longest", "--checkpointing", "on"]
     assert estimate_main(argv) == 2  # no memory to fit
     assert "--longest needs a memory to fit: give --device_memory" in capsys.readouterr().err
+    too_long = ["--model", str(tmp_path), "--num_gpus", "4", "--device_memory", "1GiB"]
+    assert estimate_main([*too_long, "--seq_len", "65536", "--sp", "2"]) == 1
+    assert "--longest finds the longest sequence that fits" in capsys.readouterr().out
     assert estimate_main([*argv, "--device_memory", "1GiB", "--sp", "1", "2"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]

@@ -8,6 +8,9 @@ partita's own storage layout, and a planner that picks the fastest one that fits
 - ``plan.py``: step time from the engine's schedule, the comm model, compute and offload rates;
   ``ds_config.json``. ``calibrate.py``: the model's own compute rate and the CPU Adam rate on
   the threads one rank gets.
+- ``ulysses.py``: one rank of a Ulysses group (``sequence_parallel_size``) traced as it runs;
+  ``longest.py``: its activations fitted over the sequence length, and the longest sequence
+  each configuration fits (``partita estimate --sp N --longest``).
 - ``deepspeed_api.py``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_*`` names.
 - ``cli.py``: ``partita estimate`` and ``partita plan``; ``plot.py``: ``--plot FILE.png``.
 """

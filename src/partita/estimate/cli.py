@@ -257,12 +257,13 @@ def _print(model: ModelShape, estimates: list[Estimate], detail: bool, sp: int =
         )
 
 
-def _nothing_fits(estimates: list[Estimate]) -> str:
+def _nothing_fits(estimates: list[Estimate], longest_hint: bool = False) -> str:
     best = min(estimates, key=lambda e: e.device)
+    hint = " --longest finds the longest sequence that fits." if longest_hint else ""
     return (
         "Nothing fits: no configuration meets the memory given. The least device memory is "
         f"{best.candidate.label} at {format_bytes(best.device)} per device "
-        f"({'; '.join(best.shortfalls())})."
+        f"({'; '.join(best.shortfalls())}).{hint}"
     )
 
 
@@ -296,7 +297,7 @@ def estimate_main(argv: Sequence[str]) -> int:
         print(f"partita estimate: error: {error}", file=sys.stderr)
         return 2
     if not any(e.fits for e in everything):
-        print(_nothing_fits(everything))
+        print(_nothing_fits(everything, args.model is not None))
         return 1
     return 0
 
