@@ -31,19 +31,41 @@ def batches(world: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return data(STEPS, SAVED_WORLD)[:SAVED_AT] + data(STEPS, world)[SAVED_AT:]
 
 
-def _engine(ep: int, stage: int, split: bool) -> Any:
-    """An engine at `ep` and ZeRO `stage` of this spawn's world; with `split` the tutorial's
-    optimizer groups (experts apart), else every parameter in one group (the engine splits
-    them)."""
+VARIANTS = ("split", "unsplit", "frozen")
+"""How a run is set up: the tutorial's optimizer groups (experts apart); every parameter in one
+group (the engine splits them); or split with every expert's last bias frozen at a value of
+its global index (`freeze`)."""
+
+
+def freeze(experts: Any, first: int = 0) -> list[torch.Tensor]:
+    """Freezes the last bias of each expert module in `experts` (`first`: the global index of
+    the first) at ``0.05 * (index + 1)``; returns those biases."""
+    biases = []
+    with torch.no_grad():
+        for i, expert in enumerate(experts):
+            bias = expert[2].bias
+            bias.requires_grad_(False)
+            bias.fill_(0.05 * (first + i + 1))
+            biases.append(bias)
+    return biases
+
+
+def _engine(ep: int, stage: int, variant: str) -> Any:
+    """An engine at `ep` and ZeRO `stage` of this spawn's world, set up as `variant` says."""
     torch.manual_seed(SEED)
     model = Net(ep, K)
-    groups: Any = model.parameters()
-    if split:
+    experts = model.moe.deepspeed_moe.experts.deepspeed_experts
+    if variant == "frozen":  # frozen before initialize; valued once the ranks' places exist
+        freeze(experts)
+    groups: Any = [p for p in model.parameters() if p.requires_grad]
+    if variant != "unsplit":
         groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "parameters"}
+            {"params": groups, "name": "parameters"}
         )
     engine, *_ = partita.initialize(model=model, model_parameters=groups,
                                     config=config(stage, 0.0, False))  # fmt: skip
+    if variant == "frozen":
+        freeze(experts, engine.dims.ep_ranks.index(engine.dims.rank) * len(experts))
     return engine
 
 
@@ -72,10 +94,10 @@ def expert_weights(engine: Any) -> dict[str, list[float]]:
     return out
 
 
-def save(ep: int, stage: int, folder: str, split: bool = True) -> dict[str, Any]:
+def save(ep: int, stage: int, folder: str, variant: str) -> dict[str, Any]:
     """Trains SAVED_AT steps at `ep` x (4 / ep) and ZeRO `stage`, saves under `folder`
     (tag TAG), trains on to STEPS: every step's loss and the experts' weights at the save."""
-    engine = _engine(ep, stage, split)
+    engine = _engine(ep, stage, variant)
     steps = batches(SAVED_WORLD)
     losses = _steps(engine, steps[:SAVED_AT])
     engine.save_checkpoint(folder, tag=TAG)
@@ -86,12 +108,12 @@ def save(ep: int, stage: int, folder: str, split: bool = True) -> dict[str, Any]
 
 
 def resume(
-    ep: int, stage: int, folder: str, again: str | None = None, split: bool = True
+    ep: int, stage: int, folder: str, variant: str, again: str | None = None
 ) -> dict[str, Any]:
     """A fresh engine at `ep` and `stage` (this spawn's world) loads `folder`, saves it
     again under `again` when given (a round trip), and trains the remaining steps: their
     losses and the experts' weights right after the load."""
-    engine = _engine(ep, stage, split)
+    engine = _engine(ep, stage, variant)
     path, _ = engine.load_checkpoint(folder, tag=TAG)
     assert path is not None
     assert engine.global_steps == SAVED_AT
@@ -121,17 +143,21 @@ def grid(case: str, **kwargs: Any) -> Any:
     return cases[case](**kwargs)
 
 
-def reference(world: int) -> list[list[float]]:
+def reference(world: int, frozen: bool = False) -> list[list[float]]:
     """``[step][rank]`` losses of one process holding every expert that trains SAVED_AT steps
     on SAVED_WORLD micro-batches each and then the rest on `world` micro-batches each,
-    stepping on the mean of a step's micro-batch losses (`moe_workers.reference`)."""
+    stepping on the mean of a step's micro-batch losses (`moe_workers.reference`); `frozen`:
+    with the experts' last biases frozen as the "frozen" variant's."""
     model = Reference(K, residual=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    if frozen:
+        freeze(model.experts)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
     out = []
     for batch in batches(world):
         losses = [model(x, y) for x, y in batch]
         torch.stack(losses).mean().backward()
-        for p in model.parameters():
+        for p in params:
             if p.grad is None:  # an expert no token reached steps on zeros (as the engine)
                 p.grad = torch.zeros_like(p)
         opt.step()

@@ -28,15 +28,19 @@ from partita.checkpoint import export_checkpoint
 from partita.checkpoint.reader import PartitaSource
 from partita.testing import run_distributed_grid
 
-SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2)}
-"""Checkpoints saved at 4 ranks: name -> (ep, stage). "U" is trained with every parameter in
-one optimizer group (the engine splits experts off), as are the runs that load it."""
+SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2), "F": (2, 1)}
+"""Checkpoints saved at 4 ranks: name -> (ep, stage)."""
+VARIANT = {"U": "unsplit", "F": "frozen"}
+"""How the runs saving and loading a checkpoint are set up (`moe_checkpoint_workers.VARIANTS`;
+"split" unless named): "U" with every parameter in one optimizer group (the engine splits
+experts off), "F" with a frozen bias in every expert (module tensors, not masters)."""
 RESUMES: dict[int, list[tuple[str, int, int]]] = {
     # world -> (checkpoint, ep, stage) loaded
-    4: [("A", 2, 2), ("A", 4, 1), ("A", 4, 0), ("B", 2, 1), ("B", 2, 0), ("U", 4, 0)],
-    2: [("A", 1, 0), ("A", 1, 2), ("B", 2, 1)],
-    1: [("A", 1, 0), ("B", 1, 2), ("U", 1, 0)],
-}
+    4: [("A", 2, 2), ("A", 4, 1), ("A", 4, 0), ("B", 2, 1), ("B", 2, 0), ("U", 4, 0),
+        ("F", 4, 2)],
+    2: [("A", 1, 0), ("A", 1, 2), ("B", 2, 1), ("F", 2, 0)],
+    1: [("A", 1, 0), ("B", 1, 2), ("U", 1, 0), ("F", 1, 1)],
+}  # fmt: skip
 ROUND_TRIP = 1
 """The world-4 resume that saves again right after loading (ep 2 -> ep 4)."""
 EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
@@ -45,14 +49,15 @@ EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folders = {name: str(tmp_path_factory.mktemp(f"moe-{name}")) for name in [*SAVES, "C"]}
-    saves = [{"case": "save", "ep": ep, "stage": s, "folder": folders[n], "split": n != "U"}
+    saves = [{"case": "save", "ep": ep, "stage": s, "folder": folders[n],
+              "variant": VARIANT.get(n, "split")}
              for n, (ep, s) in SAVES.items()]  # fmt: skip
     out: dict[str, Any] = {"folders": folders, "resumes": {}}
     for world, resumes in RESUMES.items():
         cases: list[dict[str, Any]] = [
             {"case": "resume", "ep": ep, "stage": stage, "folder": folders[name],
              "again": folders["C"] if world == 4 and i == ROUND_TRIP else None,
-             "split": name != "U"}
+             "variant": VARIANT.get(name, "split")}
             for i, (name, ep, stage) in enumerate(resumes)
         ]  # fmt: skip
         if world == 4:
@@ -75,8 +80,8 @@ def _saved_weights(results: dict[str, Any], name: str) -> dict[str, list[float]]
 
 @pytest.mark.parity
 def test_saving_runs_match_one_process(results: dict[str, Any]) -> None:
-    want = reference(4)
-    for per_rank in results["saves"].values():
+    for name, per_rank in results["saves"].items():
+        want = reference(4, frozen=name == "F")
         for rank, got in enumerate(per_rank):
             assert_losses(got["losses"], [step[rank] for step in want])
 
@@ -92,8 +97,8 @@ def test_resume_at_the_saving_layout_is_bitwise(results: dict[str, Any]) -> None
 def test_resumed_runs_match_one_process(results: dict[str, Any], world: int) -> None:
     """Losses after a load at another ep, world size or stage, against one process that
     trained the first steps on 4 micro-batches and the rest on `world`."""
-    want = reference(world)[SAVED_AT:]
     for case, per_rank in zip(RESUMES[world], results["resumes"][world], strict=True):
+        want = reference(world, frozen=case[0] == "F")[SAVED_AT:]
         for rank, got in enumerate(per_rank):
             try:
                 assert_losses(got["losses"], [step[rank] for step in want])
@@ -136,16 +141,29 @@ def _states(folder: str) -> dict[tuple[str, str], torch.Tensor]:
 
 def test_manifest_names_each_expert_once_by_global_index(results: dict[str, Any]) -> None:
     """Every expert tensor appears under its global index, the same names as the one-process
-    model's, its saved ranges covering it exactly once across the files."""
+    model's, marked with that index; a trainable one's saved ranges cover it exactly once
+    across the files, a frozen one is stored whole in exactly one file."""
+    from safetensors import safe_open
+
     want = set(Net(1, K).state_dict())
     for name in SAVES:
         folder = os.path.join(results["folders"][name], TAG)
         with open(os.path.join(folder, "manifest.json")) as f:
             manifest = json.load(f)
         assert set(manifest["tensors"]) == want
-        experts = {n for n in manifest["tensors"] if n.startswith(EXPERT)}
-        assert {int(n[len(EXPERT) + 1 :].split(".")[0]) for n in experts} == set(range(EXPERTS))
+        stored: list[str] = []
+        for fname in manifest["files"]:
+            with safe_open(os.path.join(folder, fname), framework="pt") as handle:
+                stored += list(handle.keys())
         for tensor, info in manifest["tensors"].items():
+            if tensor.startswith(EXPERT):
+                index = int(tensor[len(EXPERT) + 1 :].split(".")[0])
+                assert info["expert"] == {"index": index, "of": EXPERTS}, (name, tensor)
+            frozen = name == "F" and tensor.startswith(EXPERT) and tensor.endswith(".2.bias")
+            assert info["kind"] == ("frozen" if frozen else "trainable"), (name, tensor)
+            if frozen:
+                assert stored.count(f"module::{tensor}") == 1, (name, tensor)
+                continue
             covered = sorted(
                 (int(o), int(n))
                 for f in manifest["files"].values()
@@ -155,6 +173,7 @@ def test_manifest_names_each_expert_once_by_global_index(results: dict[str, Any]
             assert [o for o, _ in covered] == ends[:-1], (name, tensor, covered)
             assert ends[-1] == math.prod(info["shape"]), (name, tensor, covered)
         assert manifest["optimizer_state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+        assert manifest["ep_world_size"] == SAVES[name][0]
 
 
 def test_round_trip_through_another_ep_gives_back_every_state(results: dict[str, Any]) -> None:

@@ -10,8 +10,9 @@ checkpoint of expert-parallel training reads as a checkpoint of that model. So:
 
 - saving, each rank writes the ranges its strategy owns of its own experts under their global
   names, as it writes any parameter (ZeRO stages 1-2 cut an expert over its
-  expert-data-parallel group, whose ranks' ranges cover it once; at stage 0 one rank of that
-  group writes it, `replicated_writers`); rank 0's manifest lists every expert of every layer
+  expert-data-parallel group, whose ranks' ranges cover it once; at stage 0, and for frozen
+  expert parameters and expert buffers (module tensors), one rank of that group writes it
+  whole, `writers`); rank 0's manifest lists every expert of every layer
   (`every_expert`), not only its own, each with ``"expert": {"index": g, "of": E}``, and the
   job's ``ep_world_size``;
 - loading, a rank asks for the ranges it owns of its experts' global names, at whatever ep,
@@ -21,8 +22,8 @@ checkpoint of expert-parallel training reads as a checkpoint of that model. So:
   (`get_fp32_state_dict_from_zero_checkpoint`), and ``partita export`` writes each expert under
   its usual module name, with nothing expert-specific in either.
 
-Frozen expert parameters and expert buffers are refused by name when saving: module tensors
-are written by rank 0 alone, which does not hold the other ranks' experts.
+Module tensors are read from rank 0's file when it holds them, else from the file that does
+(`PartitaSource.read_module`): an expert's frozen parameters are in its writer's.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import Any
 
 import torch
 
-from partita.checkpoint.manifest import CheckpointError
 from partita.comm import ParallelDims
 from partita.moe.experts import Experts
 
@@ -105,11 +105,8 @@ def table(
 ) -> dict[str, dict[str, Any]]:
     """The manifest's tensor table `tensors` (rank 0's, global names: its own experts, expert
     0 among them) with every expert of every layer, each marked with its index and the
-    layer's number of experts, in the one-process model's order. Raises `CheckpointError`
-    naming expert tensors that are not trainable (see [Note: expert slices])."""
+    layer's number of experts, in the one-process model's order."""
     experts = every_expert(module, dims)
-    if ep_place(dims)[1] > 1:  # at ep 1 rank 0 holds (and writes) every expert
-        check_saveable({n: info["kind"] for n, info in tensors.items() if n in experts})
     out: dict[str, dict[str, Any]] = {}
     done = set()
     for name, info in tensors.items():
@@ -125,33 +122,22 @@ def table(
     return out
 
 
-def replicated_writers(
-    mine: Iterable[ExpertTensor], dims: ParallelDims, file_ranks: tuple[int, ...]
-) -> dict[str, int]:
-    """At stage 0 (every rank holding its experts whole): which file rank writes each of this
-    rank's expert tensors `mine`: one rank of its expert-data-parallel group, taking turns by
-    expert index. `file_ranks` are the global ranks in file order."""
+def writers(module: torch.nn.Module, dims: ParallelDims) -> dict[str, int]:
+    """Which file rank writes each of this rank's expert tensors (global name -> rank) where
+    one rank writes a tensor whole (stage-0 state, frozen parameters, buffers): one rank of
+    its expert-data-parallel group, taking turns by expert index (the other expert-parallel
+    ranks do not hold it; see [Note: expert slices])."""
     edp = dims.edp_ranks or (dims.rank,)
-    return {e.name: file_ranks.index(edp[e.index % len(edp)]) for e in mine}
-
-
-def check_saveable(kinds: dict[str, str]) -> None:
-    """Raises `CheckpointError` naming the expert tensors (name -> kind) that are frozen
-    parameters or buffers (see [Note: expert slices])."""
-    bad = sorted(name for name, kind in kinds.items() if kind not in ("trainable", "alias"))
-    if bad:
-        raise CheckpointError(
-            f"expert tensors {bad[:10]} are frozen parameters or buffers: checkpoints of "
-            "expert-parallel training save trainable expert parameters only"
-        )
+    files = dims.grad_ranks or (dims.rank,)  # file ranks (`state.file_place`)
+    mine = global_names(module, dims).values()
+    return {e.name: files.index(edp[e.index % len(edp)]) for e in mine}
 
 
 __all__ = [
     "ExpertTensor",
-    "check_saveable",
     "ep_place",
     "every_expert",
     "global_names",
-    "replicated_writers",
     "table",
+    "writers",
 ]

@@ -259,15 +259,16 @@ class PartitaSource(StateSource):
         return sl[start:stop]
 
     def read_module(self, name: str) -> torch.Tensor:
-        """A frozen parameter or buffer from rank 0's file."""
+        """A frozen parameter or buffer from rank 0's file, or from the file that holds it
+        (an expert's, written by a rank holding it: [Note: expert slices] in
+        `partita.checkpoint.experts`)."""
         key = MODULE_PREFIX + name
-        for fname, info in self.meta["files"].items():
-            if info["rank"] != 0:
-                continue
+        files = sorted(self.meta["files"].items(), key=lambda item: item[1]["rank"] != 0)
+        for fname, _ in files:
             handle = self._file(fname)
             if key in self._keys[fname]:
                 return handle.get_tensor(key)
-        raise CheckpointError(f"{self.folder}: no saved tensor {name!r} in rank 0's file")
+        raise CheckpointError(f"{self.folder}: no saved tensor {name!r} in any file")
 
     def verify(self, rank: int, world: int) -> None:
         """Size and digest of files ``i`` with ``i % world == rank`` (every rank a share)."""

@@ -303,7 +303,8 @@ def _shard_tensors(
     frozen parameters collectively, in the same order on every rank)."""
     strategy = engine.param_states
     rank, world = file_place(engine.dims)
-    writers = _stage0_writers(engine, entries, world) if strategy.replicated else {}
+    mine = experts.writers(engine.module, engine.dims)  # this rank's experts: who writes
+    writers = _stage0_writers(entries, world, mine) if strategy.replicated else {}
     keys = ["param", *strategy.optimizer_state_keys()]
     specs: list[stfile.TensorSpec] = []
     producers: dict[str, Producer] = {}
@@ -324,21 +325,18 @@ def _shard_tensors(
                     )
         elif e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen):
             value = full_module_value(e)  # collective for stage-3 frozen parameters
-            if rank == 0:
+            if rank == mine.get(e.name, 0):
                 key = MODULE_PREFIX + e.name
                 specs.append((key, value.dtype, tuple(value.shape)))
                 producers[key] = functools.partial(lambda v: v, value)
     return specs, producers, ranges
 
 
-def _stage0_writers(engine: CheckpointSubject, entries: list[Entry], world: int) -> dict[str, int]:
-    """`_replicated_writers` of the tensors every rank holds, and for this rank's experts
-    (which other expert-parallel ranks do not hold) one rank of their expert-data-parallel
-    group ([Note: expert slices] in `partita.checkpoint.experts`)."""
-    mine = list(experts.global_names(engine.module, engine.dims).values())
-    names = {e.name for e in mine}
-    writers = _replicated_writers([e for e in entries if e.name not in names], world)
-    return {**writers, **experts.replicated_writers(mine, engine.dims, engine.dims.grad_ranks)}
+def _stage0_writers(entries: list[Entry], world: int, mine: dict[str, int]) -> dict[str, int]:
+    """`_replicated_writers` of the tensors every rank holds, and `mine`, the writers of this
+    rank's experts, which other expert-parallel ranks do not hold ([Note: expert slices] in
+    `partita.checkpoint.experts`)."""
+    return {**_replicated_writers([e for e in entries if e.name not in mine], world), **mine}
 
 
 def _replicated_writers(entries: list[Entry], world: int) -> dict[str, int]:
