@@ -128,7 +128,7 @@ def _engine(zero: dict[str, Any]) -> Any:
 
 def test_stage0_buckets_use_the_schema_default() -> None:
     engine = _engine({"stage": 0})
-    assert engine.strategy.buckets.bucket_numel == ZeroConfig().reduce_bucket_size
+    assert engine.strategy.bucket_numel == ZeroConfig().reduce_bucket_size
 
 
 def _peak_in_flight(zero: dict[str, Any]) -> tuple[Any, list[int]]:

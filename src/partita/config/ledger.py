@@ -77,8 +77,8 @@ def _refused(why: str, example: Any, **kwargs: Any) -> Entry:
 
 
 _SETUP = "engine_setup.py"
-_STAGE3 = "zero/stage3/strategy.py"
-_ZEROPP = "zero/stage3/gather.py"  # ZeRO++, stage 3 only (rules: _zeropp_stage)
+_STAGE3 = "zero/stage3/settings.py"  # Stage3Settings, what FullySharded runs by
+_ZEROPP = "zero/stage3/settings.py"  # ZeRO++, stage 3 only (rules: _zeropp_stage)
 _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"

@@ -1,4 +1,5 @@
-"""Bucketed gradient reduce-scatter for ZeRO stages 1 and 2.
+"""Bucketed gradient reduction for ZeRO stages 0-2: reduce-scatter (stages 1-2) or all-reduce
+(stage 0), one reducer parameterised by its collective.
 
 [Note: gradient buckets of stages 1-2]
 Each optimizer parameter group has a `FlatLayout` whose segments are gradient buckets in
@@ -9,8 +10,10 @@ fixed order (by when their last gradient is expected), the same on every rank, s
 pair up even if gradients arrive in another order; a complete bucket waits for its predecessors.
 (Not ZeRO-3's *unit*, `partita.zero.stage3.unit.ShardedUnit`: parameters gathered together.)
 
-Stage 1 keeps full gradients in one buffer per bucket (``.grad`` are views into it, as in
-stage 0) until the step, and reduces only during the boundary backward. Stage 2 copies each
+Stage 1 keeps full gradients in one buffer per bucket (``.grad`` are views into it: [Note:
+bucket buffers and gradient views] in `partita.zero.grad_buckets`) until the step, and reduces only during the boundary backward. Stage 0 does the same with an all-reduce
+(``collective="all_reduce"``): the sum lands in the bucket's buffer itself, so ``.grad`` holds
+the reduced gradient with no copy out; its layouts have no padding (one rank, `stage0_layout`). Stage 2 copies each
 gradient into its bucket's transient buffer as soon as it is ready and frees ``.grad``; at most
 `max_in_flight` buckets are alive at once, so full gradients never exist beyond that working
 set. Stage 1's buffers and both stages' fp32 gradient shards exist from the first backward after
@@ -26,7 +29,7 @@ import torch
 
 from partita import comm
 from partita.offload.host_adds import HostAdds
-from partita.partition import FlatLayout, Segment
+from partita.partition import FlatLayout, Segment, plan_buckets
 from partita.zero.buffer_pool import BufferPool
 from partita.zero.grad_buckets import ReduceScaling
 
@@ -69,8 +72,9 @@ class ShardedGradients:
 
     layouts: list[FlatLayout]
     params: list[list[torch.nn.Parameter]]
-    shard_grad: Callable[[int], torch.Tensor]
-    """Group i's fp32 gradient shard, made (zeroed) when it was released."""
+    shard_grad: Callable[[int], torch.Tensor] | None
+    """Group i's fp32 gradient shard, made (zeroed) when it was released (None with
+    ``all_reduce``: the sum stays in the buffer)."""
     persistent: bool
     """True for stage 1 (full gradients kept until the boundary), False for stage 2."""
     scaling: ReduceScaling
@@ -84,6 +88,9 @@ class ShardedGradients:
     group_of: list[comm.ProcessGroup | None] | None = None
     """Each parameter group's own process group, where it differs from `group` (expert
     groups: [Note: expert parallelism] in `partita.comm.dims`); None: `group` for all."""
+    collective: str = "reduce_scatter"
+    """"reduce_scatter" (stages 1-2: each rank's chunk goes into its gradient shard) or
+    "all_reduce" (stage 0, `persistent`: the whole sum stays in the bucket's buffer)."""
     buckets: list[GradBucket] = field(init=False, default_factory=list)
     armed: bool = field(init=False, default=False)
     peak_transient_bytes: int = field(init=False, default=0)
@@ -262,6 +269,14 @@ class ShardedGradients:
             if bucket.buffer is None:  # no gradient arrived (unused parameters): reduce zeros
                 bucket.buffer = self._new_buffer(bucket, bucket.params[0].dtype)
             data = bucket.buffer
+        if self.collective == "all_reduce":  # in place: the buffer is the gradients' home
+            bucket.sent = data if data.dtype == self.reduce_dtype else data.to(self.reduce_dtype)
+            if self.scaling.before != 1.0:
+                bucket.sent.mul_(self.scaling.before)
+            group = self._group(bucket.group)
+            bucket.handle = comm.all_reduce(bucket.sent, group=group, async_op=True, tag="grad")
+            self._in_flight.append(bucket)
+            return
         if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
             data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
         bucket.sent = data
@@ -278,6 +293,9 @@ class ShardedGradients:
     def _retire(self, bucket: GradBucket) -> None:
         if bucket.handle is not None:
             bucket.handle.wait()
+        if self.collective == "all_reduce":
+            self._retire_in_place(bucket)
+            return
         out = bucket.output
         assert out is not None
         if self.replicas is not None:
@@ -287,6 +305,7 @@ class ShardedGradients:
         if self.scaling.after != 1.0:
             out.mul_(self.scaling.after)
         seg = bucket.segment
+        assert self.shard_grad is not None  # reduce-scatter: every group has a shard
         shard = self.shard_grad(bucket.group)
         dst = shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel]
         self._host_adds.add(dst, out)  # a host copy under optimizer offload
@@ -296,6 +315,23 @@ class ShardedGradients:
             bucket.buffer = None
         bucket.sent = bucket.output = bucket.handle = None
         bucket.adopted = False
+
+    def _retire_in_place(self, bucket: GradBucket) -> None:
+        """An all-reduced bucket: the sum (converted back when it was sent in another dtype)
+        in its buffer, scaled."""
+        buffer = bucket.buffer
+        assert buffer is not None and bucket.sent is not None
+        if bucket.sent is not buffer:
+            buffer.copy_(bucket.sent)
+        if self.scaling.after != 1.0:
+            buffer.mul_(self.scaling.after)
+        bucket.sent = bucket.handle = None
+
+    def materialize(self) -> None:
+        """Stage 0-1: makes every released full-gradient buffer (zeroed): the step reads every
+        gradient."""
+        for bucket in self.buckets:
+            self._materialize(bucket)
 
     def end_backward(self) -> None:
         """Launches buckets that did not complete (in order) and retires all reductions."""
@@ -324,3 +360,13 @@ class ShardedGradients:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def stage0_layout(params: list[torch.nn.Parameter], bucket_numel: int) -> FlatLayout:
+    """A stage-0 group's layout: buckets of at most `bucket_numel` elements in reverse
+    registration order (about when their gradients become ready), one rank, no padding (the
+    buffer holds exactly the gradients, which it is)."""
+    numels = [p.numel() for p in params]
+    order = list(reversed(range(len(params))))
+    buckets = [b.indices for b in plan_buckets(numels, bucket_numel, order=order)]
+    return FlatLayout.build(numels, 1, align=1, buckets=buckets)

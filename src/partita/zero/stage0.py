@@ -15,9 +15,10 @@ import torch
 
 from partita import comm
 from partita.precision import PrecisionPolicy
-from partita.zero.grad_buckets import GradientBuckets, ReduceScaling
+from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.master import MasterWeights
 from partita.zero.shard_step import TensorParallelNorm, sum_of_squares, tensor_norms
+from partita.zero.sharded_grads import ShardedGradients, stage0_layout
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
     ExpertFamily,
@@ -26,6 +27,10 @@ from partita.zero.strategy import (
     StepOutcome,
     optimizer_state_bytes,
 )
+
+ALL_IN_FLIGHT = 1 << 30
+"""Stage 0 waits for no all-reduce before `end_backward`: its buffers are the gradients, which
+exist anyway, so nothing is saved by bounding them in flight."""
 
 
 class DataParallel:
@@ -45,14 +50,31 @@ class DataParallel:
         self.params = [p for g in groups for p in g]
         self.experts = experts
         """Expert parameters, reduced over their own group ([Note: expert parallelism])."""
-        dense = [p for p in self.params if experts is None or p not in experts.params]
-        self.buckets = GradientBuckets(dense, bucket_numel, scaling, policy.reduce_dtype, group)
-        self.bucket_sets = [self.buckets]
-        if experts is not None and len(dense) < len(self.params):
-            own = [p for p in self.params if p in experts.params]
-            self.bucket_sets.append(
-                GradientBuckets(own, bucket_numel, scaling, policy.reduce_dtype, experts.group)
-            )
+        self.bucket_numel = bucket_numel
+        # One reducer group per optimizer group and kind: expert parameters are summed over
+        # their expert-data-parallel group, the rest over `group`.
+        own = frozenset() if experts is None else experts.params
+        reduce_groups: list[list[torch.nn.Parameter]] = []
+        group_of: list[comm.ProcessGroup | None] = []
+        for g in groups:
+            for kind, pg in ((False, group), (True, None if experts is None else experts.group)):
+                members = [p for p in g if (p in own) == kind]
+                if members:
+                    reduce_groups.append(members)
+                    group_of.append(pg)
+        self.grads = ShardedGradients(
+            layouts=[stage0_layout(ps, bucket_numel) for ps in reduce_groups],
+            params=reduce_groups,
+            shard_grad=None,
+            persistent=True,
+            scaling=scaling,
+            reduce_dtype=policy.reduce_dtype,
+            rank=0,
+            max_in_flight=ALL_IN_FLIGHT,
+            group=group,
+            group_of=group_of,
+            collective="all_reduce",
+        )
         self.master = (
             MasterWeights(self.params, policy.master_dtype) if policy.needs_master else None
         )
@@ -68,19 +90,16 @@ class DataParallel:
 
     def begin_backward(self, sync: bool) -> None:
         """Arms the all-reduce hooks for the boundary backward."""
-        for buckets in self.bucket_sets:
-            buckets.begin_backward(sync)
+        self.grads.begin_backward(sync)
 
     def end_backward(self) -> None:
         """Waits for every bucket's all-reduce (launching stragglers first), if armed."""
-        for buckets in self.bucket_sets:
-            buckets.finish()
+        self.grads.end_backward()
 
     def _stepped_params(self) -> list[torch.nn.Parameter]:
         """The tensors the optimizer steps, with this step's gradients in their `.grad` (zeros
         for a parameter no backward reached)."""
-        for buckets in self.bucket_sets:
-            buckets.materialize()
+        self.grads.materialize()
         if self.master is None:
             return self.params
         self.master.load_grads([p.grad for p in self.params])  # type: ignore[misc]
@@ -139,8 +158,7 @@ class DataParallel:
     def zero_grad(self) -> None:
         """Releases the gradient buckets and the masters' gradients ([Note: released
         gradients])."""
-        for buckets in self.bucket_sets:
-            buckets.release()
+        self.grads.release()
         if self.master is not None:
             self.master.release_grads()
 
@@ -151,9 +169,8 @@ class DataParallel:
         master = self.master
         return {
             "params": param_bytes,
-            "grads": sum(b.buffer_bytes for b in self.bucket_sets)
-            + (master.grad_nbytes if master else 0),
-            "grads_held": sum(b.held_bytes for b in self.bucket_sets)
+            "grads": self.grads.persistent_bytes + (master.grad_nbytes if master else 0),
+            "grads_held": self.grads.persistent_held_bytes
             + (master.held_grad_nbytes if master else 0),
             "master_params": master.nbytes if master else 0,
             "optimizer_state": optimizer_state_bytes(self.optimizer),
@@ -162,8 +179,7 @@ class DataParallel:
 
     def close(self) -> None:
         """Removes the gradient hooks."""
-        for buckets in self.bucket_sets:
-            buckets.remove_hooks()
+        self.grads.remove_hooks()
 
 
 class ReplicatedLayout:
