@@ -201,3 +201,42 @@ def test_export_writes_the_modules_own_expert_names(results: dict[str, Any], tmp
     Net(1, K).load_state_dict(state, strict=True)
     for key, value in _saved_weights(results, "A").items():
         assert state[key].reshape(-1).tolist() == value, key
+
+
+class _Tied(torch.nn.Module):
+    """An expert whose two linear layers share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+
+
+def test_names_and_table_of_expert_rank_one_of_two() -> None:
+    """Expert-parallel rank 1 of 2 of a 4-expert layer holds experts 2 and 3 under local
+    names 0 and 1; the table rank 0 writes lists experts 0-3 in the one-process order, a
+    weight tied inside an expert an alias of that expert's own (one process, no groups)."""
+    from partita.checkpoint import experts
+    from partita.comm import ParallelDims
+    from partita.moe import MoE
+
+    module = torch.nn.Sequential(MoE(3, _Tied(), num_experts=4, ep_size=2))
+    prefix = "0.deepspeed_moe.experts.deepspeed_experts"
+    rank1 = ParallelDims(1, 4, None, (0, 1, 2, 3), ep_ranks=(0, 1), edp_ranks=(1, 3))
+    names = {k: e.name for k, e in experts.global_names(module, rank1).items()}
+    assert names[f"{prefix}.1.b.bias"] == f"{prefix}.3.b.bias"
+    assert names[f"{prefix}.0.a.weight"] == f"{prefix}.2.a.weight"
+    rank0 = ParallelDims(0, 4, None, (0, 1, 2, 3), ep_ranks=(0, 1), edp_ranks=(0, 2))
+    local = {f"{prefix}.{i}.{k}": {"kind": "trainable"} for i in (0, 1) for k in ("a.weight",
+             "a.bias", "b.bias")}  # fmt: skip
+    for i in (0, 1):
+        local[f"{prefix}.{i}.b.weight"] = {"kind": "alias", "alias_of": f"{prefix}.{i}.a.weight"}
+    table = experts.table({"gate": {"kind": "trainable"}, **local}, module, rank0)
+    keys = ["a.weight", "a.bias", "b.weight", "b.bias"]  # the expert's state_dict order
+    assert list(table) == ["gate"] + [f"{prefix}.{g}.{k}" for g in range(4) for k in keys]
+    assert table[f"{prefix}.3.b.weight"]["alias_of"] == f"{prefix}.3.a.weight"
+    assert table[f"{prefix}.2.a.bias"]["expert"] == {"index": 2, "of": 4}
+    # Stage-0 writers of rank 1's experts: its expert-data-parallel ranks 1, 3 take turns.
+    assert experts.writers(module, rank1)[f"{prefix}.2.a.bias"] == 1
+    assert experts.writers(module, rank1)[f"{prefix}.3.a.bias"] == 3

@@ -117,7 +117,10 @@ def table(
             done.add(first.prefix)
             for n, e in experts.items():
                 if e.prefix == first.prefix:
-                    like = tensors[ExpertTensor(e.prefix, 0, e.key, e.of).name]
+                    like = dict(tensors[ExpertTensor(e.prefix, 0, e.key, e.of).name])
+                    if like.get("alias_of") in experts:  # tied inside the expert: its own
+                        key = experts[like["alias_of"]].key
+                        like["alias_of"] = ExpertTensor(e.prefix, e.index, key, e.of).name
                     out[n] = {**like, "expert": {"index": e.index, "of": e.of}}
     return out
 
