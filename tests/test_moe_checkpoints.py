@@ -24,7 +24,7 @@ import torch
 from models import assert_losses
 from moe_checkpoint_workers import SAVED_AT, TAG, K, grid, reference
 from moe_workers import EXPERTS, Net
-from partita.checkpoint import export_checkpoint
+from partita.checkpoint.export import main as export_main
 from partita.checkpoint.reader import PartitaSource
 from partita.testing import run_distributed_grid
 
@@ -196,7 +196,7 @@ def test_export_writes_the_modules_own_expert_names(results: dict[str, Any], tmp
     under its usual name, equal to the saving engine's weights."""
     from safetensors.torch import load_file
 
-    export_checkpoint(results["folders"]["A"], str(tmp_path), tag=TAG)
+    assert export_main([results["folders"]["A"], str(tmp_path), "--tag", TAG]) == 0
     state = load_file(os.path.join(tmp_path, "model.safetensors"))
     Net(1, K).load_state_dict(state, strict=True)
     for key, value in _saved_weights(results, "A").items():
