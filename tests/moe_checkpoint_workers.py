@@ -94,13 +94,16 @@ def expert_weights(engine: Any) -> dict[str, list[float]]:
     return out
 
 
-def save(ep: int, stage: int, folder: str, variant: str) -> dict[str, Any]:
+def save(
+    ep: int, stage: int, folder: str, variant: str, async_save: bool = False
+) -> dict[str, Any]:
     """Trains SAVED_AT steps at `ep` x (4 / ep) and ZeRO `stage`, saves under `folder`
-    (tag TAG), trains on to STEPS: every step's loss and the experts' weights at the save."""
+    (tag TAG; with `async_save` written while training goes on), trains on to STEPS: every
+    step's loss and the experts' weights at the save."""
     engine = _engine(ep, stage, variant)
     steps = batches(SAVED_WORLD)
     losses = _steps(engine, steps[:SAVED_AT])
-    engine.save_checkpoint(folder, tag=TAG)
+    engine.save_checkpoint(folder, tag=TAG, async_save=async_save)
     weights = expert_weights(engine)
     losses += _steps(engine, steps[SAVED_AT:])
     engine.destroy()

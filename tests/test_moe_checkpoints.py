@@ -29,7 +29,8 @@ from partita.checkpoint.reader import PartitaSource
 from partita.testing import run_distributed_grid
 
 SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2), "F": (2, 1)}
-"""Checkpoints saved at 4 ranks: name -> (ep, stage)."""
+"""Checkpoints saved at 4 ranks: name -> (ep, stage). "B" is saved in the background
+(``async_save``) while the run trains on."""
 VARIANT = {"U": "unsplit", "F": "frozen"}
 """How the runs saving and loading a checkpoint are set up (`moe_checkpoint_workers.VARIANTS`;
 "split" unless named): "U" with every parameter in one optimizer group (the engine splits
@@ -50,7 +51,7 @@ EXPERT = "moe.deepspeed_moe.experts.deepspeed_experts"
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folders = {name: str(tmp_path_factory.mktemp(f"moe-{name}")) for name in [*SAVES, "C"]}
     saves = [{"case": "save", "ep": ep, "stage": s, "folder": folders[n],
-              "variant": VARIANT.get(n, "split")}
+              "variant": VARIANT.get(n, "split"), "async_save": n == "B"}
              for n, (ep, s) in SAVES.items()]  # fmt: skip
     out: dict[str, Any] = {"folders": folders, "resumes": {}}
     for world, resumes in RESUMES.items():
