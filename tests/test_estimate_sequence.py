@@ -62,13 +62,18 @@ def test_sp_divides_position_wise_activations_and_the_score_heads(impl: str) -> 
 def test_fused_attention_keeps_nothing_quadratic_and_sp_divides_all() -> None:
     """Counted as a fused kernel (flash / memory-efficient SDPA), attention keeps no score
     matrix: a rank's activations have no quadratic term, and at S and degree sp they are the
-    model's at S/sp (all heads their own key/value); the traced math path keeps more."""
+    model's at S/sp (all heads their own key/value) but for the output's all-to-all copy: the
+    kernel's output and the output projection's input are one storage at sp 1 (the kernels
+    lay it out ``[b, s, h, d]``), two under Ulysses (a hidden-sized tensor more per layer and
+    token). The traced math path keeps more."""
     config = _llama(impl="sdpa")
     fits = {sp: fit_sequence(config, 1, sp, torch.float32, "fused")[1] for sp in (1, 2, 4)}
     traced = fit_sequence(config, 1, 1, torch.float32, "traced")[1]
     for fit in fits.values():
         assert fit.total[2] == 0
-        assert fit.total == fits[1].total  # a polynomial in the rank's own tokens
+    assert fits[2].total == fits[4].total  # a polynomial in the rank's own tokens
+    copy = config.num_hidden_layers * config.hidden_size * 4  # bytes per token, fp32
+    assert fits[2].total[1] == fits[1].total[1] + copy and fits[2].total[0] == fits[1].total[0]
     assert traced.total[2] > 0
     assert traced.profile(4096).saved > fits[1].profile(4096).saved
 
@@ -373,3 +378,87 @@ def test_a_real_ulysses_rank_saves_what_the_fused_count_says() -> None:
             fused.saved, fused.block_saved, fused.block_inputs, fused.largest,
         )  # fmt: skip
     assert trace_rank(model, 1, local, 2).saved > fused.saved
+
+
+def _tiled_real_saves(local: int, tile: int) -> Any:
+    """One process, real weights: a tiny Llama whose MLPs run as partita's `TiledMLP` and whose
+    head and loss run as `TiledFusedLogitsLoss` (wired here, as a user would), its saved
+    tensors counted as the estimator counts them."""
+    import math
+
+    from transformers import LlamaForCausalLM
+
+    from partita.estimate.activations import trace_activations
+    from partita.tiling import TiledFusedLogitsLoss, TiledMLP
+    from partita.zero.stage3.strategy import default_unit_modules
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_llama(kv=2, impl="sdpa")).train()
+    blocks = default_unit_modules(model)
+
+    def mlp_fn(module: Any, x: torch.Tensor) -> torch.Tensor:
+        return module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+
+    for block in blocks:
+        mlp = block.mlp
+        mlp.forward = lambda x, m=mlp: TiledMLP.apply(  # type: ignore[method-assign]
+            mlp_fn, m, x, math.ceil(x.shape[1] / tile), None
+        )
+
+    def loss_fn(head: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(head(x).float(), y)
+
+    def run(m: Any) -> torch.Tensor:
+        hidden = m.model(input_ids=ids).last_hidden_state
+        shards = math.ceil(ids.numel() / tile)
+        return TiledFusedLogitsLoss.apply(loss_fn, m.lm_head, hidden, ids, None, shards)
+
+    ids = torch.randint(0, 1024, (1, local))
+    return trace_activations(model, run, blocks)
+
+
+def test_tiled_mlp_and_loss_keep_what_a_real_tiled_run_keeps() -> None:
+    """The trace with ``Tiling`` saves, storage for storage, what a real run of the same tiny
+    Llama with partita's tiled MLP and loss saves (attention counted as the fused kernel CPU
+    SDPA runs), and far less than untiled: no MLP intermediates, no logits."""
+    from partita.estimate.tiled import Tiling
+
+    local, tile = 256, 64
+    real = _tiled_real_saves(local, tile)
+    model = meta_model(_llama(kv=2, impl="sdpa"), torch.float32)
+    tiled = trace_rank(model, 1, local, 1, "fused", Tiling(tile, tile))
+    assert sorted(real.storages) == sorted(tiled.storages)
+    assert (real.saved, real.block_saved, real.largest) == (
+        tiled.saved, tiled.block_saved, tiled.largest,
+    )  # fmt: skip
+    untiled = trace_rank(model, 1, local, 1, "fused")
+    assert tiled.saved < untiled.saved and tiled.largest < untiled.largest
+    assert tiled.recompute > 0 == untiled.recompute
+
+
+def test_a_tiled_backward_holds_one_shard_beside_its_inputs_gradient() -> None:
+    """The tiled transient grows with the tokens only by the input's whole gradient (hidden
+    values per token); one shard's part stays as the sequence grows, so the longest sequence
+    grows with tiling."""
+    from partita.estimate.tiled import Tiling
+
+    config = _llama(kv=2, impl="sdpa")
+    _, plain = fit_sequence(config, 1, 2, torch.float32, "fused")
+    shape, tiled = fit_sequence(config, 1, 2, torch.float32, "fused", tiling=Tiling(64, 64))
+    assert tiled.recompute[2] == 0 and tiled.recompute[1] == config.hidden_size * 4
+    hw, cand = Hardware(4, 1, 256 << 20), Candidate(2, precision="fp32", checkpointing=True)
+    lengths = [longest_sequence(shape, f, cand, hw, 1 << 24).seq_len for f in (plain, tiled)]
+    assert lengths[1] > lengths[0] > 0
+
+
+def test_tiling_a_model_without_an_mlp_module_is_refused() -> None:
+    from transformers import OPTConfig
+
+    from partita.estimate.tiled import Tiling
+
+    config = OPTConfig(
+        hidden_size=64, ffn_dim=128, num_hidden_layers=1, num_attention_heads=4,
+        vocab_size=256, word_embed_proj_dim=64,
+    )  # fmt: skip
+    with pytest.raises(EstimateError, match="--tiled_mlp: the model's blocks have no 'mlp'"):
+        from_hf_config(config, 1, 64, torch.float32, tiling=Tiling(mlp_tokens=16))

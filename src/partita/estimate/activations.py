@@ -34,11 +34,14 @@ class ActivationProfile:
     storages: tuple[tuple[int, int], ...] = ()
     """Each saved storage as (index of the block saving it or -1 outside blocks, bytes), in
     the order first saved: what `partita.estimate.longest` fits over sequence lengths."""
+    recompute: int = 0
+    """What a sequence-tiled backward holds at once (``tiled.py``), 0 without tiling."""
 
     def peak(self, checkpointing: bool) -> int:
-        """Peak activation bytes: saved ones plus two of the largest for backward's gradients;
-        with checkpointing, the block inputs and one block's activations instead of all."""
-        transient = 2 * self.largest
+        """Peak activation bytes: saved ones plus two of the largest for backward's gradients
+        (or a tiled backward's `recompute` when larger); with checkpointing, the block inputs
+        and one block's activations instead of all."""
+        transient = max(2 * self.largest, self.recompute)
         if not checkpointing or not self.block_saved:
             return self.saved + transient
         outside = self.saved - sum(self.block_saved)

@@ -75,6 +75,14 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
     )  # fmt: skip
     ap.add_argument("--ds_config", help="DeepSpeed config to read sequence_parallel_size from")
     ap.add_argument(
+        "--tiled_mlp", type=_positive, metavar="TOKENS",
+        help="run each block's MLP as partita.tiling.TiledMLP over shards of at most TOKENS",
+    )  # fmt: skip
+    ap.add_argument(
+        "--tiled_loss", type=_positive, metavar="TOKENS",
+        help="run the LM head and loss as TiledFusedLogitsLoss over shards of at most TOKENS",
+    )  # fmt: skip
+    ap.add_argument(
         "--attention", choices=ATTENTION, default="traced",
         help="attention's memory: 'traced' (what the model's attention saves on fake tensors: "
         "the seq x seq scores for eager and SDPA's math path) or 'fused' (flash / "
@@ -107,8 +115,15 @@ def _model(args: argparse.Namespace, sp: int = 1) -> ModelShape:
     from partita.estimate.model import from_hf_config
 
     return from_hf_config(
-        args.model, args.micro_batch, args.seq_len, _dtype(args), sp, args.attention
-    )
+        args.model, args.micro_batch, args.seq_len, _dtype(args), sp, args.attention,
+        _tiling(args),
+    )  # fmt: skip
+
+
+def _tiling(args: argparse.Namespace) -> Any:
+    from partita.estimate.tiled import Tiling
+
+    return Tiling(args.tiled_mlp, args.tiled_loss)
 
 
 def _dtype(args: argparse.Namespace) -> Any:
@@ -318,8 +333,9 @@ def _longest_main(args: argparse.Namespace) -> int:
         found = []
         for sp in _sp_values(args):
             shape, fit = longest.fit_sequence(
-                args.model, args.micro_batch, sp, _dtype(args), args.attention
-            )
+                args.model, args.micro_batch, sp, _dtype(args), args.attention,
+                tiling=_tiling(args),
+            )  # fmt: skip
             found += [
                 longest.longest_sequence(shape, fit, c, hw, args.max_seq_len)
                 for c in _candidates(args, hw, True)
@@ -331,7 +347,8 @@ def _longest_main(args: argparse.Namespace) -> int:
     positions = getattr(config, "max_position_embeddings", None) or getattr(
         config, "n_positions", None
     )
-    print(longest.format_longest(shape, hw, found, positions))
+    tiled = _tiling(args).any
+    print(longest.format_longest(shape, hw, found, positions, tiled))
     return 0 if any(r.seq_len for r in found) else 1
 
 

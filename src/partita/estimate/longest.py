@@ -37,6 +37,7 @@ from partita.estimate.memory import (
 from partita.estimate.model import ModelShape, describe_module, load_hf_config, meta_model
 from partita.estimate.model import trace_rank as _trace_rank
 from partita.estimate.plan import rank_need
+from partita.estimate.tiled import Tiling
 from partita.estimate.ulysses import check_sequence_parallel
 from partita.estimate.units import EstimateError, format_bytes
 
@@ -103,18 +104,26 @@ class SequenceFit:
     """The storages' different quadratics (the largest tensor is the largest of these)."""
     tail: tuple[Poly, ...] = ()
     """The storages saved after the last block's (the final norm, the LM head, the loss)."""
+    recompute: Poly = (Fraction(0), Fraction(0), Fraction(0))
+    """A tiled backward's transient (`ActivationProfile.recompute`)."""
 
     @classmethod
     def of(
-        cls, sp: int, storages: Sequence[tuple[int, Poly]], inputs: Sequence[Poly]
+        cls,
+        sp: int,
+        storages: Sequence[tuple[int, Poly]],
+        inputs: Sequence[Poly],
+        recompute: Poly | None = None,
     ) -> SequenceFit:
-        """The fit of `storages` and block `inputs`, with the sums a profile reads."""
+        """The fit of `storages`, block `inputs` and a tiled backward's `recompute`, with the
+        sums a profile reads."""
         blocks = tuple(_sum([p for b, p in storages if b == i]) for i in range(len(inputs)))
         distinct = tuple(dict.fromkeys(p for _, p in storages))
         last = max((i for i, (b, _) in enumerate(storages) if b >= 0), default=len(storages))
         tail = tuple(p for _, p in storages[last + 1 :])
         total = _sum([p for _, p in storages])
-        return cls(sp, tuple(storages), tuple(inputs), blocks, total, distinct, tail)
+        tiled = recompute or (Fraction(0), Fraction(0), Fraction(0))
+        return cls(sp, tuple(storages), tuple(inputs), blocks, total, distinct, tail, tiled)
 
     def sizes(self, local: int) -> tuple[tuple[int, int], ...]:
         """Each storage's (block, bytes) at `local` tokens per rank, as a trace lists them."""
@@ -137,6 +146,7 @@ class SequenceFit:
             tuple(_at(p, local) for p in self.blocks),
             tuple(_at(p, local) for p in self.inputs),
             max((_at(p, local) for p in self.distinct), default=0),
+            recompute=_at(self.recompute, local),
         )
 
 
@@ -168,12 +178,14 @@ def fit_from(
     )
     if len(inputs) != len(profiles[0].block_saved):
         raise EstimateError("a trace's blocks and block inputs do not match")
-    fit = SequenceFit.of(sp, storages, inputs)
+    recompute = _fit3(lengths, [p.recompute for p in profiles])
+    fit = SequenceFit.of(sp, storages, inputs, recompute)
     if check is not None:
-        traced = trace(check)
-        if fit.sizes(check) != traced.storages or fit.profile(check).block_inputs != tuple(
-            traced.block_inputs
-        ):
+        traced, predicted = trace(check), fit.profile(check)
+        if fit.sizes(check) != traced.storages or (
+            predicted.block_inputs,
+            predicted.recompute,
+        ) != (tuple(traced.block_inputs), traced.recompute):
             raise EstimateError(
                 f"the activations fitted at {', '.join(map(str, lengths))} tokens per rank do "
                 f"not predict the trace at {check}: they do not grow as a quadratic of the "
@@ -189,6 +201,7 @@ def fit_sequence(
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "traced",
     lengths: Sequence[int] = FIT_LENGTHS,
+    tiling: Tiling | None = None,
 ) -> tuple[ModelShape, SequenceFit]:
     """The model's shape (without activations) and one Ulysses rank's fitted activations at
     ``sequence_parallel_size`` `sp`, from a Hugging Face config or folder `source`
@@ -198,7 +211,7 @@ def fit_sequence(
     model = meta_model(config, dtype)
     shape = describe_module(model)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
-    fit = fit_from(lambda n: _trace_rank(model, micro_batch, n, sp, attention), sp, lengths)
+    fit = fit_from(lambda n: _trace_rank(model, micro_batch, n, sp, attention, tiling), sp, lengths)
     return replace(shape, name=str(name), micro_batch=micro_batch), fit
 
 
@@ -299,11 +312,16 @@ def _limit_text(hw: Hardware) -> str:
 
 
 def format_longest(
-    shape: ModelShape, hw: Hardware, found: Sequence[Longest], positions: int | None = None
+    shape: ModelShape,
+    hw: Hardware,
+    found: Sequence[Longest],
+    positions: int | None = None,
+    tiled: bool = False,
 ) -> str:
     """The table of `found`: per degree and configuration, the longest sequence and one rank's
     memory there by group, with the need one step (sp tokens) longer; `positions`: the model's
-    own length limit (``max_position_embeddings``), named where an answer passes it."""
+    own length limit (``max_position_embeddings``), named where an answer passes it; `tiled`:
+    whether the activations were traced with sequence-tiled MLP or loss."""
     head = (
         f"{shape.name}: {shape.trainable / 1e9:.3g}B trainable parameters on {hw.nodes} node(s) "
         f"x {hw.devices_per_node} device(s), micro-batch {shape.micro_batch}; the longest "
@@ -328,11 +346,11 @@ def format_longest(
             f"{label} {length:>9s} {r.seq_len // r.sp:>8d}{parts}"
             f" {_mib(rank_need(r.at)):>13s} {beyond:>13s} {format_bytes(elsewhere):>10s}"
         )
-    lines += _notes(found, positions)
+    lines += _notes(found, positions, tiled)
     return "\n".join(lines)
 
 
-def _notes(found: Sequence[Longest], positions: int | None) -> list[str]:
+def _notes(found: Sequence[Longest], positions: int | None, tiled: bool) -> list[str]:
     best = max(found, key=lambda r: r.seq_len, default=None)
     notes = []
     if best is not None and best.seq_len:
@@ -355,8 +373,13 @@ def _notes(found: Sequence[Longest], positions: int | None) -> list[str]:
         "note: activations are one Ulysses rank's: position-wise tensors at seq_len/sp tokens, "
         "attention's own (--attention: traced score matrices, or a fused kernel's) for h/sp "
         "heads of the whole sequence; model states shard over all ranks (dp x sp); "
-        "sequence-tiled MLP and loss (partita.tiling) and the all-to-all buffers are not "
-        "modelled",
+        + (
+            "MLP and loss tiled as --tiled_mlp / --tiled_loss say (a tiled backward's "
+            "recompute counted as its transient); "
+            if tiled
+            else "sequence-tiled MLP and loss (--tiled_mlp, --tiled_loss) not used; "
+        )
+        + "the all-to-all buffers are not modelled",
     ]
     if any(r.limit for r in found):
         notes.append("note: >= : the search stopped at --max_seq_len")

@@ -353,9 +353,11 @@ def _activation_fields(c: Candidate, m: ModelShape, p: int) -> dict[str, Any]:
     if acts is None:
         return {}
     frees = acts.block_inputs if c.checkpointing else acts.block_saved
+    # A tiled backward's recompute, when larger, stands in for the loss's two transients.
+    largest = max(acts.largest, -(-acts.recompute // 2))
     return {
-        "held": acts.peak(c.checkpointing) - 2 * acts.largest,
-        "largest_activation": acts.largest,
+        "held": acts.peak(c.checkpointing) - max(2 * acts.largest, acts.recompute),
+        "largest_activation": largest,
         "block_frees": tuple(reversed(frees)),
         "transient": m.largest_param * p,
     }

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from partita.estimate.activations import ActivationProfile, trace_activations
+from partita.estimate.tiled import Tiling, shard_transient, tiled_loss, tiled_mlps
 from partita.estimate.ulysses import check_sequence_parallel, rank_attention
 from partita.estimate.units import EstimateError
 
@@ -207,11 +209,14 @@ def from_hf_config(
     dtype: torch.dtype = torch.bfloat16,
     sp: int = 1,
     attention: str = "traced",
+    tiling: Tiling | None = None,
 ) -> ModelShape:
     """The shape of a Hugging Face model with one rank's activations traced at ``micro_batch x
     seq_len`` in `dtype` (built on the meta device: nothing is downloaded or allocated); with
     ``sequence_parallel_size`` `sp`, those of one Ulysses rank holding ``seq_len / sp`` tokens
-    ([Note: a rank's activations under Ulysses] in ``ulysses.py``)."""
+    ([Note: a rank's activations under Ulysses] in ``ulysses.py``); `attention`: how attention's
+    memory is counted (`partita.estimate.ulysses.ATTENTION`); `tiling`: sequence-tiled MLP and
+    loss ([Note: tiled compute in the estimate] in ``tiled.py``)."""
     if micro_batch <= 0 or seq_len <= 0:
         raise EstimateError(f"micro_batch {micro_batch} and seq_len {seq_len} must be > 0")
     config = load_hf_config(source)
@@ -223,7 +228,7 @@ def from_hf_config(
         )
     model = meta_model(config, dtype)
     shape = describe_module(model)
-    profile = trace_rank(model, micro_batch, seq_len // sp, sp, attention)
+    profile = trace_rank(model, micro_batch, seq_len // sp, sp, attention, tiling)
     name = getattr(config, "_name_or_path", "") or getattr(config, "model_type", "model")
     return replace(
         shape, name=str(name), activations=profile, micro_batch=micro_batch, seq_len=seq_len
@@ -236,23 +241,36 @@ def trace_rank(
     local_len: int,
     sp: int = 1,
     attention: str = "traced",
+    tiling: Tiling | None = None,
 ) -> ActivationProfile:
     """The activations one rank saves running `model` (built by `meta_model`) on
     ``micro_batch x local_len`` tokens as one of `sp` Ulysses ranks (sp 1: plainly), attention
-    counted as `attention` says."""
+    counted as `attention` says, MLP and loss tiled as `tiling` says."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from partita.zero.stage3.strategy import default_unit_modules
+
+    tiles = tiling or Tiling()
+    blocks = default_unit_modules(model)
 
     def run(m: torch.nn.Module) -> Any:
         # Fake inputs: Transformers skips its value checks (packed sequences, all-ones masks)
         # for fake tensors, which meta tensors alone would fail (they have no values).
         with FakeTensorMode(allow_non_fake_inputs=True):
             ids = torch.zeros((micro_batch, local_len), dtype=torch.long, device="meta")
+            if tiles.loss_tokens is not None:
+                return tiled_loss(m, ids, tiles.loss_tokens)
             return m(input_ids=ids, labels=ids) if _has_labels(m) else m(input_ids=ids)
 
-    with rank_attention(model, sp, attention):
-        return trace_activations(model, run, default_unit_modules(model))
+    mlps = tiled_mlps(blocks, tiles.mlp_tokens) if tiles.mlp_tokens else nullcontext()
+    with rank_attention(model, sp, attention), mlps:
+        profile = trace_activations(model, run, blocks)
+    if not tiles.any:
+        return profile
+    config: Any = model.config
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 0)
+    recompute = shard_transient(model, blocks, tiles, micro_batch, local_len, hidden)
+    return replace(profile, recompute=recompute)
 
 
 def _has_labels(model: torch.nn.Module) -> bool:

@@ -22,7 +22,7 @@ them), runs the model's own attention on them, and turns the output back. The al
 autograd functions that save nothing (as partita's do), so what is counted is what the real
 rank saves. The attention mask is dropped, as partita's Ulysses drops it (the core is causal by
 itself). Not modelled: the all-to-all's send/receive buffers (transient, one layer's q, k, v at
-a time), and sequence-tiled MLP and loss (`partita.tiling`), which the traced model does not use.
+a time). Sequence-tiled MLP and loss are ``tiled.py``'s.
 """
 
 from __future__ import annotations
@@ -124,7 +124,9 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, h, s, _ = q.shape
-        out = q.new_empty((b, h, s, v.shape[-1]))
+        # [b, h, s, d] over [b, s, h, d] memory, as the kernels return it: the caller's
+        # transpose back is then contiguous already, one storage with what is saved here.
+        out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
         lse = q.new_empty((b, h, s), dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
