@@ -6,11 +6,14 @@ most T tokens, and with ``--tiled_loss T`` the LM head and the loss run as
 `partita.tiling.TiledFusedLogitsLoss` over shards of at most T tokens. The trace runs partita's
 own functions, so what forward keeps is theirs: the MLP's input, the head's input and the
 labels, not the MLP's intermediates or the logits. Their backward recomputes one shard at a
-time; what it holds at once (one shard's saved tensors, and the gradient and a temporary of
-the largest, the rule `ActivationProfile.peak` applies to the whole forward) is traced on one
-shard of T tokens, the most a shard holds, and counted as the backward's transient when it is
-larger than the whole forward's. The shard counts follow the rank's tokens (ceil(tokens / T)),
-so the transient does not grow with the sequence; below T tokens it is an upper bound.
+time. What it holds at once is its input's whole gradient (allocated before the first shard)
+and one shard's saved tensors with the gradient and a temporary of their largest (the rule
+`ActivationProfile.peak` applies to the whole forward), traced on one shard of T tokens, the
+most a shard holds. That is `ActivationProfile.recompute`, the backward's transient when it is
+larger than the loss's. The shard counts follow the rank's tokens (ceil(tokens / T)), so only
+the input's gradient grows with the sequence; below T tokens the shard's part is an upper
+bound. Not counted: the recompute's FLOPs in ``partita plan`` (the MLP's forward runs once
+more per step, the head's too).
 """
 
 from __future__ import annotations
