@@ -297,10 +297,11 @@ def _shard_tensors(
 ) -> tuple[list[stfile.TensorSpec], dict[str, Producer], dict[str, list[list[int]]]]:
     """This rank's tensors: owned slices of every trainable parameter's master and optimizer
     state (replicated state: the parameters `_replicated_writers` gives this rank); frozen
-    parameters and buffers on rank 0 only. Their specs, in file order, and how
-    to make each: trainable state when it is written (a synchronous save then copies each
-    state while the disk writes the previous one), module tensors now (stage 3 gathers
-    frozen parameters collectively, in the same order on every rank)."""
+    parameters and buffers on rank 0 only (an expert's on the rank `experts.writers` names).
+    Their specs, in file order, and how to make each: trainable state when it is written (a
+    synchronous save then copies each state while the disk writes the previous one), module
+    tensors now (stage 3 gathers frozen parameters collectively, in the same order on every
+    rank)."""
     strategy = engine.param_states
     rank, world = file_place(engine.dims)
     mine = experts.writers(engine.module, engine.dims)  # this rank's experts: who writes

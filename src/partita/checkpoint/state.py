@@ -73,7 +73,8 @@ def inventory(engine: CheckpointSubject) -> list[Entry]:
     seen: dict[int, str] = {}
     entries = []
     param_ids = {id(p) for p in engine.module.parameters()}
-    # Expert tensors go by their global names ([Note: expert slices] in `.experts`).
+    # Expert tensors go by their global names ([Note: expert slices] in
+    # `partita.checkpoint.experts`).
     experts = global_names(engine.module, engine.dims)
     for local, t in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
