@@ -4,12 +4,13 @@ its global name (the name it has in the one-process model), and loads at another
 expert-parallel size, world size and ZeRO stage with the experts re-split.
 
 DeepSpeed's MoE tutorial shape (tests/moe_workers.py, top-2, fp32, dropless) trains two steps
-at 4 CPU ranks (ep 2 x dp 2 at ZeRO 2, ep 4 at ZeRO 0), saves, and fresh engines at ep 4, ep 2,
-ep 1 x dp 2, ep 2 x dp 1 and world 1, ZeRO 0-2, load and train two more steps: every loss
-within rtol 1e-6 of one process holding every expert; at the saving layout bitwise the
-uninterrupted run. A round trip through ep 4 gives back every saved state bitwise. A plain
-module loads the consolidated weights; ``partita export`` writes the module's own names. One
-spawn per world size runs its cases (tests/moe_checkpoint_workers.py)."""
+at 4 CPU ranks (ep 2 x dp 2 at ZeRO 2; ep 4 at ZeRO 0, saved in the background; with one
+optimizer group of every parameter; with a frozen bias in every expert), saves, and fresh
+engines at ep 4, ep 2, ep 1 x dp 2, ep 2 x dp 1 and world 1, ZeRO 0-2, load and train two more
+steps: every loss within rtol 1e-6 of one process holding every expert; at the saving layout
+bitwise the uninterrupted run. A round trip through ep 4 gives back every saved state bitwise.
+A plain module loads the consolidated weights; ``partita export`` writes the module's own
+names. One spawn per world size runs its cases (tests/moe_checkpoint_workers.py)."""
 
 from __future__ import annotations
 
