@@ -417,7 +417,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import save_checkpoint
 
         self._require_resident_states("save_checkpoint()")
-        engine_experts.refuse_checkpoint(self.dims, "save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -444,7 +443,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import load_checkpoint
 
         self._require_resident_states("load_checkpoint()")
-        engine_experts.refuse_checkpoint(self.dims, "load_checkpoint()")
         return load_checkpoint(
             self,
             load_dir,

@@ -65,7 +65,8 @@ REFUSED: Mapping[str, str] = {
     "get_optimizer_configuration": "a DeepSpeed internal; partita builds the config's optimizer",
     "print_forward_breakdown": "set wall_clock_breakdown; engine steps log the breakdown",
     "get_wall_clock_timers": "set wall_clock_breakdown; engine steps log the breakdown",
-    "load_moe_state_dict": "partita has no mixture-of-experts layers yet",
+    "load_moe_state_dict": "DeepSpeed's per-expert checkpoint files; partita's checkpoints "
+    "hold experts by global index and load_checkpoint re-splits them",
     "set_data_post_process_func": _NO_DATA_EFFICIENCY,
     "set_custom_curriculum_learning_schedule": _NO_DATA_EFFICIENCY,
     "data_efficiency_config": _NO_DATA_EFFICIENCY,

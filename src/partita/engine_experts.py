@@ -107,8 +107,3 @@ def broadcast_group(
     return dims.grad_ranks, dims.grad_group
 
 
-def refuse_checkpoint(dims: comm.ParallelDims, what: str) -> None:
-    """Nothing to refuse any more: checkpoints name every expert by its global index and
-    re-split experts on load ([Note: expert slices] in `partita.checkpoint.experts`); `dims`
-    and `what` are kept for the engine's call."""
-    del dims, what
