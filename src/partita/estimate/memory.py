@@ -34,6 +34,11 @@ from partita.estimate.backward import GradLayout, pool_peak, stage012_moments
 from partita.estimate.model import ModelShape
 from partita.estimate.stage3 import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
+from partita.zero.stage3.settings import Stage3Settings
+
+_RUN = Stage3Settings.defaults()
+"""What stage 3 runs by when a config sets none of its keys: the estimator's defaults, so the
+two cannot drift apart."""
 
 __all__ = [
     "CPU_RUNTIME",
@@ -117,15 +122,16 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Settings:
-    """The ``zero_optimization`` values that change memory, with partita's defaults
-    (``config/sections/zero.py``: note ``reduce_bucket_size`` 4M elements, not 5e8)."""
+    """The ``zero_optimization`` values that change memory, with partita's defaults (those
+    stage 3 runs by, `Stage3Settings.defaults`: note ``reduce_bucket_size`` 4M elements, not
+    DeepSpeed's 5e8)."""
 
-    reduce_bucket_size: int = 1 << 22
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_max_live_parameters: int = 1_000_000_000
-    stage3_max_reuse_distance: int = 1_000_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    sub_group_size: int = 1_000_000_000
+    reduce_bucket_size: int = _RUN.reduce_bucket_size
+    stage3_prefetch_bucket_size: int = _RUN.prefetch_bucket_size
+    stage3_max_live_parameters: int = _RUN.max_live_parameters
+    stage3_max_reuse_distance: int = _RUN.max_reuse_distance
+    stage3_param_persistence_threshold: int = _RUN.param_persistence_threshold
+    sub_group_size: int = _RUN.sub_group_size
     param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000
     param_max_in_cpu: int = 0
