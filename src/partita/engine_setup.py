@@ -457,8 +457,9 @@ def attach_tools(engine: Any, config: DeepSpeedConfig) -> None:
     """Wires the config's tool sections into a new engine: the FLOPs profile at
     ``flops_profiler.profile_step``, the comms logger, and the ``activation_checkpointing``
     settings (the defaults of `partita.activations.checkpoint` unless the script called
-    ``deepspeed.checkpointing.configure`` itself, which wins as in DeepSpeed)."""
-    from partita.activations import checkpointing
+    ``deepspeed.checkpointing.configure`` itself, which wins as in DeepSpeed); with
+    ``cpu_checkpointing``, the host offload of an HF model's checkpointed layer inputs."""
+    from partita.activations import checkpointing, offload
     from partita.profiling import comms
     from partita.profiling.engine_hooks import EngineFlopsProfile
 
@@ -473,3 +474,8 @@ def attach_tools(engine: Any, config: DeepSpeedConfig) -> None:
         comms.configure(config.comms_logger)
     if not checkpointing.is_configured():
         checkpointing.apply_config(config.activation_checkpointing)
+    # cpu_checkpointing covers a Hugging Face model's own gradient checkpointing too: its
+    # layers call torch's checkpoint directly, never partita.activations.checkpoint.
+    model = engine.module
+    if checkpointing.settings().config.cpu_checkpointing and offload.has_hf_checkpointing(model):
+        offload.offload_checkpoints(model)

@@ -45,7 +45,10 @@ class ActivationCheckpointingConfig(Section):
         default=False, description="Partition checkpointed activations across model-parallel ranks."
     )
     cpu_checkpointing: Bool = Field(
-        default=False, description="Keep checkpointed activations in CPU memory."
+        default=False,
+        description="Keep checkpointed activations in CPU memory; with a Hugging Face model "
+        "(gradient_checkpointing_enable), the engine also moves each checkpointed layer's input "
+        "to host memory (partita.activations.offload_checkpoints).",
     )
     contiguous_memory_optimization: Bool = Field(
         default=False, description="Copy checkpointed activations into one contiguous buffer."

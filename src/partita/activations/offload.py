@@ -1,0 +1,215 @@
+"""Checkpoint inputs of Hugging Face gradient checkpointing kept in host memory (what
+DeepSpeed's Arctic Long Sequence Training calls "activation checkpoint offload").
+
+With ``model.gradient_checkpointing_enable()`` each decoder layer runs under
+`torch.utils.checkpoint`; between forward and backward it keeps only its input (the hidden
+states at the layer boundary, B x S x H per layer), which at long sequence length is most of
+the activation memory left. `offload_checkpoints(model)` moves those inputs to host memory as
+each layer's forward saves them and copies them back for the backward that recomputes the
+layer, one layer ahead: when layer i's input is restored, layer i-1's starts copying back.
+
+How: HF calls each layer's ``_gradient_checkpointing_func(function, *args)``; we wrap that
+function so that torch's checkpoint is entered under our saved-tensor hooks. torch saves the
+region's positional tensor inputs through the hooks in force when it is called (its own hooks
+take over inside the region), so exactly the region inputs pass through `_pack`; everything
+else autograd saves is untouched. DeepSpeed 0.19.8 (``CheckpointHiddenStatesOffload``) gets the
+same tensors by patching ``GradientCheckpointingLayer.__call__`` to mark ``args[0]`` under a
+process-wide hook; wrapping the per-model function touches no class and nothing else.
+
+One code path on every device: on CUDA the host buffers are pinned and copies run on a side
+stream ordered by events (the device block is held by ``record_stream`` until its copy ran);
+on CPU the side stream and events are None and the same copies run in place, so a CPU run
+exercises the copy, restore and prefetch logic bit for bit. The bytes offloaded are counted in
+``partita.activations.STATS`` as host-held (see storage's [Note: saved-input accounting]) and
+thus in the engine's ``memory_report``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.accelerator import get_accelerator
+from partita.activations.storage import STATS
+
+__all__ = ["CheckpointOffload", "has_hf_checkpointing", "offload_checkpoints"]
+
+_FUNC = "_gradient_checkpointing_func"
+"""The attribute HF's ``gradient_checkpointing_enable`` sets on each checkpointable module."""
+
+
+@dataclass
+class OffloadCounts:
+    """What one `CheckpointOffload` has moved (cumulative)."""
+
+    offloaded: int = 0
+    offloaded_bytes: int = 0
+    restored: int = 0
+    prefetched: int = 0
+
+
+class _HostCopy:
+    """One checkpoint input held in host memory and its way back to the device."""
+
+    def __init__(self, tensor: torch.Tensor, side: Any, previous: _HostCopy | None) -> None:
+        accelerator = get_accelerator()
+        self.device, self.shape, self.dtype = tensor.device, tensor.shape, tensor.dtype
+        self.nbytes = tensor.numel() * tensor.element_size()
+        self.side = side
+        self.previous = weakref.ref(previous) if previous is not None else None
+        self.prefetched: tuple[torch.Tensor, Any] | None = None
+        on_device = tensor.device.type != "cpu"
+        self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=on_device)
+        accelerator.wait_stream(side, None)  # the copy reads what the compute stream wrote
+        with accelerator.stream(side):
+            self.host.copy_(tensor, non_blocking=on_device)
+        if side is not None:
+            # The caller drops the device tensor now; its block must outlive the copy.
+            tensor.record_stream(side)
+        self.copied = accelerator.record_event(side)
+        STATS.add(True, self.nbytes)
+        weakref.finalize(self, STATS.remove, True, self.nbytes)
+
+    def prefetch(self) -> None:
+        """Starts the copy back to the device (on the side stream; in place on CPU)."""
+        if self.prefetched is not None:
+            return
+        accelerator = get_accelerator()
+        target = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        # After the compute stream's work so far (the block's previous users) and, on the same
+        # side stream, after the offload copy that filled the host buffer.
+        accelerator.wait_stream(self.side, None)
+        with accelerator.stream(self.side):
+            target.copy_(self.host, non_blocking=self.device.type != "cpu")
+        if self.side is not None:
+            target.record_stream(self.side)  # freed unused (graph dropped) while copying
+        self.prefetched = (target, accelerator.record_event(self.side))
+
+    def restore(self) -> tuple[torch.Tensor, bool]:
+        """The input on its device, and whether a prefetch had already started its copy; starts
+        the previous layer's prefetch (backward runs the layers in reverse)."""
+        hit = self.prefetched is not None
+        self.prefetch()
+        assert self.prefetched is not None
+        data, event = self.prefetched
+        self.prefetched = None
+        if event is not None:
+            event.wait()  # the compute stream waits for the copy, the host does not
+        previous = self.previous() if self.previous is not None else None
+        if previous is not None:
+            previous.prefetch()
+        return data, hit
+
+
+def _offloadable(tensor: torch.Tensor) -> bool:
+    # Parameters are kept by the model anyway; non-contiguous or sparse inputs would need their
+    # layout rebuilt, and an exact layout is what keeps recomputation bitwise equal.
+    return (
+        tensor.is_floating_point()
+        and not isinstance(tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+    )
+
+
+class CheckpointOffload:
+    """The offload installed on one model by `offload_checkpoints`; `remove` undoes it.
+
+    Attributes:
+        counts: tensors and bytes offloaded, restored, and restored from a prefetch.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.counts = OffloadCounts()
+        self._side = get_accelerator().new_stream()
+        self._last: weakref.ref[_HostCopy] | None = None
+        self._modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+        self._hook = model.register_forward_pre_hook(self._wrap_all)
+        self._model = weakref.ref(model)
+        self._wrap_all()
+
+    def _wrap_all(self, *_: Any) -> None:
+        # Each forward: ``gradient_checkpointing_enable`` may run after us and set new functions.
+        for module in self._modules:
+            func = module.__dict__.get(_FUNC)
+            if func is not None and not isinstance(func, _OffloadingCheckpoint):
+                setattr(module, _FUNC, _OffloadingCheckpoint(func, self))
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        """Saved-tensor pack hook for a checkpoint region's inputs."""
+        if not _offloadable(tensor):
+            return tensor
+        previous = self._last() if self._last is not None else None
+        stored = _HostCopy(tensor, self._side, previous)
+        self._last = weakref.ref(stored)
+        self.counts.offloaded += 1
+        self.counts.offloaded_bytes += stored.nbytes
+        return stored
+
+    def unpack(self, stored: Any) -> torch.Tensor:
+        """Saved-tensor unpack hook: the input back on its device."""
+        if not isinstance(stored, _HostCopy):
+            return stored
+        data, hit = stored.restore()
+        self.counts.restored += 1
+        self.counts.prefetched += int(hit)
+        return data
+
+    def remove(self) -> None:
+        """Restores the model's checkpoint functions and drops the hook."""
+        self._hook.remove()
+        for module in self._modules:
+            func = module.__dict__.get(_FUNC)
+            if isinstance(func, _OffloadingCheckpoint):
+                setattr(module, _FUNC, func.inner)
+        model = self._model()
+        if model is not None:
+            _INSTALLED.pop(model, None)
+
+
+class _OffloadingCheckpoint:
+    """HF's checkpoint function entered under the offload's saved-tensor hooks."""
+
+    def __init__(self, inner: Any, offload: CheckpointOffload) -> None:
+        self.inner, self.offload = inner, offload
+
+    def __call__(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """``inner(function, *args, **kwargs)`` with the region's inputs offloaded."""
+        if not torch.is_grad_enabled():
+            return self.inner(function, *args, **kwargs)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack)
+        with hooks:
+            return self.inner(function, *args, **kwargs)
+
+
+_INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, CheckpointOffload] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def has_hf_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether `model` has Hugging Face gradient-checkpointing layers (modules carrying a
+    ``gradient_checkpointing`` flag)."""
+    return any(hasattr(m, "gradient_checkpointing") for m in model.modules())
+
+
+def offload_checkpoints(model: torch.nn.Module) -> CheckpointOffload:
+    """Keeps the inputs of `model`'s gradient-checkpointed layers in host memory between
+    forward and backward (see the module docstring). Works whether
+    ``gradient_checkpointing_enable`` is called before or after; calling it twice returns the
+    same offload. Raises ValueError if `model` has no HF gradient-checkpointing layers."""
+    installed = _INSTALLED.get(model)
+    if installed is not None:
+        return installed
+    if not has_hf_checkpointing(model):
+        raise ValueError(
+            f"offload_checkpoints: {type(model).__name__} has no Hugging Face gradient-"
+            "checkpointing layers (no module with a `gradient_checkpointing` flag); for your own "
+            "layers use partita.activations.checkpoint with cpu_checkpointing"
+        )
+    offload = CheckpointOffload(model)
+    _INSTALLED[model] = offload
+    return offload
