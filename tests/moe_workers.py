@@ -149,8 +149,10 @@ def refusal(what: str) -> str:
         elif what == "ep_not_dividing":
             torch.manual_seed(SEED)
             partita.initialize(model=Net(ep=3, k=1, experts=3), config=config(0, 0.0, False))
-        elif what == "stage3":
-            partita.initialize(model=Net(ep=2, k=1), config=config(3, 0.0, False))
+        elif what == "stage3_zeropp":
+            cfg = config(3, 0.0, False)
+            cfg["zero_optimization"]["zero_quantized_weights"] = True
+            partita.initialize(model=Net(ep=2, k=1), config=cfg)
     except (ValueError, ConfigError, NotImplementedError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"

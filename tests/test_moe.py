@@ -1,5 +1,5 @@
 """Mixture of experts with expert parallelism (`partita.moe`, ``deepspeed.moe.layer.MoE``):
-DeepSpeed's tutorial shape trained at 4 CPU ranks as ep 2 x dp 2 and ep 4, ZeRO stages 0-2,
+DeepSpeed's tutorial shape trained at 4 CPU ranks as ep 2 x dp 2 and ep 4, ZeRO stages 0-3,
 fp32, dropless, against one process holding every expert; a rerun bitwise; the groups; the
 optimizer state split over expert ranks; and the refusals, each naming itself before any
 collective. One spawn runs every 4-rank case ([Note: expert parallelism] in
@@ -14,7 +14,7 @@ from moe_workers import moe_grid, reference
 from partita.testing import run_distributed_grid
 
 WORLD = 4
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 TRAIN = [  # top-1 at ep 2, top-2 at ep 4
     {"kind": "train", "ep": ep, "stage": stage, "k": 1 if ep == 2 else 2}
     for ep in (2, 4)
@@ -25,10 +25,11 @@ EXTRA = {
     # SGD shows any scaling of the expert gradients; clipping at 0.05 reads the global norm
     "sgd_clip_stage0": {"kind": "train", "ep": 2, "stage": 0, "k": 2, "sgd": True, "clip": 0.05},
     "sgd_clip_stage2": {"kind": "train", "ep": 4, "stage": 2, "k": 1, "sgd": True, "clip": 0.05},
+    "sgd_clip_stage3": {"kind": "train", "ep": 2, "stage": 3, "k": 2, "sgd": True, "clip": 0.05},
     "residual": {"kind": "train", "ep": 2, "stage": 1, "k": 1, "residual": True},
     "unsplit_groups": {"kind": "train", "ep": 2, "stage": 2, "k": 1, "split": False},
 }
-REFUSALS = ["experts_not_divisible", "k_too_large", "ep_not_dividing", "stage3"]
+REFUSALS = ["experts_not_divisible", "k_too_large", "ep_not_dividing", "stage3_zeropp"]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +64,12 @@ def test_losses_match_one_process_holding_every_expert(results: dict, ep: int) -
 @pytest.mark.parity
 def test_sgd_clipping_residual_and_unsplit_groups_match_one_process(results: dict) -> None:
     """SGD (no normalisation hides a mis-scaled expert gradient) with clipping at 0.05 (the
-    norm counts each expert once) at stages 0 and 2; a residual MoE; optimizer groups that mix
+    norm counts each expert once) at stages 0, 2 and 3; a residual MoE; optimizer groups that mix
     expert and dense parameters (the engine splits them)."""
     extra = results["extra"]
     _check(extra["sgd_clip_stage0"], reference(WORLD, k=2, sgd=True, clip=0.05))
     _check(extra["sgd_clip_stage2"], reference(WORLD, k=1, sgd=True, clip=0.05))
+    _check(extra["sgd_clip_stage3"], reference(WORLD, k=2, sgd=True, clip=0.05))
     _check(extra["residual"], reference(WORLD, k=1, residual=True))
     _check(extra["unsplit_groups"], reference(WORLD, k=1))
 
@@ -89,7 +91,8 @@ def test_expert_optimizer_state_is_split_over_expert_ranks(results: dict) -> Non
     """Stage 0 holds its local experts' state whole (2 of 4 experts at ep 2, 1 at ep 4) and
     every dense element; stages 1-2 cut the experts' state over the expert-data-parallel
     group (2 ranks at ep 2: well under the whole, up to alignment padding) and the dense
-    state over all 4 ranks."""
+    state over all 4 ranks; stage 3 cuts them alike, its expert units over the
+    expert-data-parallel group."""
     from moe_workers import CLASSES, DIM, EXPERTS, FF, IN
 
     expert = DIM * FF + FF + FF * DIM + DIM
@@ -98,7 +101,7 @@ def test_expert_optimizer_state_is_split_over_expert_ranks(results: dict) -> Non
         local, edp = EXPERTS // ep * expert, WORLD // ep
         for got in results["train"][(ep, 0)]:
             assert got["state_numel"] == {"expert": local, "dense": dense}
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for got in results["train"][(ep, stage)]:
                 numel = got["state_numel"]
                 assert dense / WORLD <= numel["dense"] < dense / 2, (ep, stage, numel)
@@ -110,22 +113,23 @@ def test_expert_optimizer_state_is_split_over_expert_ranks(results: dict) -> Non
 def test_bad_set_ups_are_refused_by_name(results: dict) -> None:
     refused = results["refusals"]
     for rank_errors in zip(*[refused[w] for w in REFUSALS], strict=True):
-        not_divisible, too_large, not_dividing, stage3 = rank_errors
+        not_divisible, too_large, not_dividing, zeropp = rank_errors
         assert "num_experts: 3 is not divisible by ep_size 2" in not_divisible
         assert "k: 5 must be between 1 and num_experts (4)" in too_large
         assert "ep_size: 3 must divide the data-parallel world size 4" in not_dividing
-        assert "zero_optimization.stage" in stage3 and "MoE" in stage3
+        assert "zero_optimization" in zeropp and "MoE" in zeropp and "ZeRO++" in zeropp
 
 
 def test_full_expert_gradients_agree_across_stages(results: dict) -> None:
     """``safe_get_full_grad`` of a rank's first expert weight after the first backward (every
     stage starts from the same weights): at stages 1-2 its pieces are assembled over the
-    expert-data-parallel group, giving stage 0's gradient."""
+    expert-data-parallel group, giving stage 0's gradient; at stage 3 from the expert unit's
+    shards, cut over that group."""
     import torch
 
     for ep in (2, 4):
         want = [torch.tensor(r["expert_grads"][0]) for r in results["train"][(ep, 0)]]
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for rank, got in enumerate(results["train"][(ep, stage)]):
                 first = torch.tensor(got["expert_grads"][0])
                 torch.testing.assert_close(first, want[rank], rtol=1e-6, atol=0.0)

@@ -13,7 +13,7 @@ import torch
 
 from partita import comm
 from partita.comm.dims import check_expert_parallel_size
-from partita.config import DeepSpeedConfig, config_error
+from partita.config import DeepSpeedConfig
 from partita.moe.layer import expert_parameters, moe_layers
 from partita.zero.strategy import ExpertFamily
 
@@ -35,13 +35,6 @@ def expert_parallel_size(
         )
     ep = sizes[0]
     check_expert_parallel_size(ep, world)
-    stage = config.zero_optimization.stage
-    if stage == 3:
-        raise config_error(
-            "zero_optimization.stage",
-            "3 with MoE layers (deepspeed.moe.layer.MoE) is not supported by partita yet; "
-            "use 0, 1 or 2",
-        )
     for what, on in (
         ("an mpu (model parallelism)", mpu is not None),
         ("sequence_parallel_size > 1", sequence_parallel > 1),
@@ -69,8 +62,10 @@ def expert_family(module: torch.nn.Module, dims: comm.ParallelDims) -> ExpertFam
     """The trainable expert parameters of `module` with their groups (None without experts)."""
     if not dims.ep_ranks:
         return None
-    params = frozenset(p for p in expert_parameters(module) if p.requires_grad)
-    return ExpertFamily(params, dims.edp_group, dims.ep_group) if params else None
+    every = expert_parameters(module)
+    params = frozenset(p for p in every if p.requires_grad)
+    frozen = frozenset(p for p in every if not p.requires_grad)
+    return ExpertFamily(params, dims.edp_group, dims.ep_group, frozen) if params else None
 
 
 def split_expert_groups(
@@ -105,5 +100,3 @@ def broadcast_group(
     if param in experts and dims.ep_ranks:
         return dims.edp_ranks, dims.edp_group
     return dims.grad_ranks, dims.grad_group
-
-

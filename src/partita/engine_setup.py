@@ -421,7 +421,7 @@ def strategy(
             module, groups, policy, make_optimizer, Stage3Settings.from_config(zero), scaling,
             group=group,
             placement=offload_placement(config), tensor=tensor, replicas=replicas,
-            holders=dims.grad_group,
+            holders=dims.grad_group, experts=experts,
         )  # fmt: skip
     if zero.stage in (1, 2):
         return Sharded(

@@ -70,8 +70,9 @@ class GatheredParameters:
                     for owner, unit in self._units:
                         # modifier_rank is a rank of the data-parallel group holding the
                         # unit (as in DeepSpeed; with replicas, every replica, which DeepSpeed's
-                        # MiCS leaves out); the broadcast names its source globally.
-                        group = owner.modifier_group
+                        # MiCS leaves out; an expert unit's expert-data-parallel group); the
+                        # broadcast names its source globally.
+                        group = owner.modifier_group_of(unit)
                         src = comm.get_global_rank(group, self.modifier_rank)
                         comm.broadcast(unit.flat_full, src=src, group=group, tag="gathered")
                         owner.load_gathered(unit, self.params)

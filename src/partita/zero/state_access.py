@@ -87,9 +87,10 @@ class StateLayout(Protocol):
 class UnitGatherer(Protocol):
     """What `GatheredParameters` needs of a strategy that shards parameters (stage 3)."""
 
-    modifier_group: Any
-    """Every rank holding the parameters (a process group; None: the default group): a
-    modifier rank's values are broadcast over it."""
+    def modifier_group_of(self, unit: Any) -> Any:
+        """Every rank holding `unit`'s parameters (a process group; None: the default group):
+        a modifier rank's values are broadcast over it."""
+        ...
 
     def unit_of(self, param: torch.Tensor) -> Any:
         """The unit holding `param`, or None."""

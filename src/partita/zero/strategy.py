@@ -102,6 +102,14 @@ class ExpertFamily:
     """The expert-data-parallel process group."""
     ep_group: Any
     """The expert-parallel process group."""
+    frozen: frozenset[torch.nn.Parameter] = frozenset()
+    """Expert parameters that do not train: no gradient, but stage 3 cuts them over `group`
+    too (they differ across expert-parallel ranks)."""
+
+    @property
+    def all_params(self) -> frozenset[torch.nn.Parameter]:
+        """Every expert parameter, trainable or frozen."""
+        return self.params | self.frozen
 
     def split(self, params: list[torch.nn.Parameter]) -> tuple[list[int], list[int]]:
         """Indices into `params` of the dense parameters and of the expert ones."""

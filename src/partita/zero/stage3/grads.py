@@ -54,7 +54,6 @@ class UnitGradReducer:
     scaling: ReduceScaling
     reduce_dtype: torch.dtype
     max_in_flight: int = MAX_IN_FLIGHT
-    group: comm.ProcessGroup | None = None
     max_in_flight_numel: int | None = None
     """``reduce_bucket_size``: gradient elements in flight at once (at least one segment)."""
     sink: Callable[[ShardedUnit, int, torch.Tensor], None] | None = None
@@ -167,7 +166,7 @@ class UnitGradReducer:
             if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
-            handle = self._start(out, data)
+            handle = self._start(out, data, unit.process_group)
             launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel, ticket=ticket))
             self._in_flight.append(launched[-1])
             self._in_flight_numel += seg.padded_numel
@@ -189,7 +188,7 @@ class UnitGradReducer:
             device = unit.flat_full.device
             data = torch.zeros(seg.padded_numel, dtype=self.reduce_dtype, device=device)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=device)
-            handle = self._start(out, data)
+            handle = self._start(out, data, unit.process_group)
             if self.replicas is not None:  # its peers' retire sums across the replicas next
                 if handle is not None:
                     handle.wait()
@@ -198,12 +197,13 @@ class UnitGradReducer:
                 works.append(handle)
         return works
 
-    def _start(self, out: torch.Tensor, data: torch.Tensor) -> Any:
-        """Starts reducing `data` into this rank's chunk `out`: one reduce-scatter, or qgZ's
-        two quantized hops."""
+    def _start(self, out: torch.Tensor, data: torch.Tensor, group: comm.ProcessGroup | None) -> Any:
+        """Starts reducing `data` into this rank's chunk `out` over the unit's `group` (an
+        expert unit's is its expert-data-parallel group): one reduce-scatter, or qgZ's two
+        quantized hops."""
         if self.quantized is not None:
             return quantized_reduce_scatter(out, data, self.quantized)
-        return comm.reduce_scatter(out, data, group=self.group, async_op=True, tag="grad")
+        return comm.reduce_scatter(out, data, group=group, async_op=True, tag="grad")
 
     def _full(self, numel: int) -> bool:
         """Whether a reduction of `numel` more elements must wait for the oldest one."""

@@ -59,7 +59,12 @@ class UnitShardLayout:
                 start = 0 if master is None else unit.layout.segments[seg].shard_offset
                 shifted = [(at, src - start, n) for at, src, n in ranges[i]]
                 home = _Home(unit, seg, start)
-                self._slots[p] = ParamSlot(unit.views[i].shape, shifted, master, home=home)
+                # An expert unit is cut over its own (expert-data-parallel) group.
+                own = unit.process_group is not process_group
+                self._slots[p] = ParamSlot(
+                    unit.views[i].shape, shifted, master, home=home,
+                    group=unit.process_group, own_group=own,
+                )  # fmt: skip
 
     def clear(self) -> None:
         """Forgets every parameter (the strategy handed them back to the module)."""

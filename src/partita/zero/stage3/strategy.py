@@ -5,17 +5,33 @@ each transformer block, plus a root unit for the rest); parameters smaller than
 ``stage3_param_persistence_threshold`` stay gathered in one persistent unit that behaves like
 ZeRO-2 (sharded gradients and optimizer state, all-gathered after the step). The optimizer
 steps one fp32 master chunk per (unit, optimizer group) segment.
+
+[Note: experts at stage 3]
+With mixture-of-experts layers ([Note: expert parallelism] in `partita.comm.dims`) each unit
+holding expert parameters is cut in two: its dense part, sharded over the data-parallel group as
+ever, and ``<unit>/experts``, sharded over the expert-data-parallel group (the ranks holding the
+same experts): its gathers and gradient reduce-scatters stay inside that group, and its
+gradients, summed there, are divided by the whole data-parallel size like every other (the
+reducer's scaling), as DeepSpeed's rule for experts. Both parts are bound to the same modules,
+so one forward gathers both. Expert parameters are never persistent (the persistent unit is cut
+over the data-parallel group). The norm and the overflow check still sum over the data-parallel
+group: each expert element lives on exactly one rank of its expert-data-parallel group, and the
+groups at other expert-parallel places hold other experts, so every element counts once.
+`GatheredParameters(modifier_rank=r)` broadcasts an expert unit over its own group
+(`modifier_group_of`). ZeRO++ (hpZ, qwZ, qgZ) with experts is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from partita import comm
+from partita.config.errors import config_error
 from partita.offload.copy_back import CopyBack
 from partita.offload.placement import OffloadPlacement
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
@@ -41,6 +57,7 @@ from partita.zero.stage3.state import UnitShardLayout
 from partita.zero.stage3.unit import SegmentInfo, ShardedUnit, trace
 from partita.zero.state_access import ParamStates
 from partita.zero.strategy import (
+    ExpertFamily,
     OptimizerFactory,
     ParamGroups,
     StepOutcome,
@@ -81,17 +98,20 @@ def plan_units(
     blocks: Sequence[torch.nn.Module],
     threshold: int,
     leaves: Sequence[torch.nn.Module] = (),
+    sharded: Collection[torch.nn.Parameter] = (),
 ) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
     """(name, module, parameters) of each unit — each block, then each parent of declared
     conditional modules (`leaves`: its own parameters and theirs, see [Note: conditional
     modules]), then one unit per other module owning parameters directly — and the parameters
-    below `threshold` elements, which stay gathered (persistent)."""
+    below `threshold` elements, which stay gathered (persistent), but for those in `sharded`
+    (expert parameters: their group is not the persistent unit's)."""
     assigned: set[torch.nn.Parameter] = set()
     plan: UnitPlan = []
     names = {id(m): n for n, m in model.named_modules()}
+    keep = frozenset(sharded)
 
     def take(m: torch.nn.Module, params: Any) -> None:
-        mine = [p for p in params if p not in assigned and p.numel() >= threshold]
+        mine = [p for p in params if p not in assigned and (p.numel() >= threshold or p in keep)]
         assigned.update(mine)
         if mine:
             plan.append((names[id(m)] or "root", m, mine))
@@ -123,14 +143,28 @@ def _binding_modules(
 
 
 def _plan(
-    model: torch.nn.Module, blocks: list[torch.nn.Module], zero: Stage3Settings
+    model: torch.nn.Module,
+    blocks: list[torch.nn.Module],
+    zero: Stage3Settings,
+    experts: ExpertFamily | None,
 ) -> tuple[UnitPlan, list[torch.nn.Parameter]]:
     """`plan_units` with the conditional modules the model and ``zero.leaf_module`` declare;
-    their parents join `blocks` (in place): a parent's own forward gathers its unit whole."""
+    their parents join `blocks` (in place): a parent's own forward gathers its unit whole.
+    Each unit holding expert parameters is cut in two, the experts' part named
+    ``<unit>/experts`` ([Note: experts at stage 3])."""
     leaves = declared_leaves(model, zero.leaf_module)
-    plan = plan_units(model, blocks, zero.param_persistence_threshold, leaves)
+    own = frozenset() if experts is None else experts.params
+    units, persistent = plan_units(model, blocks, zero.param_persistence_threshold, leaves, own)
     blocks += [parent for _, parent, _ in leaf_groups(model, leaves)]
-    return plan
+    if not own:
+        return units, persistent
+    plan: UnitPlan = []
+    for name, m, params in units:
+        dense = [p for p in params if p not in own]
+        expert = [p for p in params if p in own]
+        plan += [(name, m, dense)] if dense else []
+        plan += [(f"{name}/experts", m, expert)] if expert else []
+    return plan, persistent
 
 
 @dataclass
@@ -198,6 +232,26 @@ class _UnitFactory:
         )
 
 
+def _expert_factory(
+    dense: _UnitFactory, experts: ExpertFamily | None, zero: Stage3Settings
+) -> _UnitFactory:
+    """The factory of expert units: `dense`'s settings over the expert-data-parallel group
+    ([Note: experts at stage 3]); `dense` itself without experts."""
+    if experts is None:
+        return dense
+    if zero.hpz_partition_size > 1 or zero.quantized_weights or zero.quantized_gradients:
+        raise config_error(
+            "zero_optimization",
+            "ZeRO++ (zero_hpz_partition_size, zero_quantized_weights/gradients) together with "
+            "MoE layers at stage 3 is not supported by partita yet",
+        )
+    world, rank = comm.get_world_size(experts.group), comm.get_rank(experts.group)
+    return dataclasses.replace(
+        dense, world=world, rank=rank, group=experts.group,
+        sub_group_numel=zero.sub_group_size * world, gather_plan=EXACT,
+    )  # fmt: skip
+
+
 class FullySharded:
     """Stage 3 strategy (see `partita.zero.strategy.Strategy`)."""
 
@@ -215,6 +269,7 @@ class FullySharded:
         tensor: TensorParallelNorm | None = None,
         replicas: comm.ProcessGroup | None = None,
         holders: comm.ProcessGroup | None = None,
+        experts: ExpertFamily | None = None,
     ) -> None:
         # Hybrid sharding: units are cut over `group` (the shard group) and every gradient
         # chunk is summed across `replicas` ([Note: hybrid sharding] in `partita.comm.dims`);
@@ -223,14 +278,14 @@ class FullySharded:
         self.modifier_group = holders if replicas is not None else group
         """Every rank holding these parameters (`holders`, the whole data-parallel group, when
         hybrid; None: the default group): `GatheredParameters(modifier_rank=r)` broadcasts rank
-        r's values over it, so that every replica takes them."""
+        r's values over it, so that every replica takes them (`modifier_group_of`)."""
         self.placement = placement = placement or OffloadPlacement()
         """Where masters with optimizer state, and parameter shards, live (chosen once)."""
         self.comm_device = next(module.parameters()).device
         world, rank = comm.get_world_size(group), comm.get_rank(group)
         group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
-        plan, persistent = _plan(module, modules, zero)
+        plan, persistent = _plan(module, modules, zero, experts)
         gather_plan = plan_from_config(zero, group)  # ZeRO++ ([Note: ZeRO++ gathers])
         # A sub-group (one master, stepped and swapped as a whole) holds at most
         # sub_group_size elements per rank.
@@ -238,9 +293,13 @@ class FullySharded:
             group_of, len(groups), world, rank, policy, placement,
             zero.sub_group_size * world, placement.params.max_in_cpu, group, gather_plan,
         )  # fmt: skip
+        self._experts = experts
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
-        bindings = self._build_units(build, plan, persistent, module, modules)
+        bindings = self._build_units(
+            {False: build, True: _expert_factory(build, experts, zero)},
+            plan, persistent, module, modules,
+        )  # fmt: skip
         self.divergence = self._check_divergence(group, zero.check_divergence)
         """Identities of the units' collectives, checked across ranks ([Note: rank
         divergence])."""
@@ -248,7 +307,7 @@ class FullySharded:
             self._keep_masters_on_device(opt.ratio)
         bucket = zero.reduce_bucket_size  # gradient elements in reduce-scatters at once
         self.reducer = UnitGradReducer(
-            scaling, policy.reduce_dtype, group=group, max_in_flight_numel=bucket,
+            scaling, policy.reduce_dtype, max_in_flight_numel=bucket,
             quantized=reduce_groups_from_config(zero, gather_plan), replicas=replicas,
         )  # fmt: skip
         self.scheduler = UnitScheduler(
@@ -328,7 +387,7 @@ class FullySharded:
 
     def _build_units(
         self,
-        build: _UnitFactory,
+        factories: dict[bool, _UnitFactory],
         plan: UnitPlan,
         persistent: list[torch.nn.Parameter],
         module: torch.nn.Module,
@@ -338,12 +397,14 @@ class FullySharded:
         the swapped state as soon as it exists; returns (unit, module) hook bindings."""
         self.units: list[ShardedUnit] = []
         bindings: list[tuple[ShardedUnit, torch.nn.Module]] = []
+        expert = frozenset() if self._experts is None else self._experts.all_params
         for name, m, params in plan:
-            unit = build(name, params, persistent=False)
+            unit = factories[params[0] in expert](name, params, persistent=False)
             self.units.append(unit)
             if self.swapped is not None:
                 self.swapped.add(list(unit.masters.values()))
             bindings.extend((unit, b) for b in _binding_modules(m, module, params, modules))
+        build = factories[False]
         self.persistent = build("persistent", persistent, persistent=True) if persistent else None
         if self.swapped is not None and self.persistent is not None:
             self.swapped.add(list(self.persistent.masters.values()))
@@ -552,7 +613,7 @@ class FullySharded:
                 continue
             unit.reshard()
             for p, full in zip(unit.params, fulls, strict=True):
-                hand_back(p, full, self.process_group)
+                hand_back(p, full, unit.process_group)
         self.all_units = []  # nothing of the module is held here any more
         self._where = {}
         self._state_layout.clear()
@@ -562,6 +623,14 @@ class FullySharded:
         """The unit holding `param` (trainable or frozen), or None."""
         found = self._where.get(param)  # type: ignore[call-overload]
         return None if found is None else found[0]
+
+    def modifier_group_of(self, unit: ShardedUnit) -> comm.ProcessGroup | None:
+        """The ranks holding `unit`'s parameters, over which `GatheredParameters` broadcasts a
+        modifier rank's values: the expert-data-parallel group for an expert unit, else
+        `modifier_group`."""
+        if self._experts is not None and unit.process_group is self._experts.group:
+            return unit.process_group
+        return self.modifier_group
 
     def pin(self, unit: ShardedUnit) -> None:
         """Gathers `unit` and keeps it gathered until `unpin` (a use on the unit's counter, so
