@@ -82,15 +82,18 @@ def _steps(engine: Any, steps: list[list[tuple[torch.Tensor, torch.Tensor]]]) ->
 
 def expert_weights(engine: Any) -> dict[str, list[float]]:
     """This rank's experts' full weights under their global state-dict names (module
-    parameters, equal to the masters in fp32)."""
+    parameters, equal to the masters in fp32; gathered at stage 3, collective there)."""
+    from partita.zero import GatheredParameters
+
     layer = engine.module.moe
     rank = engine.dims.ep_ranks.index(engine.dims.rank) if engine.dims.ep_ranks else 0
     prefix = "moe.deepspeed_moe.experts.deepspeed_experts"
     out = {}
     for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
         g = rank * layer.num_local_experts + i
-        for name, p in expert.named_parameters():
-            out[f"{prefix}.{g}.{name}"] = p.detach().reshape(-1).tolist()
+        with GatheredParameters(list(expert.parameters())):
+            for name, p in expert.named_parameters():
+                out[f"{prefix}.{g}.{name}"] = p.detach().reshape(-1).tolist()
     return out
 
 

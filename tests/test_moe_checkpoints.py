@@ -4,9 +4,9 @@ its global name (the name it has in the one-process model), and loads at another
 expert-parallel size, world size and ZeRO stage with the experts re-split.
 
 DeepSpeed's MoE tutorial shape (tests/moe_workers.py, top-2, fp32, dropless) trains two steps
-at 4 CPU ranks (ep 2 x dp 2 at ZeRO 2; ep 4 at ZeRO 0, saved in the background; with one
-optimizer group of every parameter; with a frozen bias in every expert), saves, and fresh
-engines at ep 4, ep 2, ep 1 x dp 2, ep 2 x dp 1 and world 1, ZeRO 0-2, load and train two more
+at 4 CPU ranks (ep 2 x dp 2 at ZeRO 2 and at ZeRO 3; ep 4 at ZeRO 0, saved in the background;
+with one optimizer group of every parameter; with a frozen bias in every expert), saves, and
+fresh engines at ep 4, ep 2, ep 1 x dp 2, ep 2 x dp 1 and world 1, ZeRO 0-3, load and train two more
 steps: every loss within rtol 1e-6 of one process holding every expert; at the saving layout
 bitwise the uninterrupted run. A round trip through ep 4 gives back every saved state bitwise.
 A plain module loads the consolidated weights; ``partita export`` writes the module's own
@@ -29,7 +29,7 @@ from partita.checkpoint.export import main as export_main
 from partita.checkpoint.reader import PartitaSource
 from partita.testing import run_distributed_grid
 
-SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2), "F": (2, 1)}
+SAVES = {"A": (2, 2), "B": (4, 0), "U": (2, 2), "F": (2, 1), "T": (2, 3)}
 """Checkpoints saved at 4 ranks: name -> (ep, stage). "B" is saved in the background
 (``async_save``) while the run trains on."""
 VARIANT = {"U": "unsplit", "F": "frozen"}
@@ -39,9 +39,9 @@ experts off), "F" with a frozen bias in every expert (module tensors, not master
 RESUMES: dict[int, list[tuple[str, int, int]]] = {
     # world -> (checkpoint, ep, stage) loaded
     4: [("A", 2, 2), ("A", 4, 1), ("A", 4, 0), ("B", 2, 1), ("B", 2, 0), ("U", 4, 0),
-        ("F", 4, 2)],
-    2: [("A", 1, 0), ("A", 1, 2), ("B", 2, 1), ("F", 2, 0)],
-    1: [("A", 1, 0), ("B", 1, 2), ("U", 1, 0), ("F", 1, 1)],
+        ("F", 4, 2), ("T", 2, 3), ("T", 4, 1), ("A", 4, 3)],
+    2: [("A", 1, 0), ("A", 1, 2), ("B", 2, 1), ("F", 2, 0), ("T", 2, 3)],
+    1: [("A", 1, 0), ("B", 1, 2), ("U", 1, 0), ("F", 1, 1), ("T", 1, 3)],
 }  # fmt: skip
 ROUND_TRIP = 1
 """The world-4 resume that saves again right after loading (ep 2 -> ep 4)."""
