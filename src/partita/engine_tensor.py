@@ -40,6 +40,9 @@ class _InitArgs:
 
 
 _RECORDED: list[_InitArgs] = []
+_VOCAB_LOSS: list[bool] = []
+"""Whether the job's config lets a vocabulary-split head feed a vocabulary-parallel loss (read by
+`check_tensor_parallel`, used by `parallelize_model`; `api.initialize` passes neither the config)."""
 
 
 def tp_model_init(
@@ -116,6 +119,8 @@ def check_tensor_parallel(
     """Raises, naming the key and the value, when the config or the model cannot train at
     tensor-parallel size `tp`; reads shapes only (no collective: every rank raises alike)."""
     section = config.tensor_parallel
+    # None (unset) or true: on where the head is split by vocabulary; false: gathered logits.
+    _VOCAB_LOSS[:] = [section.vocab_parallel_lm_head is not False]
     if not _RECORDED and max(section.autotp_size, 1) != tp:  # the raw read missed the file
         raise config_error(KEY, f"{section.autotp_size}: read as {tp} before validation")
     inner = section.tensor_parallel.tp_size
@@ -192,14 +197,25 @@ def tensor_dims(tp: int, from_mpu: comm.ParallelDims | None) -> comm.ParallelDim
 def parallelize_model(model: Any, dims: comm.ParallelDims) -> None:
     """Splits `model` over the tensor group of `dims` (nothing without one); collective over
     that group. Only for AutoTP (``autotp_size`` > 1): with an mpu alone, the user's model is
-    split already."""
+    split already. A Transformers causal LM whose head is split by vocabulary then computes
+    its loss from the head's slices ([Note: vocabulary-parallel loss of a Hugging Face causal
+    LM] in `partita.parallel.vocab_loss`) unless ``tensor_parallel.vocab_parallel_lm_head`` is
+    false."""
     if dims.tp_world_size == 1:
         return
     from partita.parallel.tensor import parallelize
+    from partita.parallel.vocab_loss import install_causal_lm_loss
 
-    parallelize(model, dims.tp_group, dims.tp_ranks, dims.tp_rank)
+    split = parallelize(model, dims.tp_group, dims.tp_ranks, dims.tp_rank)
+    if not (_VOCAB_LOSS[0] if _VOCAB_LOSS else True):
+        return
+    for name, style in split.replaced.items():
+        if style == "vocab_head":
+            install_causal_lm_loss(model, name)
 
 
 def clear_recorded() -> None:
-    """Forgets `tp_model_init`'s arguments (one job's; tests run several in one process)."""
+    """Forgets `tp_model_init`'s arguments and the config's loss switch (one job's; tests run
+    several in one process)."""
     _RECORDED.clear()
+    _VOCAB_LOSS.clear()
