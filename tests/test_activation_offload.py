@@ -1,7 +1,7 @@
 """Host offload of Hugging Face gradient checkpointing's layer inputs
 (`partita.activations.offload_checkpoints`, and ``activation_checkpointing.cpu_checkpointing``
 through the engine) trains bit for bit as without it, and takes exactly the checkpointed inputs
-(LAYERS x B x S x HIDDEN x 4 bytes, float32) off the device between forward and backward.
+(LAYERS x B x S x HIDDEN x dtype bytes) off the device between forward and backward.
 
 On CPU the "device" and the "host" are the same memory, so memory is asserted on the accounting,
 not on an allocator: a census of every tensor autograd saves outside the checkpointed regions
@@ -83,10 +83,11 @@ class _Census:
         return sum(self.storages.values())
 
 
-def _train(offload: bool, stage: int = 2) -> dict[str, Any]:
+def _train(offload: bool, stage: int = 2, bf16: bool = False) -> dict[str, Any]:
     """STEPS steps of the tiny Llama through the engine, ``cpu_checkpointing`` on or off: the
     losses, each step's full gradients, the saved bytes between forward and backward."""
-    config = {
+    config: dict[str, Any] = {
+        "bf16": {"enabled": bf16},
         "train_micro_batch_size_per_gpu": B,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "zero_optimization": {"stage": stage},
@@ -117,8 +118,8 @@ def _train(offload: bool, stage: int = 2) -> dict[str, Any]:
     return out
 
 
-def _compare() -> dict[str, Any]:
-    plain, offloaded = _train(offload=False), _train(offload=True)
+def _compare(stage: int = 2, bf16: bool = False) -> dict[str, Any]:
+    plain, offloaded = _train(False, stage, bf16), _train(True, stage, bf16)
     same_grads = all(
         torch.equal(a, b)
         for step_a, step_b in zip(plain["grads"], offloaded["grads"], strict=True)
@@ -132,24 +133,30 @@ def _compare() -> dict[str, Any]:
     }
 
 
-def _check(result: dict[str, Any]) -> None:
+def _check(result: dict[str, Any], dtype_bytes: int = 4) -> None:
     plain, offloaded = result["plain"], result["offloaded"]
+    nbytes = OFFLOADED_BYTES * dtype_bytes // 4
     assert result["losses"] and result["grads"]
     assert plain["host"] == [0] * STEPS and plain["counts"] is None
     # What left the device is exactly the checkpointed inputs, and the offload holds them.
     dropped = [a - b for a, b in zip(plain["census"], offloaded["census"], strict=True)]
-    assert dropped == [OFFLOADED_BYTES] * STEPS
-    assert offloaded["host"] == offloaded["report"] == [OFFLOADED_BYTES] * STEPS
+    assert dropped == [nbytes] * STEPS
+    assert offloaded["host"] == offloaded["report"] == [nbytes] * STEPS
     assert offloaded["host_after"] == 0  # released with the graph by backward
     counts = offloaded["counts"]
-    assert (counts.offloaded, counts.offloaded_bytes) == (STEPS * LAYERS, STEPS * OFFLOADED_BYTES)
+    assert (counts.offloaded, counts.offloaded_bytes) == (STEPS * LAYERS, STEPS * nbytes)
     # Every input came back; all but the first one backward needs (the last layer's) were
     # already being copied back by the prefetch one layer ahead.
     assert (counts.restored, counts.prefetched) == (STEPS * LAYERS, STEPS * (LAYERS - 1))
 
 
-def test_engine_cpu_checkpointing_offloads_hf_checkpoint_inputs_bitwise_on_one_rank() -> None:
-    _check(_compare())
+@pytest.mark.parametrize(("stage", "bf16"), [(2, False), (3, True)])
+def test_engine_cpu_checkpointing_offloads_hf_checkpoint_inputs_bitwise_on_one_rank(
+    stage: int, bf16: bool
+) -> None:
+    """ZeRO-2 in fp32, and ZeRO-3 (recomputation gathers the parameters again) in bf16, where
+    the layer inputs are half the bytes."""
+    _check(_compare(stage, bf16), dtype_bytes=2 if bf16 else 4)
 
 
 def _ranked() -> dict[str, Any]:
