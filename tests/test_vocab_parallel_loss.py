@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from models import assert_losses
+from partita.parallel.vocab_loss import VocabParallelCausalLMLoss
 from partita.testing import run_distributed_grid
 from tp_training_workers import MICRO, SEQ
 from vocab_parallel_workers import REDUCTIONS, STEPS, TOKENS, VOCAB, WIDTH, grid, reference
@@ -111,3 +112,76 @@ def test_switched_off_the_head_gathers_and_saves_tp_times_more(results: dict[str
 def test_rerun_is_bitwise(results: dict[str, Any]) -> None:
     for first, again in zip(results["train"][RERUN], results["rerun"], strict=True):
         assert first["losses"] == again["losses"]
+
+
+def test_bf16_logits_get_a_bf16_gradient_of_the_fp32_loss() -> None:
+    """One process (no group): computed in fp32 like Transformers' upcast, the gradient
+    returned in the logits' dtype; a second backward through the same loss raises."""
+    from partita.parallel.vocab_loss import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 40, generator=gen).bfloat16().requires_grad_()
+    labels = torch.randint(0, 40, (12,), generator=gen)
+    labels[::3] = -100
+    ref_x = x.detach().float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_x, labels)
+    ref.backward()
+    loss = vocab_parallel_cross_entropy(x, labels, None)
+    loss.backward(retain_graph=True)
+    assert loss.dtype == torch.float32 and x.grad is not None and x.grad.dtype == torch.bfloat16
+    _close(loss, ref)
+    assert ref_x.grad is not None
+    # torch's fp32 gradient rounded to bf16, up to one bf16 step (2**-7 relative) where the
+    # two fp32 gradients (within 1e-6) round to neighbours.
+    torch.testing.assert_close(x.grad, ref_x.grad.bfloat16(), rtol=2**-7, atol=0)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def _split_llama(model: Any) -> VocabParallelCausalLMLoss | None:
+    """`model` with its head as a tensor-parallel head of one rank (no group): what
+    `parallelize` makes at tp 1, so the loss's path runs in one process."""
+    from partita.parallel.tensor import ColumnParallelLinear, _Place
+    from partita.parallel.vocab_loss import install_causal_lm_loss
+
+    head = model.lm_head
+    model.lm_head = ColumnParallelLinear(head.weight, None, _Place(None, 1, 0), gather_output=True)
+    return install_causal_lm_loss(model, "lm_head")
+
+
+def test_hugging_face_loss_terms_and_switch_back() -> None:
+    """Transformers' ``ForCausalLMLoss`` terms (labels shifted, ``num_items_in_batch``'s "sum"
+    over it) equal the original's at tp 1; ``remove`` puts the model's loss and head back."""
+    from tp_training_workers import batches, build_model
+
+    ids = batches(1)[0]
+    plain, split = build_model("llama"), build_model("llama")
+    installed = _split_llama(split)
+    assert installed is not None and split.__dict__["_loss_function"] is installed
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(5)}):
+        want = plain(input_ids=ids, labels=ids, **kwargs).loss
+        _close(split(input_ids=ids, labels=ids, **kwargs).loss, want)
+    installed.remove()
+    assert split.__dict__["_loss_function"] is installed.original and installed.head.gather_output
+
+
+def test_a_model_computing_its_loss_inline_is_refused() -> None:
+    """A forward that reads the head's slice without ``self.loss_function`` raises, naming the
+    switch (one process: the slice is the whole vocabulary, but the hook cannot tell)."""
+    from transformers import LlamaForCausalLM
+
+    from tp_training_workers import batches, build_model
+
+    class Inline(LlamaForCausalLM):
+        def forward(self, input_ids: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+            logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+            return torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:])
+
+    model = build_model("llama")
+    model.__class__ = Inline
+    assert _split_llama(model) is not None
+    ids = batches(1)[0]
+    with pytest.raises(RuntimeError, match="vocab_parallel_lm_head to false"):
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():  # evaluation: the head gathers, the model's own code runs
+        model(input_ids=ids, labels=ids)
