@@ -92,6 +92,19 @@ def split_expert_groups(
     return groups + added
 
 
+def refuse_hf_expert_checkpoint(module: torch.nn.Module, what: str) -> None:
+    """Raises, naming `what`, when `module` has Hugging Face experts cut by
+    `partita.moe.expert_parallel`: their stacked weights are saved under one name per rank,
+    which partita's checkpoints cannot yet tell apart (DeepSpeed-MoE layers can)."""
+    from partita.moe.hf_experts import hf_expert_layers
+
+    if hf_expert_layers(module):
+        raise NotImplementedError(
+            f"{what} of a Hugging Face MoE model with its experts split by "
+            "partita.moe.expert_parallel is not supported by partita yet"
+        )
+
+
 def broadcast_group(
     param: torch.Tensor, experts: Collection[torch.Tensor], dims: comm.ParallelDims
 ) -> tuple[tuple[int, ...], comm.ProcessGroup | None]:

@@ -357,6 +357,34 @@ def all_to_all(
     return _copied_back(work, back)
 
 
+def all_to_all_v(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: ProcessGroup | None = None,
+    tag: str = "",
+) -> None:
+    """`all_to_all` with uneven chunks: rank j gets `input_splits[j]` rows of `input` (first
+    dimension), and `output` holds `output_splits[i]` rows from rank i, in rank order (dropless
+    expert dispatch). Synchronous. Counts `input`."""
+    _record("all_to_all", tag, input, group)
+    if _single_process(group):
+        output.copy_(input)
+        return
+    (out, inp), back = _staged(group, output, input)
+    _pin(out, inp)
+    work = _tracked(
+        "all_to_all",
+        tag,
+        False,
+        lambda a: dist.all_to_all_single(
+            out, inp, output_splits, input_splits, group=group, async_op=a
+        ),
+    )
+    _copied_back(work, back)
+
+
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (for small control data, not tensors)."""
     if _single_process(group):

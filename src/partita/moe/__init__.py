@@ -6,6 +6,7 @@ reduces and shards expert parameters over the expert-data-parallel group."""
 
 from partita.moe.experts import Experts
 from partita.moe.gating import Routing, top1_routing, top2_routing, topk_routing
+from partita.moe.hf_experts import expert_parallel
 from partita.moe.layer import MoE, MOELayer, TopKGate, expert_parameters, moe_layers
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "MoE",
     "Routing",
     "TopKGate",
+    "expert_parallel",
     "expert_parameters",
     "moe_layers",
     "top1_routing",

@@ -261,16 +261,23 @@ def check_layer(
     check_gate(num_experts, k, noisy_gate_policy)
 
 
-def moe_layers(module: nn.Module) -> list[MoE]:
-    """The `MoE` layers inside `module`, in registration order."""
-    return [m for m in module.modules() if isinstance(m, MoE)]
+def moe_layers(module: nn.Module) -> list[Any]:
+    """The expert-parallel layers inside `module`, in registration order: its `MoE` layers,
+    then the Hugging Face experts modules `expert_parallel` cut (their `ExpertShard`s); each
+    has ``ep_size`` and ``set_ep_group``."""
+    from partita.moe.hf_experts import hf_expert_layers
+
+    return [m for m in module.modules() if isinstance(m, MoE)] + hf_expert_layers(module)
 
 
 def expert_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of every `Experts` container in `module` (what each expert-parallel rank
     holds its own of), in registration order."""
+    from partita.moe.hf_experts import hf_expert_parameters
+
     seen: dict[nn.Parameter, None] = {}
     for m in module.modules():
         if isinstance(m, Experts):
             seen.update(dict.fromkeys(m.parameters()))
+    seen.update(dict.fromkeys(hf_expert_parameters(module)))  # stacked Hugging Face experts
     return list(seen)
