@@ -13,6 +13,7 @@ without streams, so the bitwise checks exercise the copy path a GPU run takes.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import partita
-from partita.activations import STATS, offload_checkpoints
+from partita.activations import (
+    STATS,
+    get_checkpoint_hidden_states_offloading_ctx_manager,
+    offload_checkpoints,
+)
 from partita.activations import checkpointing as ckpt
 from partita.activations import offload as offload_module
 from partita.config.sections.runtime import ActivationCheckpointingConfig
@@ -172,28 +177,33 @@ def test_engine_cpu_checkpointing_offloads_hf_checkpoint_inputs_bitwise_on_two_r
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_offload_checkpoints_by_hand_matches_plain_backward(reentrant: bool) -> None:
+def test_offload_by_hand_and_deepspeeds_context_match_plain_backward(reentrant: bool) -> None:
     """The function users call, on either of torch's checkpoint flavours, installed after
-    ``gradient_checkpointing_enable`` or before it."""
+    ``gradient_checkpointing_enable`` or before it; and DeepSpeed's context manager, which
+    leaves the layers unwrapped when it exits."""
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
     runs = []
-    for mode in ("plain", "after", "before"):
+    for mode in ("plain", "after", "before", "context"):
         model = _llama(reentrant, handle_first=mode == "before")
-        handle = offload_checkpoints(model) if mode != "plain" else None
-        loss = model(input_ids=ids, labels=ids).loss
-        held = STATS.host_bytes
-        loss.backward()
+        context = get_checkpoint_hidden_states_offloading_ctx_manager()
+        with context if mode == "context" else contextlib.nullcontext():
+            handle = offload_checkpoints(model) if mode in ("after", "before") else context
+            loss = model(input_ids=ids, labels=ids).loss
+            held = STATS.host_bytes
+            loss.backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert len(grads) == len(list(model.parameters()))
         runs.append((loss.detach(), grads, held, handle, model))
     (plain_loss, plain_grads, plain_held, *_), *offloaded = runs
     assert plain_held == 0
-    for loss, grads, held, handle, model in offloaded:
-        assert handle is not None
+    for loss, grads, held, handle, _ in offloaded:
         assert torch.equal(loss, plain_loss)
         assert all(map(torch.equal, grads, plain_grads))
         assert held == OFFLOADED_BYTES and handle.counts.restored == LAYERS
+    for _, _, _, handle, model in offloaded[:2]:
         assert offload_checkpoints(model) is handle  # installed once
+    layer = offloaded[2][4].model.layers[0]
+    assert not isinstance(layer._gradient_checkpointing_func, offload_module._OffloadingCheckpoint)
 
 
 def test_remove_restores_the_checkpoint_functions_and_non_hf_models_are_refused() -> None:

@@ -10,16 +10,23 @@ from partita.activations.checkpointing import (
     is_configured,
     reset,
 )
-from partita.activations.offload import CheckpointOffload, offload_checkpoints
+from partita.activations.offload import (
+    CheckpointHiddenStatesOffload,
+    CheckpointOffload,
+    get_checkpoint_hidden_states_offloading_ctx_manager,
+    offload_checkpoints,
+)
 from partita.activations.rng import get_rng_tracker, model_parallel_manual_seed
 from partita.activations.storage import STATS
 
 __all__ = [
     "STATS",
+    "CheckpointHiddenStatesOffload",
     "CheckpointOffload",
     "checkpoint",
     "checkpoint_wrapper",
     "configure",
+    "get_checkpoint_hidden_states_offloading_ctx_manager",
     "get_rng_tracker",
     "is_configured",
     "model_parallel_manual_seed",

@@ -14,7 +14,9 @@ region's positional tensor inputs through the hooks in force when it is called (
 take over inside the region), so exactly the region inputs pass through `_pack`; everything
 else autograd saves is untouched. DeepSpeed 0.19.8 (``CheckpointHiddenStatesOffload``) gets the
 same tensors by patching ``GradientCheckpointingLayer.__call__`` to mark ``args[0]`` under a
-process-wide hook; wrapping the per-model function touches no class and nothing else.
+process-wide hook; wrapping the per-model function touches no class and nothing else. Its names
+are here too: `get_checkpoint_hidden_states_offloading_ctx_manager` returns a
+`CheckpointHiddenStatesOffload` context that offloads for every model run inside it.
 
 One code path on every device: on CUDA the host buffers are pinned and copies run on a side
 stream ordered by events (the device block is held by ``record_stream`` until its copy ran);
@@ -35,7 +37,13 @@ import torch
 from partita.accelerator import get_accelerator
 from partita.activations.storage import STATS
 
-__all__ = ["CheckpointOffload", "has_hf_checkpointing", "offload_checkpoints"]
+__all__ = [
+    "CheckpointHiddenStatesOffload",
+    "CheckpointOffload",
+    "get_checkpoint_hidden_states_offloading_ctx_manager",
+    "has_hf_checkpointing",
+    "offload_checkpoints",
+]
 
 _FUNC = "_gradient_checkpointing_func"
 """The attribute HF's ``gradient_checkpointing_enable`` sets on each checkpointable module."""
@@ -54,7 +62,9 @@ class OffloadCounts:
 class _HostCopy:
     """One checkpoint input held in host memory and its way back to the device."""
 
-    def __init__(self, tensor: torch.Tensor, side: Any, previous: _HostCopy | None) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, side: Any, previous: _HostCopy | None, pin: bool
+    ) -> None:
         accelerator = get_accelerator()
         self.device, self.shape, self.dtype = tensor.device, tensor.shape, tensor.dtype
         self.nbytes = tensor.numel() * tensor.element_size()
@@ -62,7 +72,7 @@ class _HostCopy:
         self.previous = weakref.ref(previous) if previous is not None else None
         self.prefetched: tuple[torch.Tensor, Any] | None = None
         on_device = tensor.device.type != "cpu"
-        self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=on_device)
+        self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=on_device and pin)
         accelerator.wait_stream(side, None)  # the copy reads what the compute stream wrote
         with accelerator.stream(side):
             self.host.copy_(tensor, non_blocking=on_device)
@@ -116,34 +126,39 @@ def _offloadable(tensor: torch.Tensor) -> bool:
 
 
 class CheckpointOffload:
-    """The offload installed on one model by `offload_checkpoints`; `remove` undoes it.
+    """Saved-tensor hooks that keep checkpoint-region inputs in host memory, and the modules
+    whose checkpoint function they were wrapped into; `remove` unwraps them.
+
+    Args:
+        pin: page-locked host buffers on CUDA (torch's caching host allocator reuses them).
+        side_stream: copies on a side stream; False: on the compute stream.
+        min_bytes: inputs smaller than this stay where they are.
 
     Attributes:
         counts: tensors and bytes offloaded, restored, and restored from a prefetch.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0) -> None:
         self.counts = OffloadCounts()
-        self._side = get_accelerator().new_stream()
+        self.pin, self.min_bytes = pin, min_bytes
+        self._side = get_accelerator().new_stream() if side_stream else None
         self._last: weakref.ref[_HostCopy] | None = None
-        self._modules = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
-        self._hook = model.register_forward_pre_hook(self._wrap_all)
-        self._model = weakref.ref(model)
-        self._wrap_all()
+        self._wrapped: list[weakref.ref[torch.nn.Module]] = []
+        self._hooks: list[Any] = []
 
-    def _wrap_all(self, *_: Any) -> None:
-        # Each forward: ``gradient_checkpointing_enable`` may run after us and set new functions.
-        for module in self._modules:
-            func = module.__dict__.get(_FUNC)
-            if func is not None and not isinstance(func, _OffloadingCheckpoint):
-                setattr(module, _FUNC, _OffloadingCheckpoint(func, self))
+    def wrap(self, module: torch.nn.Module) -> None:
+        """Routes `module`'s HF checkpoint function (if it has one) through these hooks."""
+        func = module.__dict__.get(_FUNC)
+        if func is not None and not isinstance(func, _OffloadingCheckpoint):
+            setattr(module, _FUNC, _OffloadingCheckpoint(func, self))
+            self._wrapped.append(weakref.ref(module))
 
     def pack(self, tensor: torch.Tensor) -> Any:
         """Saved-tensor pack hook for a checkpoint region's inputs."""
-        if not _offloadable(tensor):
+        if not _offloadable(tensor) or tensor.numel() * tensor.element_size() < self.min_bytes:
             return tensor
         previous = self._last() if self._last is not None else None
-        stored = _HostCopy(tensor, self._side, previous)
+        stored = _HostCopy(tensor, self._side, previous, self.pin)
         self._last = weakref.ref(stored)
         self.counts.offloaded += 1
         self.counts.offloaded_bytes += stored.nbytes
@@ -159,15 +174,20 @@ class CheckpointOffload:
         return data
 
     def remove(self) -> None:
-        """Restores the model's checkpoint functions and drops the hook."""
-        self._hook.remove()
-        for module in self._modules:
-            func = module.__dict__.get(_FUNC)
-            if isinstance(func, _OffloadingCheckpoint):
+        """Restores the wrapped checkpoint functions and drops the hooks that wrap them. What
+        was offloaded before stays restorable: the backward of a graph built earlier works."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for ref in self._wrapped:
+            module = ref()
+            func = module.__dict__.get(_FUNC) if module is not None else None
+            if isinstance(func, _OffloadingCheckpoint) and func.offload is self:
                 setattr(module, _FUNC, func.inner)
-        model = self._model()
-        if model is not None:
-            _INSTALLED.pop(model, None)
+        self._wrapped.clear()
+        for model, installed in list(_INSTALLED.items()):
+            if installed is self:
+                del _INSTALLED[model]
 
 
 class _OffloadingCheckpoint:
@@ -183,6 +203,67 @@ class _OffloadingCheckpoint:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack)
         with hooks:
             return self.inner(function, *args, **kwargs)
+
+
+class CheckpointHiddenStatesOffload(CheckpointOffload):
+    """DeepSpeed 0.19.8's context (``deepspeed.runtime.activation_checkpointing.
+    offload_activations``): while it is active, the inputs of every HF gradient-checkpointed
+    layer that runs are offloaded. Enter it around forward and backward as with DeepSpeed (the
+    inputs it offloaded stay restorable after it exits). It wraps the checkpoint function of a
+    module with a ``gradient_checkpointing`` flag, and of such modules below it, when the module
+    is first called (a global forward pre-hook, removed on exit), instead of DeepSpeed's patch
+    of ``GradientCheckpointingLayer.__call__``."""
+
+    def __init__(self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0) -> None:
+        super().__init__(pin, side_stream, min_bytes)
+        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+    def _wrap_called(self, module: torch.nn.Module, _args: Any) -> None:
+        if not hasattr(module, "gradient_checkpointing"):
+            return
+        self.wrap(module)
+        if module not in self._seen:
+            # A model's own flag is called before its layers: with transformers releases that
+            # checkpoint in ``__call__``, a layer's pre-hook would run inside the checkpoint.
+            self._seen.add(module)
+            for below in module.modules():
+                if hasattr(below, "gradient_checkpointing"):
+                    self.wrap(below)
+
+    def __enter__(self) -> CheckpointHiddenStatesOffload:
+        if self._hooks:
+            raise RuntimeError("CheckpointHiddenStatesOffload is not re-entrant")
+        register = torch.nn.modules.module.register_module_forward_pre_hook
+        self._hooks.append(register(self._wrap_called))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+        self._seen = weakref.WeakSet()
+
+
+def get_checkpoint_hidden_states_offloading_ctx_manager(
+    use_pin_memory: bool = True,
+    use_streams: bool = True,
+    min_offload_bytes: int = 1024,
+    max_fwd_stash_count: int = 2,
+    max_cpu_buffer_pool_count: int = 64,
+    keep_last_count: int = 1,
+) -> CheckpointHiddenStatesOffload:
+    """DeepSpeed 0.19.8's factory, with its signature. `use_pin_memory`, `use_streams` and
+    `min_offload_bytes` apply; the other three tune DeepSpeed's own stash and buffer pool and
+    are checked but unused: partita leaves buffer reuse to torch's caching host allocator, and
+    offloads every input, the last layer's included (DeepSpeed keeps `keep_last_count` of the
+    newest on the device)."""
+    for name, value in (
+        ("min_offload_bytes", min_offload_bytes),
+        ("max_fwd_stash_count", max_fwd_stash_count),
+        ("max_cpu_buffer_pool_count", max_cpu_buffer_pool_count),
+        ("keep_last_count", keep_last_count),
+    ):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    return CheckpointHiddenStatesOffload(use_pin_memory, use_streams, min_offload_bytes)
 
 
 _INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, CheckpointOffload] = (
@@ -210,6 +291,17 @@ def offload_checkpoints(model: torch.nn.Module) -> CheckpointOffload:
             "checkpointing layers (no module with a `gradient_checkpointing` flag); for your own "
             "layers use partita.activations.checkpoint with cpu_checkpointing"
         )
-    offload = CheckpointOffload(model)
+    offload = CheckpointOffload()
+    modules = [weakref.ref(m) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+    def wrap_all(*_: Any) -> None:
+        # Each forward: ``gradient_checkpointing_enable`` may run after us and set new functions.
+        for ref in modules:
+            module = ref()
+            if module is not None:
+                offload.wrap(module)
+
+    offload._hooks.append(model.register_forward_pre_hook(wrap_all))
+    wrap_all()
     _INSTALLED[model] = offload
     return offload
