@@ -71,15 +71,16 @@ class _HostCopy:
         self.side = side
         self.previous = weakref.ref(previous) if previous is not None else None
         self.prefetched: tuple[torch.Tensor, Any] | None = None
-        on_device = tensor.device.type != "cpu"
-        self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=on_device and pin)
+        # Only a copy into page-locked memory may run behind the host's back: a non-blocking
+        # device-to-host copy into pageable memory could be read before it landed.
+        self.async_copy = tensor.device.type != "cpu" and pin
+        self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.async_copy)
         accelerator.wait_stream(side, None)  # the copy reads what the compute stream wrote
         with accelerator.stream(side):
-            self.host.copy_(tensor, non_blocking=on_device)
+            self.host.copy_(tensor, non_blocking=self.async_copy)
         if side is not None:
             # The caller drops the device tensor now; its block must outlive the copy.
             tensor.record_stream(side)
-        self.copied = accelerator.record_event(side)
         STATS.add(True, self.nbytes)
         weakref.finalize(self, STATS.remove, True, self.nbytes)
 
@@ -89,11 +90,11 @@ class _HostCopy:
             return
         accelerator = get_accelerator()
         target = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        # After the compute stream's work so far (the block's previous users) and, on the same
-        # side stream, after the offload copy that filled the host buffer.
+        # After the compute stream's work so far (the block's previous users) and, being on the
+        # same stream, after the offload copy that filled the host buffer.
         accelerator.wait_stream(self.side, None)
         with accelerator.stream(self.side):
-            target.copy_(self.host, non_blocking=self.device.type != "cpu")
+            target.copy_(self.host, non_blocking=self.async_copy)
         if self.side is not None:
             target.record_stream(self.side)  # freed unused (graph dropped) while copying
         self.prefetched = (target, accelerator.record_event(self.side))
