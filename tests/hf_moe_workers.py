@@ -14,17 +14,27 @@ SGD_LR, CLIP = 0.5, 0.5
 EXPERTS, TOP_K, VOCAB = 8, 2, 128
 
 
-def mixtral() -> torch.nn.Module:
-    """The tiny Mixtral every run starts from (same seed, same weights)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+def mixtral(kind: str = "mixtral") -> torch.nn.Module:
+    """The tiny MoE model every run of `kind` starts from (same seed, same weights): Mixtral,
+    or Qwen3-MoE (its own router normalisation and expert sizes)."""
+    import transformers as tf
 
-    config = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, max_position_embeddings=64, attn_implementation="eager",
-    )  # fmt: skip
+    common = {
+        "vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": TOP_K,
+        "max_position_embeddings": 64, "attn_implementation": "eager",
+    }  # fmt: skip
+    if kind == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(
+            **common, num_experts=EXPERTS, moe_intermediate_size=24, intermediate_size=48,
+            head_dim=8, norm_topk_prob=True,
+        )  # fmt: skip
+        cls: Any = tf.Qwen3MoeForCausalLM
+    else:
+        config = tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=EXPERTS)
+        cls = tf.MixtralForCausalLM
     torch.manual_seed(SEED)
-    return MixtralForCausalLM(config).float()
+    return cls(config).float()
 
 
 def batches(world: int) -> list[torch.Tensor]:
@@ -33,10 +43,10 @@ def batches(world: int) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def reference(world: int, sgd: bool = False) -> list[float]:
+def reference(world: int, sgd: bool = False, kind: str = "mixtral") -> list[float]:
     """One process, every expert, torch's AdamW (or SGD with clipping) on the whole batch:
     the per-step losses."""
-    model = mixtral()
+    model = mixtral(kind)
     opt: torch.optim.Optimizer = (
         torch.optim.SGD(model.parameters(), lr=SGD_LR)
         if sgd
@@ -54,14 +64,14 @@ def reference(world: int, sgd: bool = False) -> list[float]:
     return losses
 
 
-def train(ep: int, stage: int, sgd: bool = False) -> dict[str, Any]:
+def train(ep: int, stage: int, sgd: bool = False, kind: str = "mixtral") -> dict[str, Any]:
     """This rank's share of each step through partita at `ep` and ZeRO `stage`: the mean of
     every rank's loss per step, and what each rank holds of the experts."""
     import partita
     from partita import comm
     from partita.moe import expert_parallel
 
-    model = expert_parallel(mixtral(), ep)
+    model = expert_parallel(mixtral(kind), ep)
     config = {
         "train_micro_batch_size_per_gpu": PER_RANK,
         "gradient_accumulation_steps": 1,

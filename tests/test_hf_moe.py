@@ -1,6 +1,6 @@
 """Hugging Face MoE models with expert parallelism by their expert plan
 (`partita.moe.expert_parallel`, [Note: Hugging Face expert plan] in `partita.moe.hf_experts`):
-a tiny Mixtral (8 experts, top-2, dropless) from Transformers at 4 CPU ranks as ep 2 x dp 2
+a tiny Mixtral (8 experts, top-2, dropless; and a tiny Qwen3-MoE at ZeRO 2-3) from Transformers at 4 CPU ranks as ep 2 x dp 2
 and ep 4, ZeRO stages 0-3, per-step losses within rtol 1e-6 of one process holding every
 expert on the whole batch (AdamW; and SGD with clipping, which a mis-scaled expert gradient or
 a norm counting experts twice would move); each rank holds E/ep experts; checkpoints refused by name. One
@@ -17,6 +17,7 @@ from partita.testing import run_distributed
 WORLD = 4
 CASES = [{"ep": 2, "stage": s} for s in (0, 1, 2, 3)] + [{"ep": 4, "stage": s} for s in (0, 3)]
 CASES += [{"ep": 2, "stage": s, "sgd": True} for s in (0, 2, 3)]
+CASES += [{"ep": 2, "stage": s, "kind": "qwen3_moe"} for s in (2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +27,15 @@ def results() -> list[list[dict]]:
 
 @pytest.mark.parity
 def test_losses_match_one_process_holding_every_expert(results: list[list[dict]]) -> None:
-    want = {False: reference(WORLD), True: reference(WORLD, sgd=True)}
+    want = {
+        (False, "mixtral"): reference(WORLD),
+        (True, "mixtral"): reference(WORLD, sgd=True),
+        (False, "qwen3_moe"): reference(WORLD, kind="qwen3_moe"),
+    }
     for i, case in enumerate(CASES):
         for rank in results:
-            assert_losses(rank[i]["losses"], want[case.get("sgd", False)])
+            key = (case.get("sgd", False), case.get("kind", "mixtral"))
+            assert_losses(rank[i]["losses"], want[key])
 
 
 def test_each_rank_holds_its_share_of_the_experts(results: list[list[dict]]) -> None:
@@ -47,3 +53,21 @@ def test_checkpoints_are_refused_by_name(results: list[list[dict]]) -> None:
     for rank in results:
         for got in rank:
             assert "expert_parallel" in got["checkpoint"] and "save_checkpoint" in got["checkpoint"]
+
+
+def test_models_partita_cannot_split_are_refused_by_name() -> None:
+    """GPT-OSS's experts (transposed, with biases) and a model without an expert plan fail in
+    `expert_parallel`, naming the module or the model, before anything is cut."""
+    import transformers as tf
+
+    from partita.moe import expert_parallel
+
+    small = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 32,
+             "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+    gpt_oss = tf.GptOssForCausalLM(
+        tf.GptOssConfig(**small, num_key_value_heads=2, head_dim=8, num_local_experts=4)
+    )
+    with pytest.raises(ValueError, match=r"GptOssExperts.*cannot split it"):
+        expert_parallel(gpt_oss, 2, ep_rank=0)
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no base_model_ep_plan"):
+        expert_parallel(tf.LlamaForCausalLM(tf.LlamaConfig(**small)), 2, ep_rank=0)

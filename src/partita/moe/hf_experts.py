@@ -122,6 +122,7 @@ def _cut(module: nn.Module, name: str, ep_size: int, ep_rank: int) -> None:
         raise ValueError(
             f"expert_parallel: {name} has {experts} experts, not divisible by ep_size {ep_size}"
         )
+    _check_layout(module, name, experts)
     local = experts // ep_size
     for weight in ("gate_up_proj", "down_proj"):
         full = getattr(module, weight)
@@ -129,6 +130,29 @@ def _cut(module: nn.Module, name: str, ep_size: int, ep_rank: int) -> None:
         setattr(module, weight, nn.Parameter(keep, requires_grad=full.requires_grad))
     _SHARDS[module] = ExpertShard(module, ep_size, ep_rank, experts)
     module.forward = types.MethodType(_dispatch_forward, module)
+
+
+def _check_layout(module: nn.Module, name: str, experts: int) -> None:
+    """Refuses, naming the module, an experts module whose weights are not the layout the
+    dispatch computes with (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F], no biases:
+    GPT-OSS's transposed, biased experts are not)."""
+    names = sorted(n for n, _ in module.named_parameters())
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    fits = (
+        names == ["down_proj", "gate_up_proj"]
+        and gate_up is not None
+        and down is not None
+        and gate_up.dim() == down.dim() == 3
+        and gate_up.shape[0] == down.shape[0] == experts
+        and gate_up.shape[1] == 2 * down.shape[2]
+        and gate_up.shape[2] == down.shape[1]
+        and callable(getattr(module, "act_fn", None))
+    )
+    if not fits:
+        raise ValueError(
+            f"expert_parallel: {name} ({type(module).__name__}, parameters {names}) is not laid "
+            "out as gate_up_proj [E, 2F, H] and down_proj [E, H, F]; partita cannot split it"
+        )
 
 
 def _dispatch_forward(
@@ -144,7 +168,10 @@ def _dispatch_forward(
     k = top_k_index.shape[-1]
     expert = top_k_index.reshape(-1)
     token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)
-    order = torch.argsort(expert, stable=True)  # by expert: by destination rank, in order
+    # By expert, so by destination rank, in order; an index of E is a route the model masked
+    # (its own loop skips it): dropped.
+    order = torch.argsort(expert, stable=True)
+    order = order[expert[order] < shard.num_experts]
     expert, token = expert[order], token[order]
     weight = top_k_weights.reshape(-1)[order]
     local = shard.num_local_experts
