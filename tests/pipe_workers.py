@@ -227,9 +227,22 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
             if torch.is_tensor(t) and t.dim() > 0
         ),
         "stage_numel": sum(p.numel() for p in module.parameters()),
+        "mesh": _mesh(engine),
     }
     engine.destroy()
     return out
+
+
+def _mesh(engine: Any) -> dict[str, Any] | None:
+    """The engine's `DeviceMesh`: dimension names, layout and each dimension's group."""
+    import torch.distributed as dist
+
+    mesh = engine.mesh_device
+    if mesh is None:
+        return None
+    names = tuple(mesh.mesh_dim_names)
+    groups = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in names}
+    return {"names": names, "layout": mesh.mesh.tolist(), "groups": groups}
 
 
 def _poison_last_stage(engine: Any, module: PipelineModule) -> list[bool]:

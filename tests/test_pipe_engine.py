@@ -213,6 +213,15 @@ def test_each_rank_builds_only_its_stage(
     assert [r["stage"] for r in pp4] == [0, 1, 2, 3]
     # pp 2 x dp 2: ranks 0, 1 are stage 0 (data is the fast axis), 2, 3 stage 1.
     assert [r["stage"] for r in four[0]] == [0, 0, 1, 1]
+    # The job's mesh says so: ("pp", "dp"), stages across, data-parallel lanes inside.
+    for rank, result in enumerate(four[0]):
+        mesh = result["mesh"]
+        assert mesh["names"] == ("pp", "dp") and mesh["layout"] == [[0, 1], [2, 3]]
+        assert mesh["groups"] == {
+            "pp": [rank % 2, rank % 2 + 2],
+            "dp": [rank - rank % 2, rank - rank % 2 + 1],
+        }
+    assert [r["mesh"]["names"] for r in pp4] == [("pp", "dp")] * 4
     # Tied layers live in tied_modules, not under a layer index.
     assert 0 not in two["train"][1][0]["layers"]
 

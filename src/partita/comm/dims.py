@@ -125,6 +125,11 @@ class ParallelDims:
     """The ranks holding the same experts (expert-data-parallel group)."""
     edp_ranks: tuple[int, ...] = ()
     """Global ranks of the expert-data-parallel group (empty: no expert layers)."""
+    pp_group: ProcessGroup | None = None
+    """The pipeline's stages holding this rank's data-parallel index (a pipeline's mpu); None
+    with `pp_ranks` empty: no pipeline."""
+    pp_ranks: tuple[int, ...] = ()
+    """Global ranks of the pipeline group, in stage order (empty: no pipeline)."""
     mesh: Any = dataclasses.field(default=None, compare=False)
     """The dimensions above as one torch `DeviceMesh` ([Note: the job's mesh] in
     `partita.comm.mesh`), set by `initialize` once the groups exist; None before, or without
@@ -408,7 +413,7 @@ class ParallelDims:
                 f"get_data_parallel_rank()={rank}, but its group {list(dims.dp_ranks)} gives "
                 f"{dims.dp_world_size} and {dims.dp_rank}"
             )
-        return dims._with_tensor_group(mpu)
+        return dims._with_tensor_group(mpu)._with_pipe_group(mpu)
 
     @classmethod
     def _from_sequence_mpu(cls, mpu: Any) -> ParallelDims:
@@ -462,6 +467,17 @@ class ParallelDims:
             seq_dp_group=None,
             seq_dp_ranks=tuple(range(world)),
         )
+
+    def _with_pipe_group(self, mpu: Any) -> ParallelDims:
+        """These dims with the mpu's pipeline group (a pipeline's grid: DeepSpeed's
+        ``get_pipe_parallel_*``), when it has more than one stage; otherwise unchanged."""
+        size = getattr(mpu, "get_pipe_parallel_world_size", None)
+        if not callable(size) or int(size()) == 1:
+            return self
+        group = mpu.get_pipe_parallel_group()
+        n = len(dist.get_process_group_ranks(group))
+        ranks = tuple(dist.get_global_rank(group, i) for i in range(n))
+        return dataclasses.replace(self, pp_group=group, pp_ranks=ranks)
 
     def _with_tensor_group(self, mpu: Any) -> ParallelDims:
         """These dims with the mpu's tensor-parallel group, if it splits the model (more than

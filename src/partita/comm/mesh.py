@@ -8,7 +8,7 @@ torch's own tools (DTensor, ``fully_shard(mesh=...)``, ``torch.distributed.pipel
 user's code see the layout partita trains on: ``("dp",)`` for plain data parallelism,
 ``("dp_replicate", "dp_shard")`` for hybrid sharding, ``("dp", "sp")`` for Ulysses,
 ``("dp", "tp")`` for tensor parallelism, ``("edp", "ep")`` for expert parallelism (a
-factorization of the data-parallel ranks). The engine exposes it as ``engine.mesh_device``
+factorization of the data-parallel ranks), ``("pp", "dp")`` for a pipeline. The engine exposes it as ``engine.mesh_device``
 (DeepSpeed's name).
 
 The other way round, ``initialize(mesh_param=...)`` takes DeepSpeed's ``(dp, sp)`` tuple or a
@@ -160,6 +160,8 @@ def mesh_dims(dims: Any) -> list[tuple[str, ProcessGroup | None, tuple[int, ...]
             ("dp_shard", dims.shard_group, dims.shard_ranks),
         ]
     dp = ("dp", dims.dp_group, dims.dp_ranks)
+    if dims.pp_ranks:
+        return [("pp", dims.pp_group, dims.pp_ranks), dp]
     if dims.sp_ranks:
         return [dp, ("sp", dims.sp_group, dims.sp_ranks)]
     if dims.tp_ranks:
