@@ -180,7 +180,7 @@ def test_engine_cpu_checkpointing_offloads_hf_checkpoint_inputs_bitwise_on_two_r
 def test_offload_by_hand_and_deepspeeds_context_match_plain_backward(reentrant: bool) -> None:
     """The function users call, on either of torch's checkpoint flavours, installed after
     ``gradient_checkpointing_enable`` or before it; and DeepSpeed's context manager, which
-    leaves the layers unwrapped when it exits."""
+    leaves the layers unwrapped when it exits. STATS counts each input where it is held."""
     ids = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
     runs = []
     for mode in ("plain", "after", "before", "context"):
@@ -189,17 +189,21 @@ def test_offload_by_hand_and_deepspeeds_context_match_plain_backward(reentrant: 
         with context if mode == "context" else contextlib.nullcontext():
             handle = offload_checkpoints(model) if mode in ("after", "before") else context
             loss = model(input_ids=ids, labels=ids).loss
-            held = STATS.host_bytes
+            held = (STATS.device_bytes, STATS.host_bytes)
             loss.backward()
+        assert (STATS.device_bytes, STATS.host_bytes) == (0, 0)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         assert len(grads) == len(list(model.parameters()))
         runs.append((loss.detach(), grads, held, handle, model))
     (plain_loss, plain_grads, plain_held, *_), *offloaded = runs
-    assert plain_held == 0
-    for loss, grads, held, handle, _ in offloaded:
+    assert plain_held == (0, 0)
+    layer_bytes = OFFLOADED_BYTES // LAYERS
+    # DeepSpeed's context keeps the newest input (keep_last_count=1) on the device.
+    expected = [(0, OFFLOADED_BYTES)] * 2 + [(layer_bytes, OFFLOADED_BYTES - layer_bytes)]
+    for (loss, grads, held, handle, _), bytes_held in zip(offloaded, expected, strict=True):
         assert torch.equal(loss, plain_loss)
         assert all(map(torch.equal, grads, plain_grads))
-        assert held == OFFLOADED_BYTES and handle.counts.restored == LAYERS
+        assert held == bytes_held and handle.counts.restored == LAYERS
     for _, _, _, handle, model in offloaded[:2]:
         assert offload_checkpoints(model) is handle  # installed once
     layer = offloaded[2][4].model.layers[0]

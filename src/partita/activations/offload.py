@@ -28,6 +28,7 @@ thus in the engine's ``memory_report``.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -60,33 +61,54 @@ class OffloadCounts:
 
 
 class _HostCopy:
-    """One checkpoint input held in host memory and its way back to the device."""
+    """One checkpoint input: kept on the device until `offload`, then in host memory, and its
+    way back to the device."""
 
     def __init__(
-        self, tensor: torch.Tensor, side: Any, previous: _HostCopy | None, pin: bool
+        self, tensor: torch.Tensor, side: Any, previous: _HostCopy | None, pin: bool, keep: bool
     ) -> None:
-        accelerator = get_accelerator()
         self.device, self.shape, self.dtype = tensor.device, tensor.shape, tensor.dtype
         self.nbytes = tensor.numel() * tensor.element_size()
         self.side = side
         self.previous = weakref.ref(previous) if previous is not None else None
         self.prefetched: tuple[torch.Tensor, Any] | None = None
+        self.kept: torch.Tensor | None = tensor
         # Only a copy into page-locked memory may run behind the host's back: a non-blocking
         # device-to-host copy into pageable memory could be read before it landed.
         self.async_copy = tensor.device.type != "cpu" and pin
+        self.host: torch.Tensor | None = None
+        # Where STATS counts it (None: not yet), read by the finalizer, which must not hold
+        # self. An input offloaded at once is never counted on the device.
+        self._counted: list[bool | None] = [None]
+        weakref.finalize(self, _uncount, self._counted, self.nbytes)
+        if keep:
+            STATS.add(False, self.nbytes)
+            self._counted[0] = False
+
+    def offload(self) -> int:
+        """Starts the copy to host memory and lets the device tensor go; the bytes moved (0 if
+        it was moved before)."""
+        if self.kept is None:
+            return 0
+        tensor, self.kept = self.kept, None
+        accelerator = get_accelerator()
         self.host = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.async_copy)
-        accelerator.wait_stream(side, None)  # the copy reads what the compute stream wrote
-        with accelerator.stream(side):
+        accelerator.wait_stream(self.side, None)  # the copy reads what the compute stream wrote
+        with accelerator.stream(self.side):
             self.host.copy_(tensor, non_blocking=self.async_copy)
-        if side is not None:
-            # The caller drops the device tensor now; its block must outlive the copy.
-            tensor.record_stream(side)
-        STATS.add(True, self.nbytes)
-        weakref.finalize(self, STATS.remove, True, self.nbytes)
+        if self.side is not None:
+            # We drop the device tensor now; its block must outlive the copy.
+            tensor.record_stream(self.side)
+        if self._counted[0] is None:
+            STATS.add(True, self.nbytes)
+        else:
+            STATS.move_to_host(self.nbytes)
+        self._counted[0] = True
+        return self.nbytes
 
     def prefetch(self) -> None:
         """Starts the copy back to the device (on the side stream; in place on CPU)."""
-        if self.prefetched is not None:
+        if self.prefetched is not None or self.host is None:
             return
         accelerator = get_accelerator()
         target = torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -102,17 +124,25 @@ class _HostCopy:
     def restore(self) -> tuple[torch.Tensor, bool]:
         """The input on its device, and whether a prefetch had already started its copy; starts
         the previous layer's prefetch (backward runs the layers in reverse)."""
-        hit = self.prefetched is not None
-        self.prefetch()
-        assert self.prefetched is not None
-        data, event = self.prefetched
-        self.prefetched = None
-        if event is not None:
-            event.wait()  # the compute stream waits for the copy, the host does not
+        if self.kept is not None:
+            data, hit = self.kept, False
+        else:
+            hit = self.prefetched is not None
+            self.prefetch()
+            assert self.prefetched is not None
+            data, event = self.prefetched
+            self.prefetched = None
+            if event is not None:
+                event.wait()  # the compute stream waits for the copy, the host does not
         previous = self.previous() if self.previous is not None else None
         if previous is not None:
             previous.prefetch()
         return data, hit
+
+
+def _uncount(counted: list[bool | None], nbytes: int) -> None:
+    if counted[0] is not None:
+        STATS.remove(counted[0], nbytes)
 
 
 def _offloadable(tensor: torch.Tensor) -> bool:
@@ -134,16 +164,21 @@ class CheckpointOffload:
         pin: page-locked host buffers on CUDA (torch's caching host allocator reuses them).
         side_stream: copies on a side stream; False: on the compute stream.
         min_bytes: inputs smaller than this stay where they are.
+        keep_last: the newest this many inputs stay on the device (the last layers' inputs,
+            which backward needs first) until a newer one is saved.
 
     Attributes:
         counts: tensors and bytes offloaded, restored, and restored from a prefetch.
     """
 
-    def __init__(self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0) -> None:
+    def __init__(
+        self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0, keep_last: int = 0
+    ) -> None:
         self.counts = OffloadCounts()
-        self.pin, self.min_bytes = pin, min_bytes
+        self.pin, self.min_bytes, self.keep_last = pin, min_bytes, keep_last
         self._side = get_accelerator().new_stream() if side_stream else None
         self._last: weakref.ref[_HostCopy] | None = None
+        self._newest: collections.deque[weakref.ref[_HostCopy]] = collections.deque()
         self._wrapped: list[weakref.ref[torch.nn.Module]] = []
         self._hooks: list[Any] = []
 
@@ -159,11 +194,21 @@ class CheckpointOffload:
         if not _offloadable(tensor) or tensor.numel() * tensor.element_size() < self.min_bytes:
             return tensor
         previous = self._last() if self._last is not None else None
-        stored = _HostCopy(tensor, self._side, previous, self.pin)
+        keep = self.keep_last > 0
+        stored = _HostCopy(tensor, self._side, previous, self.pin, keep)
         self._last = weakref.ref(stored)
-        self.counts.offloaded += 1
-        self.counts.offloaded_bytes += stored.nbytes
+        if keep:
+            self._newest.append(self._last)
+        else:
+            self._count(stored)
+        while len(self._newest) > self.keep_last:
+            self._count(self._newest.popleft()())
         return stored
+
+    def _count(self, stored: _HostCopy | None) -> None:
+        moved = stored.offload() if stored is not None else 0
+        self.counts.offloaded += int(moved > 0)
+        self.counts.offloaded_bytes += moved
 
     def unpack(self, stored: Any) -> torch.Tensor:
         """Saved-tensor unpack hook: the input back on its device."""
@@ -215,8 +260,10 @@ class CheckpointHiddenStatesOffload(CheckpointOffload):
     is first called (a global forward pre-hook, removed on exit), instead of DeepSpeed's patch
     of ``GradientCheckpointingLayer.__call__``."""
 
-    def __init__(self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0) -> None:
-        super().__init__(pin, side_stream, min_bytes)
+    def __init__(
+        self, pin: bool = True, side_stream: bool = True, min_bytes: int = 0, keep_last: int = 0
+    ) -> None:
+        super().__init__(pin, side_stream, min_bytes, keep_last)
         self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def _wrap_called(self, module: torch.nn.Module, _args: Any) -> None:
@@ -251,11 +298,10 @@ def get_checkpoint_hidden_states_offloading_ctx_manager(
     max_cpu_buffer_pool_count: int = 64,
     keep_last_count: int = 1,
 ) -> CheckpointHiddenStatesOffload:
-    """DeepSpeed 0.19.8's factory, with its signature. `use_pin_memory`, `use_streams` and
-    `min_offload_bytes` apply; the other three tune DeepSpeed's own stash and buffer pool and
-    are checked but unused: partita leaves buffer reuse to torch's caching host allocator, and
-    offloads every input, the last layer's included (DeepSpeed keeps `keep_last_count` of the
-    newest on the device)."""
+    """DeepSpeed 0.19.8's factory, with its signature. `use_pin_memory`, `use_streams`,
+    `min_offload_bytes` and `keep_last_count` apply; `max_fwd_stash_count` and
+    `max_cpu_buffer_pool_count` tune DeepSpeed's own stash and buffer pool and are checked but
+    unused: partita leaves buffer reuse to torch's caching host allocator."""
     for name, value in (
         ("min_offload_bytes", min_offload_bytes),
         ("max_fwd_stash_count", max_fwd_stash_count),
@@ -264,7 +310,9 @@ def get_checkpoint_hidden_states_offloading_ctx_manager(
     ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    return CheckpointHiddenStatesOffload(use_pin_memory, use_streams, min_offload_bytes)
+    return CheckpointHiddenStatesOffload(
+        use_pin_memory, use_streams, min_offload_bytes, keep_last_count
+    )
 
 
 _INSTALLED: weakref.WeakKeyDictionary[torch.nn.Module, CheckpointOffload] = (
@@ -278,11 +326,12 @@ def has_hf_checkpointing(model: torch.nn.Module) -> bool:
     return any(hasattr(m, "gradient_checkpointing") for m in model.modules())
 
 
-def offload_checkpoints(model: torch.nn.Module) -> CheckpointOffload:
+def offload_checkpoints(model: torch.nn.Module, keep_last: int = 0) -> CheckpointOffload:
     """Keeps the inputs of `model`'s gradient-checkpointed layers in host memory between
     forward and backward (see the module docstring). Works whether
     ``gradient_checkpointing_enable`` is called before or after; calling it twice returns the
-    same offload. Raises ValueError if `model` has no HF gradient-checkpointing layers."""
+    same offload. `keep_last`: the newest inputs left on the device (`CheckpointOffload`).
+    Raises ValueError if `model` has no HF gradient-checkpointing layers."""
     installed = _INSTALLED.get(model)
     if installed is not None:
         return installed
@@ -292,7 +341,7 @@ def offload_checkpoints(model: torch.nn.Module) -> CheckpointOffload:
             "checkpointing layers (no module with a `gradient_checkpointing` flag); for your own "
             "layers use partita.activations.checkpoint with cpu_checkpointing"
         )
-    offload = CheckpointOffload()
+    offload = CheckpointOffload(keep_last=keep_last)
     modules = [weakref.ref(m) for m in model.modules() if hasattr(m, "gradient_checkpointing")]
 
     def wrap_all(*_: Any) -> None:

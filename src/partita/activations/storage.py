@@ -63,6 +63,12 @@ class SavedInputStats:
         else:
             self.device_bytes -= nbytes
 
+    def move_to_host(self, nbytes: int) -> None:
+        """Counts a stored input that left the device for host memory."""
+        self.device_bytes -= nbytes
+        self.host_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
     def reset_peaks(self) -> None:
         """Peaks restart from the bytes alive now."""
         self.peak_device_bytes, self.peak_host_bytes = self.device_bytes, self.host_bytes
