@@ -11,7 +11,7 @@ layer, one layer ahead: when layer i's input is restored, layer i-1's starts cop
 How: HF calls each layer's ``_gradient_checkpointing_func(function, *args)``; we wrap that
 function so that torch's checkpoint is entered under our saved-tensor hooks. torch saves the
 region's positional tensor inputs through the hooks in force when it is called (its own hooks
-take over inside the region), so exactly the region inputs pass through `_pack`; everything
+take over inside the region), so exactly the region inputs pass through `pack`; everything
 else autograd saves is untouched. DeepSpeed 0.19.8 (``CheckpointHiddenStatesOffload``) gets the
 same tensors by patching ``GradientCheckpointingLayer.__call__`` to mark ``args[0]`` under a
 process-wide hook; wrapping the per-model function touches no class and nothing else. Its names
