@@ -92,11 +92,11 @@ def test_tensor_collectives_move_what_the_plan_says(results: dict[str, Any], kin
     the column-parallel linears (the attention's and the MLP's: Llama's q, k and v share one,
     gate and up one). Each moves a whole micro-batch of fp32 activations. Llama's untied head,
     split by vocabulary, feeds the vocabulary-parallel loss (`partita.parallel.vocab_loss`):
-    no all-gather of the logits, the loss's two all-reduces of [N] and [2, N] fp32 forward,
-    the head input's gradient all-reduce backward."""
+    no all-gather of the logits, the loss's two all-reduces of [N] fp32 and [2, N] float64
+    forward, the head input's gradient all-reduce backward."""
     act = MICRO * SEQ * 32 * 4
     per_block = 2 + 2
-    head = act + 3 * MICRO * SEQ * 4 if kind == "llama" else 0
+    head = act + MICRO * SEQ * (4 + 2 * 8) if kind == "llama" else 0
     case = ("llama", 2, 1) if kind == "llama" else ("gpt2", 2, 2)
     for run in results["train"][case]:
         assert run["tp_bytes"] == [2 * per_block * act + head] * STEPS

@@ -58,9 +58,10 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_loss_and_gradients_equal_torch_on_the_whole_logits(
     results: dict[str, Any], case: tuple[int, str, float]
 ) -> None:
-    """Two all-reduces forward, of [N] and [2, N] fp32 ([3, N] with smoothing); none backward
-    (the gradient of the head's input is the model's business, not the loss's). Loss and
-    logits' gradient within rtol 1e-6 (atol 1e-9, for the entries torch rounds to near 0)."""
+    """Two all-reduces forward, of [N] fp32 and [2, N] float64 ([3, N] with smoothing); none
+    backward (the gradient of the head's input is the model's business, not the loss's). Loss
+    and logits' gradient within rtol 1e-6 (atol 1e-9, for the entries torch rounds to near
+    0)."""
     smoothing = case[2]
     for run in results["function"][case]:
         _close(run["loss"], run["ref"])
@@ -69,7 +70,7 @@ def test_loss_and_gradients_equal_torch_on_the_whole_logits(
         # states, which cancel: within 1e-6 of the sum of their magnitudes.
         error = (run["weight_grad"] - run["ref_weight_grad"]).abs()
         assert bool((error <= 1e-6 * run["weight_grad_scale"]).all()), error.max()
-        assert run["forward_bytes"] == TOKENS * 4 * (4 if smoothing else 3)
+        assert run["forward_bytes"] == TOKENS * 4 + TOKENS * 8 * (3 if smoothing else 2)
         assert run["backward_bytes"] == 0
 
 
@@ -89,14 +90,15 @@ def test_logits_are_never_gathered_with_labels(
     """No all-gather; the largest logits autograd saves (the loss's softmax) are this rank's
     1/tp slice of the micro-batch's; the output's logits are the slice with labels, whole
     without. Per step the tensor bytes are the blocks' (two all-reduces forward and two
-    backward each), the head input's gradient all-reduce and the loss's [N] + [2, N]."""
+    backward each), the head input's gradient all-reduce and the loss's [N] fp32 + [2, N]
+    float64."""
     _, tp, _ = case
     act, tokens = MICRO * SEQ * WIDTH * 4, MICRO * SEQ
     for run in results["train"][case]:
         assert run["gathered"] == [0] * STEPS
         assert run["saved"] == [tokens * VOCAB // tp * 4] * STEPS
         assert (run["width"], run["width_without_labels"]) == (VOCAB // tp, VOCAB)
-        assert run["tp_bytes"] == [2 * 4 * act + act + 3 * tokens * 4] * STEPS
+        assert run["tp_bytes"] == [2 * 4 * act + act + tokens * (4 + 2 * 8)] * STEPS
 
 
 def test_switched_off_the_head_gathers_and_saves_tp_times_more(results: dict[str, Any]) -> None:

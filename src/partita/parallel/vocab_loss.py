@@ -3,15 +3,19 @@ from each rank's slice of the logits, which are never gathered whole.
 
 [Note: vocabulary-parallel loss]
 Megatron's ``vocab_parallel_cross_entropy``. Rank r holds the logits of token ids
-[r*c, (r+1)*c). Per token: the maximum over the vocabulary (all-reduce MAX), then, in one
-all-reduce SUM of a [2, N] (with label smoothing [3, N]) tensor, the sum of exp(logit - max)
-and the target's shifted logit, which only its owner contributes (the others add zero). The loss
-is ``log(sum) - target``, the formula of torch's ``log_softmax`` + ``nll_loss``; only the order
-of the vocabulary sum differs (per rank, then across ranks). Backward needs no collective: the
-gradient of the local slice is ``softmax - one_hot`` on the slice, scaled by the loss's gradient.
-Memory: the forward saves one [N, c] softmax (in fp32), a 1/tp share of what a gathered
-``log_softmax`` saves, and the backward writes the gradient into it (Megatron does so too), so
-a second backward through the same graph (``retain_graph``) raises instead of reading it.
+[r*c, (r+1)*c). Per token: the maximum over the vocabulary (all-reduce MAX, [N] fp32), then, in
+one all-reduce SUM of a [2, N] float64 tensor ([3, N] with label smoothing), the sum of
+exp(logit - max) and the target's shifted logit, which only its owner contributes (the others
+add zero). The loss is ``log(sum) - target``, the formula of torch's ``log_softmax`` +
+``nll_loss``; the sum is accumulated in float64, so that what is left against torch's fp32 sum
+over the whole row is torch's own rounding (an fp32 sum per rank, then across ranks, added
+its own, which AdamW's first steps turned into logits 1e-5 apart after two steps in
+tests/test_tp_checkpoints.py). Backward needs no collective: the gradient of the local slice is
+``softmax - one_hot`` scaled by the loss's gradient, formed in torch's order (``p * g - g``
+with ``p = exp(log p)``). Memory: the forward saves one [N, c] fp32 softmax, a 1/tp share of
+what a gathered ``log_softmax`` saves (it holds a second [N, c] for a moment, its exp), and the
+backward writes the gradient into it (Megatron does so too), so a second backward through the
+same graph (``retain_graph``) raises instead of reading it.
 Labels outside [0, vocabulary) other than ``ignore_index`` are not checked (that would need a
 host sync): they count as a target logit of zero.
 """
@@ -67,18 +71,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = torch.where(owned, local, torch.zeros_like(local))
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
         picked = torch.where(owned, picked, torch.zeros_like(picked))  # the owner's alone
-        # Label smoothing also needs the sum over the vocabulary of the shifted logits.
-        extra = [shifted.sum(dim=-1)] if smoothing else []
-        exp = shifted.exp_()
-        stacked = torch.stack([exp.sum(dim=-1), picked, *extra])
+        # Summed in float64 (exact enough that the only rounding left against torch's
+        # one-kernel fp32 sum is torch's own; AdamW's first steps amplify the rest). Label
+        # smoothing also needs the sum over the vocabulary of the shifted logits.
+        f64 = torch.float64
+        extra = [shifted.sum(dim=-1, dtype=f64)] if smoothing else []
+        stacked = torch.stack([shifted.exp().sum(dim=-1, dtype=f64), picked.to(f64), *extra])
         all_reduce(stacked, group=group, tag=TAG)  # one SUM for all of them
-        lse = stacked[0].log()
-        loss = lse - stacked[1]
+        lse = stacked[0].log().float()
+        loss = lse - stacked[1].float()
         if smoothing:  # torch's: (1 - e) * nll + e * mean over the vocabulary of -log p
-            loss = (1.0 - smoothing) * loss + smoothing * (lse - stacked[2] / vocab)
+            loss = (1.0 - smoothing) * loss + smoothing * (lse - (stacked[2] / vocab).float())
         valid = target != ignore_index
         loss = torch.where(valid, loss, torch.zeros_like(loss))
-        softmax = exp.div_(stacked[0].unsqueeze(-1))
+        # exp(log p), as torch's log_softmax backward forms it (not exp / sum: a rounding apart)
+        softmax = shifted.sub_(lse.unsqueeze(-1)).exp_()
         ctx.save_for_backward(softmax, local, owned & valid, valid)
         ctx.smoothing, ctx.vocab, ctx.dtype, ctx.used = smoothing, vocab, logits.dtype, False
         return loss
@@ -94,12 +101,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.used = True
         softmax, local, hit, valid = ctx.saved_tensors
         out = softmax  # in place, as Megatron: the saved softmax is not read again
-        if ctx.smoothing:
-            out.sub_(ctx.smoothing / ctx.vocab)
-        rows = torch.arange(out.shape[0], device=out.device)
-        out[rows, local] -= hit.to(out.dtype) * (1.0 - ctx.smoothing)
         scale = torch.where(valid, grad.float(), torch.zeros_like(grad, dtype=torch.float32))
-        out.mul_(scale.unsqueeze(-1))
+        scale = scale.unsqueeze(-1)
+        out.mul_(scale)  # p * g, then minus g at the target: torch's order of operations
+        if ctx.smoothing:
+            out.sub_(scale * (ctx.smoothing / ctx.vocab))
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, local] -= hit.to(out.dtype) * scale.squeeze(-1) * (1.0 - ctx.smoothing)
         return out.to(ctx.dtype), None, None, None, None, None, None
 
 
