@@ -577,3 +577,17 @@ def test_disabled_zero_init_leaves_module_classes_alone() -> None:
         layer = torch.nn.Linear(2, 2)
     assert type(layer.weight) is torch.nn.Parameter
     assert torch.nn.Module.__dict__.get("__init_subclass__") is before
+
+
+def test_submodules_resolve_as_attributes_right_after_import() -> None:
+    """``deepspeed.moe.layer.MoE`` after a bare ``import deepspeed`` (DeepSpeed's package imports
+    its submodules): the stand-in imports a submodule it has on first attribute access, and
+    still names what it lacks. In a fresh interpreter, so no earlier import has loaded them."""
+    code = (
+        "import partita.compat.deepspeed as ds\n"
+        "print(ds.moe.layer.MoE.__name__, ds.moe.utils.is_moe_param.__name__)\n"
+        "try:\n    ds.moe.no_such_module\nexcept Exception as e:\n    print(type(e).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["MoE", "is_moe_param", "NotInPartita"]

@@ -5,6 +5,8 @@ reads why, not a bare AttributeError or ModuleNotFoundError."""
 from __future__ import annotations
 
 import dis
+import importlib
+import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -160,6 +162,15 @@ def module_getattr(
     def __getattr__(name: str) -> Any:
         if name.startswith("__"):  # module protocol probes (__path__, __all__...)
             raise AttributeError(name)
+        # A submodule the stand-in has but nobody imported yet (``deepspeed.moe.layer.MoE``
+        # right after ``import deepspeed``): imported, as DeepSpeed's package imports it.
+        module = f"partita.compat.{owner}.{name}"
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # `owner` is a module, not a package
+            found = False
+        if found:
+            return importlib.import_module(module)
         raise missing_attribute(owner, name, feature or feature_of(dotted), offer)
 
     return __getattr__
