@@ -13,8 +13,8 @@ its own, which AdamW's first steps turned into logits 1e-5 apart after two steps
 tests/test_tp_checkpoints.py). Backward needs no collective: the gradient of the local slice is
 ``softmax - one_hot`` scaled by the loss's gradient, formed in torch's order (``p * g - g``
 with ``p = exp(log p)``). Memory: the forward saves one [N, c] fp32 softmax, a 1/tp share of
-what a gathered ``log_softmax`` saves (it holds a second [N, c] for a moment, its exp), and the
-backward writes the gradient into it (Megatron does so too), so a second backward through the
+what a gathered ``log_softmax`` saves (the exp to sum is taken a block of rows at a time), and
+the backward writes the gradient into it (Megatron does so too), so a second backward through the
 same graph (``retain_graph``) raises instead of reading it.
 Labels outside [0, vocabulary) other than ``ignore_index`` are not checked (that would need a
 host sync): they count as a target logit of zero.
@@ -47,6 +47,17 @@ TAG = "tp"
 Reduction = Literal["mean", "sum", "none"]
 
 
+_CHUNK = 1 << 20
+"""Elements of the rows whose exp is summed at once: the exp is a temporary, kept to 4 MiB."""
+
+
+def _sum_exp(shifted: torch.Tensor) -> torch.Tensor:
+    """Per row, the float64 sum of exp(`shifted`), a block of rows at a time (each row's sum is
+    the same whichever block it is in)."""
+    rows = max(1, _CHUNK // max(shifted.shape[-1], 1))
+    return torch.cat([b.exp().sum(dim=-1, dtype=torch.float64) for b in shifted.split(rows)])
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token losses of [N, c] local logits against [N] global target ids (see
     [Note: vocabulary-parallel loss])."""
@@ -76,7 +87,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # smoothing also needs the sum over the vocabulary of the shifted logits.
         f64 = torch.float64
         extra = [shifted.sum(dim=-1, dtype=f64)] if smoothing else []
-        stacked = torch.stack([shifted.exp().sum(dim=-1, dtype=f64), picked.to(f64), *extra])
+        stacked = torch.stack([_sum_exp(shifted), picked.to(f64), *extra])
         all_reduce(stacked, group=group, tag=TAG)  # one SUM for all of them
         lse = stacked[0].log().float()
         loss = lse - stacked[1].float()
