@@ -587,7 +587,14 @@ def test_submodules_resolve_as_attributes_right_after_import() -> None:
         "import partita.compat.deepspeed as ds\n"
         "print(ds.moe.layer.MoE.__name__, ds.moe.utils.is_moe_param.__name__)\n"
         "try:\n    ds.moe.no_such_module\nexcept Exception as e:\n    print(type(e).__name__)\n"
+        "from partita.compat.deepspeed.runtime.activation_checkpointing import offload_activations\n"
+        "print(offload_activations.CheckpointHiddenStatesOffload.__module__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["MoE", "is_moe_param", "NotInPartita"]
+    assert out.stdout.split() == [
+        "MoE",
+        "is_moe_param",
+        "NotInPartita",
+        "partita.activations.offload",
+    ]  # ALST's offload of checkpointed hidden states is partita's
