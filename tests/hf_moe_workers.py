@@ -64,14 +64,17 @@ def reference(world: int, sgd: bool = False, kind: str = "mixtral") -> list[floa
     return losses
 
 
-def train(ep: int, stage: int, sgd: bool = False, kind: str = "mixtral") -> dict[str, Any]:
+def train(
+    ep: int, stage: int, sgd: bool = False, kind: str = "mixtral", autoep: bool = False
+) -> dict[str, Any]:
     """This rank's share of each step through partita at `ep` and ZeRO `stage`: the mean of
     every rank's loss per step, and what each rank holds of the experts."""
     import partita
     from partita import comm
     from partita.moe import expert_parallel
 
-    model = expert_parallel(mixtral(kind), ep)
+    # By the API, or by DeepSpeed's AutoEP config section (the engine splits the experts).
+    model = mixtral(kind) if autoep else expert_parallel(mixtral(kind), ep)
     config = {
         "train_micro_batch_size_per_gpu": PER_RANK,
         "gradient_accumulation_steps": 1,
@@ -82,6 +85,8 @@ def train(ep: int, stage: int, sgd: bool = False, kind: str = "mixtral") -> dict
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
         "steps_per_print": 1000,
     }
+    if autoep:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -111,6 +116,19 @@ def train(ep: int, stage: int, sgd: bool = False, kind: str = "mixtral") -> dict
     return out
 
 
-def grid(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every case in one set of processes."""
-    return [train(**case) for case in cases]
+def refused(section: dict[str, Any]) -> str:
+    """The error `initialize` raises for an AutoEP `section` on a tiny Mixtral ("" if none)."""
+    import partita
+    from partita.config import ConfigError
+
+    config = {"train_micro_batch_size_per_gpu": PER_RANK, "expert_parallel": section}
+    try:
+        partita.initialize(model=mixtral(), config=config)
+    except (ConfigError, ValueError) as error:
+        return str(error)
+    return ""
+
+
+def grid(cases: list[dict[str, Any]]) -> list[Any]:
+    """Every case in one set of processes (``{"refused": section}``: `refused`)."""
+    return [refused(c["refused"]) if "refused" in c else train(**c) for c in cases]

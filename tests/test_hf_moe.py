@@ -18,11 +18,14 @@ WORLD = 4
 CASES = [{"ep": 2, "stage": s} for s in (0, 1, 2, 3)] + [{"ep": 4, "stage": s} for s in (0, 3)]
 CASES += [{"ep": 2, "stage": s, "sgd": True} for s in (0, 2, 3)]
 CASES += [{"ep": 2, "stage": s, "kind": "qwen3_moe"} for s in (2, 3)]
+AUTOEP = [{"ep": 2, "stage": 2, "autoep": True}]
+"""DeepSpeed's AutoEP section instead of the API call (the same run as CASES[2])."""
+BAD = [{"refused": {"enabled": True, "autoep_size": 3}}, {"refused": {"comm_backend": "x"}}]
 
 
 @pytest.fixture(scope="module")
 def results() -> list[list[dict]]:
-    return run_distributed(grid, WORLD, CASES, timeout=300)
+    return run_distributed(grid, WORLD, CASES + AUTOEP + BAD, timeout=300)
 
 
 @pytest.mark.parity
@@ -38,8 +41,22 @@ def test_losses_match_one_process_holding_every_expert(results: list[list[dict]]
             assert_losses(rank[i]["losses"], want[key])
 
 
+def test_autoep_config_section_trains_as_the_api(results: list[list[dict]]) -> None:
+    """``"expert_parallel": {"enabled": true, "autoep_size": 2}`` splits the experts in
+    `initialize`: the same run, bitwise, as `expert_parallel` called by the script."""
+    for rank in results:
+        assert rank[len(CASES)]["losses"] == rank[2]["losses"]
+
+
+def test_bad_autoep_sections_are_refused_by_name(results: list[list[dict]]) -> None:
+    for rank in results:
+        size, unknown = rank[len(CASES) + 1 :]
+        assert "expert_parallel" in size and "not divisible by ep_size 3" in size
+        assert "expert_parallel.comm_backend" in unknown
+
+
 def test_each_rank_holds_its_share_of_the_experts(results: list[list[dict]]) -> None:
-    for i, case in enumerate(CASES):
+    for i, case in enumerate(CASES + AUTOEP):
         for r, rank in enumerate(results):
             got = rank[i]
             first = r - r % case["ep"]
@@ -51,7 +68,7 @@ def test_each_rank_holds_its_share_of_the_experts(results: list[list[dict]]) -> 
 
 def test_checkpoints_are_refused_by_name(results: list[list[dict]]) -> None:
     for rank in results:
-        for got in rank:
+        for got in rank[: len(CASES)]:
             assert "expert_parallel" in got["checkpoint"] and "save_checkpoint" in got["checkpoint"]
 
 

@@ -148,6 +148,7 @@ def _plan_job(model: Any, source: Any, mpu: Any, dims: comm.ParallelDims | None)
     engine_setup.check_offload_paths(cfg, model, rank, _world_size(dims))
     engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
     cfg = engine_tensor.with_autotp(cfg, tp)  # tp_model_init's size, as DeepSpeed merges it
+    engine_experts.apply_autoep(model, cfg, rank)  # Hugging Face experts split in place
     ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
     return _Job(cfg, sp, tp, ep, shard)
 

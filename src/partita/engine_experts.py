@@ -13,7 +13,7 @@ import torch
 
 from partita import comm
 from partita.comm.dims import check_expert_parallel_size
-from partita.config import DeepSpeedConfig
+from partita.config import DeepSpeedConfig, config_error
 from partita.moe.layer import expert_parameters, moe_layers
 from partita.zero.strategy import ExpertFamily
 
@@ -45,6 +45,23 @@ def expert_parallel_size(
                 f"MoE layers (ep_size {ep}) together with {what} are not supported by partita yet"
             )
     return ep
+
+
+def apply_autoep(model: Any, config: DeepSpeedConfig, rank: int) -> None:
+    """DeepSpeed's AutoEP section (``expert_parallel.enabled``, ``autoep_size``): splits the
+    experts of a Hugging Face MoE model in place over blocks of ``autoep_size`` consecutive
+    ranks (`partita.moe.expert_parallel`), before anything reads the model's MoE layers. No
+    collective; a model it cannot split fails every rank alike, naming the section."""
+    section = config.expert_parallel
+    if not section.enabled or not isinstance(model, torch.nn.Module) or moe_layers(model):
+        return
+    from partita.moe.hf_experts import expert_parallel
+
+    size = int(section.autoep_size)
+    try:
+        expert_parallel(model, size, ep_rank=rank % size)
+    except ValueError as error:
+        raise config_error("expert_parallel", str(error)) from None
 
 
 def with_expert_groups(model: Any, dims: comm.ParallelDims, ep: int | None) -> comm.ParallelDims:

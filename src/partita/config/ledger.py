@@ -83,6 +83,7 @@ _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
 _CHECK = "engine_setup.check_supported"
 _TENSOR = "engine_tensor.py"
+_EXPERTS = "engine_experts.py"
 _FP32_MASTERS = "partita keeps fp32 master weights and optimizer states"
 _NO_PIPELINE = "pipeline parallelism is not supported by partita"
 # deepspeed.checkpointing.checkpoint (partita.activations) reads the section; initialize()
@@ -323,6 +324,12 @@ LEDGER: dict[str, Entry] = {
     ),
     "data_types.buffer_dtype": _refused(
         "module buffers keep the training dtype; there is no separate buffer dtype", "fp32"
+    ),
+    "expert_parallel.enabled": _read(_EXPERTS),
+    "expert_parallel.autoep_size": _read(_EXPERTS),
+    "expert_parallel.preset_model": _inert(
+        "partita reads the experts' layout from the model's own base_model_ep_plan (a module "
+        "not laid out as it computes is refused by name)"
     ),
     "tensor_parallel.autotp_size": _read(_TENSOR),
     "tensor_parallel.tensor_parallel.tp_size": _read(_TENSOR),

@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .ledger import refused_problems
 from .rules import check_rules
 from .sections.base import Bool, NonNegFloat, PositiveFloat, PositiveInt, Section
+from .sections.expert import ExpertParallelConfig
 from .sections.monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig
 from .sections.optim import OptimizerConfig, SchedulerConfig
 from .sections.precision import BF16Config, DataTypesConfig, DTypeName, FP16Config
@@ -133,6 +134,11 @@ class DeepSpeedConfig(Section):
         default=1,
         description="Ulysses sequence parallelism: ranks that split each sequence (consecutive "
         "ranks; a divisor of the world size). The data-parallel size is world / this.",
+    )
+    expert_parallel: ExpertParallelConfig = Field(
+        default_factory=ExpertParallelConfig,
+        description="Expert parallelism for Hugging Face MoE models (DeepSpeed's AutoEP): "
+        "their experts split over autoep_size consecutive ranks.",
     )
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig,

@@ -76,7 +76,6 @@ UNSUPPORTED_KEYS: dict[str, Unsupported] = {
     "nebula": Unsupported("partita writes checkpoints with its own sharded format"),
     "datastates_ckpt": Unsupported("partita writes checkpoints with its own sharded format"),
     "compile": Unsupported("DeepCompile is not supported; call torch.compile on the model"),
-    "expert_parallel": Unsupported(f"{_OFF}: expert parallelism (MoE)"),
     "use_data_before_expert_parallelism": Unsupported(
         f"{_OFF}: expert parallelism (MoE)", _equals(False)
     ),
