@@ -37,7 +37,7 @@ REFUSALS = {
     "vocab": "vocabulary size 66 does not split evenly over tensor_parallel.autotp_size 4",
     "features": "gate_proj (output features): size 66 does not split evenly over tp_size 4",
     "inner_tp_size": "tensor_parallel.tensor_parallel.tp_size: 4 does not match",
-    "vocab_parallel_lm_head": "tensor_parallel.vocab_parallel_lm_head: not supported",
+    "ce_backend": "tensor_parallel.vocab_parallel_ce_backend: not supported",
     "preset": "tensor_parallel.preset_model: not supported",
 }
 

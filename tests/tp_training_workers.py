@@ -154,7 +154,7 @@ REFUSALS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "vocab": ("llama", {"vocab_size": 66}, {"autotp_size": 4}),
     "features": ("llama", {"intermediate_size": 66}, {"autotp_size": 4}),
     "inner_tp_size": ("llama", {}, {"autotp_size": 2, "tp": {"tp_size": 4}}),
-    "vocab_parallel_lm_head": ("llama", {}, {"autotp_size": 2, "vocab_parallel_lm_head": True}),
+    "ce_backend": ("llama", {}, {"autotp_size": 2, "vocab_parallel_ce_backend": "liger"}),
     "preset": ("llama", {}, {"autotp_size": 2, "preset_model": "llama"}),
 }
 

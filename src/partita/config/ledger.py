@@ -345,12 +345,7 @@ LEDGER: dict[str, Entry] = {
         "where DeepSpeed's AutoTP keeps weights while it slices them; partita slices the "
         "model where it is and the engine places it"
     ),
-    "tensor_parallel.vocab_parallel_lm_head": _refused(
-        "a vocabulary-parallel loss (an untied head is split by vocabulary and its logits "
-        "gathered; use false or null)",
-        True,
-        accepts=lambda value, cfg: not value,
-    ),
+    "tensor_parallel.vocab_parallel_lm_head": _read(_TENSOR),
     "tensor_parallel.vocab_parallel_ce_backend": _refused("the Liger cross-entropy", "liger"),
     "tensor_parallel.tensor_parallel.tp_grain_size": _refused(
         "uneven splits (every split is even, or refused by name)", 64

@@ -55,8 +55,8 @@ class TensorParallelConfig(Section):
     )
     vocab_parallel_lm_head: Bool | None = Field(
         default=None,
-        description="Vocabulary-parallel output head with a vocabulary-parallel loss; None or "
-        "false: an untied head is split by vocabulary and its logits gathered.",
+        description="Vocabulary-parallel loss for an untied head split by vocabulary (the "
+        "logits never gathered whole); None or true: on, false: the logits are gathered.",
     )
     vocab_parallel_ce_backend: str = Field(
         default="torch", description="Cross-entropy kernel of the vocabulary-parallel head."
