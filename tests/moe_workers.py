@@ -35,14 +35,20 @@ class Net(nn.Module):
     """fc1 -> MoE of MLP experts (with a residual dense MLP when `residual`) -> fc2."""
 
     def __init__(
-        self, ep: int, k: int, residual: bool = False, experts: int = EXPERTS, moe_cls: Any = MoE
+        self,
+        ep: int,
+        k: int,
+        residual: bool = False,
+        experts: int = EXPERTS,
+        moe_cls: Any = MoE,
+        drop: bool = False,
     ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(IN, DIM)
         expert = nn.Sequential(nn.Linear(DIM, FF), nn.ReLU(), nn.Linear(FF, DIM))
         self.moe = moe_cls(
             hidden_size=DIM, expert=expert, num_experts=experts, ep_size=ep, k=k,
-            min_capacity=0, drop_tokens=False, use_residual=residual, use_rts=False,
+            min_capacity=0, drop_tokens=drop, use_residual=residual, use_rts=False,
             top2_2nd_expert_sampling=False,
         )  # fmt: skip
         self.fc2 = nn.Linear(DIM, CLASSES)
@@ -89,11 +95,12 @@ def train(
     clip: float = 0.0,
     sgd: bool = False,
     split: bool = True,
+    drop: bool = False,
 ) -> dict[str, Any]:
     """This rank's per-step losses (it trains on micro-batch `rank` of each step), the
     expert groups it saw and the size of its optimizer state."""
     torch.manual_seed(SEED)
-    model = Net(ep, k, residual)
+    model = Net(ep, k, residual, drop=drop)
     params: Any = model.parameters()
     if split:  # the tutorial's way: expert parameters in their own optimizer groups
         params = split_params_into_different_moe_groups_for_optimizer(
@@ -249,6 +256,26 @@ def deepspeed_then_partita(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
             runs[name] = _run(engine, world, rank)
             engine.destroy()
         out.append(runs)
+    return out
+
+
+def capacity_reference(world: int, k: int) -> list[list[float]]:
+    """``[step][rank]`` losses of one process running the same MoE layer at ep 1 with token
+    drops (capacity factor 1: DeepSpeed's rule, per micro-batch as in the sharded run) over
+    every rank's micro-batch, stepping on their mean with torch's AdamW."""
+    torch.manual_seed(SEED)
+    model = Net(1, k, drop=True)  # the experts are copies of one: the same weights as at ep > 1
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=True)
+    out = []
+    for batch in data(STEPS, world):
+        losses = [model(x, y) for x, y in batch]
+        torch.stack(losses).mean().backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+        out.append([loss.item() for loss in losses])
     return out
 
 

@@ -28,6 +28,9 @@ EXTRA = {
     "sgd_clip_stage3": {"kind": "train", "ep": 2, "stage": 3, "k": 2, "sgd": True, "clip": 0.05},
     "residual": {"kind": "train", "ep": 2, "stage": 1, "k": 1, "residual": True},
     "unsplit_groups": {"kind": "train", "ep": 2, "stage": 2, "k": 1, "split": False},
+    # capacity factor 1 with token drops (DeepSpeed's rule)
+    "capacity_ep2_stage2": {"kind": "train", "ep": 2, "stage": 2, "k": 2, "drop": True},
+    "capacity_ep4_stage3": {"kind": "train", "ep": 4, "stage": 3, "k": 2, "drop": True},
 }
 REFUSALS = ["experts_not_divisible", "k_too_large", "ep_not_dividing", "stage3_zeropp"]
 
@@ -72,6 +75,22 @@ def test_sgd_clipping_residual_and_unsplit_groups_match_one_process(results: dic
     _check(extra["sgd_clip_stage3"], reference(WORLD, k=2, sgd=True, clip=0.05))
     _check(extra["residual"], reference(WORLD, k=1, residual=True))
     _check(extra["unsplit_groups"], reference(WORLD, k=1))
+
+
+@pytest.mark.parity
+def test_capacity_drops_match_one_process_with_the_same_capacity_rule(results: dict) -> None:
+    """With a capacity factor of 1 (tokens beyond an expert's capacity dropped, DeepSpeed's
+    rule, per micro-batch) at ep 2 ZeRO 2 and ep 4 ZeRO 3: within rtol 1e-6 of one process
+    running the same layer at ep 1 over every rank's micro-batch; and unlike the dropless
+    run (the drops happen)."""
+    from moe_workers import capacity_reference
+
+    want = capacity_reference(WORLD, k=2)
+    extra = results["extra"]
+    for name in ("capacity_ep2_stage2", "capacity_ep4_stage3"):
+        _check(extra[name], want)
+    dropless = [step[0] for step in reference(WORLD, k=2)]
+    assert [step[0] for step in want] != pytest.approx(dropless, rel=1e-4)
 
 
 def test_same_run_twice_is_bitwise_equal(results: dict) -> None:
