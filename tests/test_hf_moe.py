@@ -1,10 +1,11 @@
 """Hugging Face MoE models with expert parallelism by their expert plan
 (`partita.moe.expert_parallel`, [Note: Hugging Face expert plan] in `partita.moe.hf_experts`):
-a tiny Mixtral (8 experts, top-2, dropless; and a tiny Qwen3-MoE at ZeRO 2-3) from Transformers at 4 CPU ranks as ep 2 x dp 2
-and ep 4, ZeRO stages 0-3, per-step losses within rtol 1e-6 of one process holding every
-expert on the whole batch (AdamW; and SGD with clipping, which a mis-scaled expert gradient or
-a norm counting experts twice would move); each rank holds E/ep experts; checkpoints refused by name. One
-spawn runs every case."""
+a tiny Mixtral (8 experts, top-2, dropless) from Transformers at 4 CPU ranks as ep 2 x dp 2 and
+ep 4, ZeRO stages 0-3, and a tiny Qwen3-MoE at ZeRO 2-3: per-step losses within rtol 1e-6 of
+one process holding every expert on the whole batch (AdamW; and SGD with clipping, which a
+mis-scaled expert gradient or a norm counting experts twice would move); DeepSpeed's AutoEP
+section trains bitwise as the API; each rank holds E/ep experts; checkpoints and layouts partita
+cannot split refused by name. One spawn runs every case."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from models import assert_losses
 from partita.testing import run_distributed
 
 WORLD = 4
-CASES = [{"ep": 2, "stage": s} for s in (0, 1, 2, 3)] + [{"ep": 4, "stage": s} for s in (0, 3)]
+CASES = [{"ep": ep, "stage": s} for ep in (2, 4) for s in (0, 1, 2, 3)]
 CASES += [{"ep": 2, "stage": s, "sgd": True} for s in (0, 2, 3)]
 CASES += [{"ep": 2, "stage": s, "kind": "qwen3_moe"} for s in (2, 3)]
 AUTOEP = [{"ep": 2, "stage": 2, "autoep": True}]
