@@ -55,6 +55,12 @@ _LONGEST_FIRST = (
     "test_engine_stage0.py",
     "test_gpu_check.py",
     "test_checkpoint_async.py",
+    # Added on 2026-12-07 afternoon (30-55 s each on 2 shared cores).
+    "test_moe_checkpoints.py",
+    "test_estimate_sequence.py",
+    "test_activation_offload.py",
+    "test_hf_moe.py",
+    "test_tp_checkpoints.py",
 )
 
 
