@@ -232,6 +232,28 @@ class _UnitFactory:
         )
 
 
+def _factories(
+    groups: ParamGroups,
+    policy: PrecisionPolicy,
+    placement: OffloadPlacement,
+    zero: Stage3Settings,
+    group: comm.ProcessGroup | None,
+    gather_plan: GatherPlan,
+    experts: ExpertFamily | None,
+) -> dict[bool, _UnitFactory]:
+    """The unit factories by "holds experts": units over `group`, expert units over the
+    expert-data-parallel group ([Note: experts at stage 3])."""
+    world, rank = comm.get_world_size(group), comm.get_rank(group)
+    group_of = {p: gi for gi, g in enumerate(groups) for p in g}
+    # A sub-group (one master, stepped and swapped as a whole) holds at most
+    # sub_group_size elements per rank.
+    build = _UnitFactory(
+        group_of, len(groups), world, rank, policy, placement,
+        zero.sub_group_size * world, placement.params.max_in_cpu, group, gather_plan,
+    )  # fmt: skip
+    return {False: build, True: _expert_factory(build, experts, zero)}
+
+
 def _expert_factory(
     dense: _UnitFactory, experts: ExpertFamily | None, zero: Stage3Settings
 ) -> _UnitFactory:
@@ -282,24 +304,14 @@ class FullySharded:
         self.placement = placement = placement or OffloadPlacement()
         """Where masters with optimizer state, and parameter shards, live (chosen once)."""
         self.comm_device = next(module.parameters()).device
-        world, rank = comm.get_world_size(group), comm.get_rank(group)
-        group_of = {p: gi for gi, g in enumerate(groups) for p in g}
         modules = list(unit_modules) if unit_modules is not None else default_unit_modules(module)
         plan, persistent = _plan(module, modules, zero, experts)
         gather_plan = plan_from_config(zero, group)  # ZeRO++ ([Note: ZeRO++ gathers])
-        # A sub-group (one master, stepped and swapped as a whole) holds at most
-        # sub_group_size elements per rank.
-        build = _UnitFactory(
-            group_of, len(groups), world, rank, policy, placement,
-            zero.sub_group_size * world, placement.params.max_in_cpu, group, gather_plan,
-        )  # fmt: skip
+        factories = _factories(groups, policy, placement, zero, group, gather_plan, experts)
         self._experts = experts
         opt = placement.optimizer
         self.swapped = None if opt.swap is None else SwappedOptimizerState(opt.swap, opt.pipeline)
-        bindings = self._build_units(
-            {False: build, True: _expert_factory(build, experts, zero)},
-            plan, persistent, module, modules,
-        )  # fmt: skip
+        bindings = self._build_units(factories, plan, persistent, module, modules)
         self.divergence = self._check_divergence(group, zero.check_divergence)
         """Identities of the units' collectives, checked across ranks ([Note: rank
         divergence])."""
