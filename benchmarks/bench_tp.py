@@ -210,25 +210,6 @@ def worker(args: argparse.Namespace) -> None:
     common.exit_worker()
 
 
-def run_job(args: argparse.Namespace, impl: str, shared: list[str]) -> tuple[Any, str]:
-    """(result, note): the job's result, or None and why."""
-    print(f"running {IMPLS[impl]} ...", flush=True)
-    try:
-        result = common.launch_job(
-            Path(__file__).resolve(), ["--worker", impl, *shared], WORLD, args.threads,
-            args.job_timeout,
-        )  # fmt: skip
-    except Exception as exc:
-        print(f"  FAILED:\n{exc}", file=sys.stderr, flush=True)
-        return None, f"failed: {str(exc)[-300:]}"
-    if "error" in result:
-        print(f"  refused: {result['error']}", flush=True)
-        return None, f"refused or failed at set-up: {result['error']}"
-    print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, peak RSS "
-          f"{[round(m) for m in result['peak_rss_mb']]} MB", flush=True)  # fmt: skip
-    return result, ""
-
-
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -241,7 +222,14 @@ def main() -> None:
     notes: dict[str, str] = {}
 
     def run_one(impl: str) -> dict[str, Any] | None:
-        result, notes[impl] = run_job(args, impl, shared)
+        result, notes[impl] = common.launch_row(
+            Path(__file__).resolve(),
+            IMPLS[impl],
+            ["--worker", impl, *shared],
+            WORLD,
+            args.threads,
+            args.job_timeout,
+        )
         return result
 
     runs = common.run_rounds(impls, args.rounds, run_one)

@@ -210,6 +210,31 @@ def launch_job(
         return json.loads(result_file.read_text())
 
 
+def launch_row(
+    script: Path,
+    label: str,
+    worker_args: Sequence[str],
+    nprocs: int,
+    threads: int,
+    timeout_s: float,
+) -> tuple[dict[str, Any] | None, str]:
+    """`launch_job` for one table row, printing progress: ``(result, "")``, or ``(None, why)``
+    when the job failed or the library refused the configuration (a worker that writes
+    ``{"error": ...}``)."""
+    print(f"running {label} ...", flush=True)
+    try:
+        result = launch_job(script, worker_args, nprocs, threads, timeout_s)
+    except Exception as exc:
+        print(f"  FAILED:\n{exc}", file=sys.stderr, flush=True)
+        return None, f"failed: {str(exc)[-300:]}"
+    if "error" in result:
+        print(f"  refused: {result['error']}", flush=True)
+        return None, f"refused or failed at set-up: {result['error']}"
+    print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, peak RSS "
+          f"{[round(m) for m in result['peak_rss_mb']]} MB", flush=True)  # fmt: skip
+    return result, ""
+
+
 def run_rounds(
     impls: Sequence[str], rounds: int, run_one: Callable[[str], dict[str, Any] | None]
 ) -> dict[str, list[dict[str, Any]]]:
