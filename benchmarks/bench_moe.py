@@ -39,7 +39,7 @@ from bench_hybrid import BYTES
 WORLD = 4
 IMPLS: dict[str, str] = {
     "partita": "partita (import partita as deepspeed)",
-    "deepspeed": "DeepSpeed-MoE",
+    "deepspeed": "DeepSpeed MoE",
 }
 PEERS = ("deepspeed",)
 REFERENCE = "deepspeed"
@@ -171,27 +171,10 @@ def main() -> None:
     keys = ("ep", "experts", "k", "hidden", "ffn", "stage", "threads", "micro_batch", "seq_len",
             "warmup", "steps", "seed")  # fmt: skip
     shared = [x for key in keys for x in (f"--{key}", str(getattr(args, key)))]
-    notes: dict[str, str] = {}
-
-    def run_one(impl: str) -> dict[str, Any] | None:
-        result, notes[impl] = common.launch_row(
-            Path(__file__).resolve(),
-            IMPLS[impl],
-            ["--worker", impl, *shared],
-            WORLD,
-            args.threads,
-            args.job_timeout,
-        )
-        return result
-
-    runs = common.run_rounds(impls, args.rounds, run_one)
-    rows = []
-    for impl in impls:
-        label = IMPLS[impl]
-        if impl == "deepspeed":
-            label = f"DeepSpeed {common.environment()['deepspeed']} MoE"
-        merged = common.merge_rounds(runs[impl]) if runs[impl] else None
-        rows.append(common.Row(label, merged, notes.get(impl, ""), is_peer=impl in PEERS))
+    rows = common.run_table(
+        Path(__file__).resolve(), impls, IMPLS, PEERS, shared, WORLD, args.threads,
+        args.job_timeout, args.rounds,
+    )  # fmt: skip
     ref = rows[impls.index(REFERENCE)].name if REFERENCE in impls else rows[0].name
     params = next((r.result["params"] for r in rows if r.result), None)
     title = (

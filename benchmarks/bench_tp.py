@@ -219,27 +219,10 @@ def main() -> None:
     keys = ("hidden", "layers", "heads", "threads", "micro_batch", "seq_len", "warmup", "steps",
             "seed")  # fmt: skip
     shared = [x for key in keys for x in (f"--{key}", str(getattr(args, key)))]
-    notes: dict[str, str] = {}
-
-    def run_one(impl: str) -> dict[str, Any] | None:
-        result, notes[impl] = common.launch_row(
-            Path(__file__).resolve(),
-            IMPLS[impl],
-            ["--worker", impl, *shared],
-            WORLD,
-            args.threads,
-            args.job_timeout,
-        )
-        return result
-
-    runs = common.run_rounds(impls, args.rounds, run_one)
-    rows = []
-    for impl in impls:
-        label = IMPLS[impl]
-        if impl == "deepspeed":
-            label = label.replace("DeepSpeed", f"DeepSpeed {common.environment()['deepspeed']}")
-        merged = common.merge_rounds(runs[impl]) if runs[impl] else None
-        rows.append(common.Row(label, merged, notes.get(impl, ""), is_peer=impl in PEERS))
+    rows = common.run_table(
+        Path(__file__).resolve(), impls, IMPLS, PEERS, shared, WORLD, args.threads,
+        args.job_timeout, args.rounds,
+    )  # fmt: skip
     ref = rows[0].name
     params = next((r.result["params"] for r in rows if r.result), 0)
     title = (

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -233,6 +233,37 @@ def launch_row(
     print(f"  median step {result['median_step_s'] * 1e3:.1f} ms, peak RSS "
           f"{[round(m) for m in result['peak_rss_mb']]} MB", flush=True)  # fmt: skip
     return result, ""
+
+
+def run_table(
+    script: Path,
+    impls: Sequence[str],
+    labels: Mapping[str, str],
+    peers: Sequence[str],
+    worker_args: Sequence[str],
+    nprocs: int,
+    threads: int,
+    timeout_s: float,
+    rounds: int = 1,
+) -> list[Row]:
+    """Every configuration of `impls` as a table row: its jobs (``script --worker IMPL
+    *worker_args``, `rounds` interleaved rounds, merged) or why it has none. A label naming
+    DeepSpeed gets its installed version."""
+    notes: dict[str, str] = {}
+
+    def run_one(impl: str) -> dict[str, Any] | None:
+        result, notes[impl] = launch_row(
+            script, labels[impl], ["--worker", impl, *worker_args], nprocs, threads, timeout_s
+        )
+        return result
+
+    runs = run_rounds(impls, rounds, run_one)
+    rows = []
+    for impl in impls:
+        label = labels[impl].replace("DeepSpeed", f"DeepSpeed {environment()['deepspeed']}", 1)
+        merged = merge_rounds(runs[impl]) if runs[impl] else None
+        rows.append(Row(label, merged, notes.get(impl, ""), is_peer=impl in peers))
+    return rows
 
 
 def run_rounds(
