@@ -328,3 +328,11 @@ class DeepSpeedSource(StateSource):
 
 
 __all__ = ["MODEL_STATES", "STAGE3_MODEL_STATES", "DeepSpeedSource", "is_deepspeed_folder"]
+
+
+def load_deepspeed_pickle(path: str) -> Any:
+    """One DeepSpeed checkpoint file, unpickled on the CPU with DeepSpeed's own classes replaced
+    by inert stand-ins (DeepSpeed need not be installed). The caller must already trust the
+    file: for the ``deepspeed.checkpoint`` inspection API, naming the folder is that opt-in, as
+    it is in DeepSpeed. Unreadable files raise `CheckpointError` naming the path."""
+    return _load(path)

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 from partita.compat.deepspeed._missing import module_getattr
+from partita.compat.deepspeed.checkpoint.reshape_3d_utils import (
+    checkpoint_parallel_metadata as _checkpoint_parallel_metadata,
+)
 from partita.engine import Engine as DeepSpeedEngine
 
 # The types of DeepSpeed's ``initialize(optimizer=..., lr_scheduler=...)`` callables.
@@ -17,4 +20,9 @@ DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_sc
 
 __getattr__ = module_getattr("deepspeed.runtime.engine")
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable"]
+__all__ = [
+    "DeepSpeedEngine",
+    "DeepSpeedOptimizerCallable",
+    "DeepSpeedSchedulerCallable",
+    "_checkpoint_parallel_metadata",
+]
