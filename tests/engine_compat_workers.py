@@ -11,7 +11,7 @@ import partita
 from engine_workers import base_config
 from models import global_batches, make_model, rank_micro_batch
 from partita import comm
-from partita.engine_offload import resident_state_bytes
+from partita.engine.offload_states import resident_state_bytes
 from partita.zero.accessors import safe_get_full_fp32_param
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import partita
-from partita import engine_setup
 from partita.config import ConfigError, DeepSpeedConfig, ZeroConfig, load_config
 from partita.config.ledger import LEDGER, Status, schema_paths
+from partita.engine import setup as engine_setup
 from partita.testing import run_distributed
 
 SRC = Path(partita.__file__).parent

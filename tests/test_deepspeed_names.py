@@ -117,7 +117,7 @@ SCRIPT = textwrap.dedent(
     from deepspeed.utils import get_z3_leaf_modules, z3_leaf_module
     out["leaves"] = [len(get_z3_leaf_modules(m)), z3_leaf_module(m[0]), z3_leaf_module(m[1])]
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-    import partita.engine_offload as eo
+    import partita.engine.offload_states as eo
     out["enums"] = [OffloadDeviceEnum is eo.OffloadDeviceEnum,
                     OffloadStateTypeEnum.optim_states.value]
     from deepspeed.runtime.utils import move_to_device

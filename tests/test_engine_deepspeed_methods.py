@@ -22,7 +22,7 @@ from engine_compat_workers import (
     state_dict_cases,
 )
 from partita.engine import Engine
-from partita.engine_compat import REFUSED
+from partita.engine.deepspeed_methods import REFUSED
 from partita.testing import run_distributed
 
 WORLD = 2

@@ -152,7 +152,7 @@ def test_moe_layers_with_autotp_are_refused_by_name() -> None:
     from torch import nn
 
     from partita.config import ConfigError, load_config
-    from partita.engine_tensor import check_tensor_parallel
+    from partita.engine.tensor_parallel import check_tensor_parallel
     from partita.moe.layer import MoE
 
     model = nn.Sequential(MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2))

@@ -131,7 +131,7 @@ def test_nvme_offload_bad_paths_fail_before_training(tmp_path) -> None:  # type:
     # Below stage 3 DeepSpeed ignores offload_param, and so does partita (with a warning): its
     # path is not checked and no swap space is set up for it.
     from partita.config import load_config
-    from partita.engine_setup import check_offload_paths, offload_placement
+    from partita.engine.setup import check_offload_paths, offload_placement
 
     params_stage2 = base_config(
         2, 1, **_zero(2, offload_param={"device": "nvme", "nvme_path": str(missing)})

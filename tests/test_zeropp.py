@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from partita.config import ConfigError, load_config
-from partita.engine_setup import check_supported
+from partita.engine.setup import check_supported
 from partita.testing import run_distributed_grid
 from zeropp_workers import STEPS, zeropp_grid
 

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("partita.api", "initialize"),
     "init_inference": ("partita.inference", "init_inference"),
-    "tp_model_init": ("partita.engine_tensor", "tp_model_init"),
+    "tp_model_init": ("partita.engine.tensor_parallel", "tp_model_init"),
     "init_distributed": ("partita.comm", "init_distributed"),
     "add_config_arguments": ("partita.api", "add_config_arguments"),
     "DeepSpeedEngine": ("partita.engine", "Engine"),

@@ -7,13 +7,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from partita import cluster_env, comm, engine_experts, engine_setup, engine_tensor, env
+from partita import cluster_env, comm, env
 from partita.comm import mesh as comm_mesh
 from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
 from partita.config.ranks import flatten, ranks_differ
 from partita.data import DistributedDataLoader
 from partita.engine import Engine
+from partita.engine import experts as engine_experts
+from partita.engine import setup as engine_setup
+from partita.engine import tensor_parallel as engine_tensor
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -52,7 +52,7 @@ class Entry:
         example: refused: a non-default value the tests expect to be rejected.
         context: refused: other keys the example needs to be otherwise valid.
         enforced_by: refused: where the refusal lives when not here (``rules``,
-            ``engine_setup.check_supported``); None: `refused_problems` enforces it.
+            ``engine.setup.check_supported``); None: `refused_problems` enforces it.
         accepts: refused: which values are fine for this config (default: the default only).
     """
 
@@ -76,14 +76,14 @@ def _refused(why: str, example: Any, **kwargs: Any) -> Entry:
     return Entry(Status.REFUSED, why, example, **kwargs)
 
 
-_SETUP = "engine_setup.py"
+_SETUP = "engine/setup.py"
 _STAGE3 = "zero/stage3/settings.py"  # Stage3Settings, what FullySharded runs by
 _ZEROPP = "zero/stage3/settings.py"  # ZeRO++, stage 3 only (rules: _zeropp_stage)
 _MONITOR = "monitor/monitor.py"
 _RULES = "rules (_NOT_IMPLEMENTED)"
-_CHECK = "engine_setup.check_supported"
-_TENSOR = "engine_tensor.py"
-_EXPERTS = "engine_experts.py"
+_CHECK = "engine.setup.check_supported"
+_TENSOR = "engine/tensor_parallel.py"
+_EXPERTS = "engine/experts.py"
 _FP32_MASTERS = "partita keeps fp32 master weights and optimizer states"
 _NO_PIPELINE = "pipeline parallelism is not supported by partita"
 # deepspeed.checkpointing.checkpoint (partita.activations) reads the section; initialize()
@@ -94,9 +94,9 @@ _COMMS = "profiling/comms.py"
 _COMM_CHOICE = "a choice between collectives that compute the same sums"
 
 LEDGER: dict[str, Entry] = {
-    "train_batch_size": _read("engine.py"),
-    "train_micro_batch_size_per_gpu": _read("engine.py", "api.py"),
-    "gradient_accumulation_steps": _read("engine.py"),
+    "train_batch_size": _read("engine/core.py"),
+    "train_micro_batch_size_per_gpu": _read("engine/core.py", "api.py"),
+    "gradient_accumulation_steps": _read("engine/core.py"),
     "optimizer.type": _read(_SETUP),
     "optimizer.params": _read(_SETUP),
     "scheduler.type": _read(_SETUP),
@@ -259,10 +259,10 @@ LEDGER: dict[str, Entry] = {
         "libaio completion handling; partita's thread-pool I/O has no event loop to overlap"
     ),
     "aio.use_gds": _read("offload/checks.py"),
-    "gradient_clipping": _read("engine.py"),
-    "steps_per_print": _read("engine.py"),
-    "wall_clock_breakdown": _read("engine.py"),
-    "memory_breakdown": _read("engine.py"),
+    "gradient_clipping": _read("engine/core.py"),
+    "steps_per_print": _read("engine/core.py"),
+    "wall_clock_breakdown": _read("engine/core.py"),
+    "memory_breakdown": _read("engine/core.py"),
     "communication_data_type": _read(_SETUP),
     "prescale_gradients": _read(_SETUP),
     "gradient_predivide_factor": _read(_SETUP),

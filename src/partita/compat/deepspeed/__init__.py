@@ -80,8 +80,8 @@ def init_inference(model: Any, config: Any = None, **kwargs: Any) -> Any:
 
 def tp_model_init(model: Any, tp_size: int, dtype: Any, config: Any = None, **kwargs: Any) -> Any:
     """DeepSpeed's ``tp_model_init``: records the tensor-parallel size for the next
-    ``initialize``, which splits the model (see `partita.engine_tensor.tp_model_init`)."""
-    from partita.engine_tensor import tp_model_init as _tp_model_init
+    ``initialize``, which splits the model (see `partita.engine.tensor_parallel.tp_model_init`)."""
+    from partita.engine.tensor_parallel import tp_model_init as _tp_model_init
 
     return _tp_model_init(model, tp_size, dtype, config, **kwargs)
 

@@ -9,7 +9,7 @@ from partita.config.sections.zero import (
     OffloadOptimizerConfig as DeepSpeedZeroOffloadOptimizerConfig,
 )
 from partita.config.sections.zero import OffloadParamConfig as DeepSpeedZeroOffloadParamConfig
-from partita.engine_offload import OffloadDeviceEnum, OffloadStateTypeEnum
+from partita.engine.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __getattr__ = module_getattr("deepspeed.runtime.zero.offload_config")
 

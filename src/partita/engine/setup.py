@@ -14,7 +14,7 @@ from partita import comm
 from partita.comm.dims import check_sequence_parallel_size
 from partita.config import ConfigError, DeepSpeedConfig, Problem, config_error
 from partita.config.reader import read_config_file
-from partita.engine_experts import expert_family
+from partita.engine.experts import expert_family
 from partita.offload import SwapSpace, ThreadPoolIO, check_offload_config, unique_run_id
 from partita.offload.placement import OffloadPlacement, OptimizerPlacement, ParamPlacement
 from partita.optim import OptimConfigError, build_optimizer, build_scheduler

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from partita import engine_offload
 from partita.data import DistributedDataLoader
-from partita.engine_offload import OffloadDeviceEnum, OffloadStateTypeEnum
-from partita.engine_setup import NoOptimizer
+from partita.engine import offload_states as engine_offload
+from partita.engine.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
+from partita.engine.setup import NoOptimizer
 from partita.zero.gather import GatheredParameters
 
 if TYPE_CHECKING:
@@ -714,7 +714,7 @@ class DeepSpeedEngineMethods:
         kinds in `include`. State that ``offload_optimizer`` already keeps on the host stays.
         Until `reload_states`, forward, backward, step and state reads raise; leave
         ``lp_params`` out of `include` to keep generating with the module. See
-        [Note: offloaded storages] in `partita.engine_offload`."""
+        [Note: offloaded storages] in `partita.engine.offload_states`."""
         if not engine_offload.check_offload_request(self, device):  # type: ignore[arg-type]
             return
         self.empty_partition_cache()

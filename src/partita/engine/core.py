@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
-from partita import comm, engine_experts, engine_setup
+from partita import comm
 from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.checkpoint import background as checkpoint_background
 from partita.config import DeepSpeedConfig
 from partita.config.sections.runtime import CheckpointConfig
-from partita.engine_compat import DeepSpeedEngineMethods
+from partita.engine import experts as engine_experts
+from partita.engine import setup as engine_setup
+from partita.engine.deepspeed_methods import DeepSpeedEngineMethods
 from partita.moe.layer import expert_parameters
 from partita.monitor import build_monitor
 from partita.precision import LossScaler, PrecisionPolicy

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from partita.engine_setup import NoOptimizer
+from partita.engine.setup import NoOptimizer
 
 if TYPE_CHECKING:
-    from partita.engine import Engine
+    from partita.engine.core import Engine
 
 logger = logging.getLogger("partita")
 
