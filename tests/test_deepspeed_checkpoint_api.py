@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from partita.checkpoint.manifest import CheckpointError
+from partita.compat.deepspeed._placeholder import FeatureNotInPartita
 from partita.compat.deepspeed.checkpoint import (
     DeepSpeedCheckpoint,
     ZeROCheckpoint,
@@ -22,8 +23,20 @@ from partita.compat.deepspeed.checkpoint import (
     model_3d_desc,
 )
 from partita.compat.deepspeed.checkpoint import constants as C
-from partita.compat.deepspeed.checkpoint.ds_to_universal import _aggregate_autoep_zero12_metadata
+from partita.compat.deepspeed.checkpoint.ds_to_universal import (
+    _aggregate_autoep_zero12_metadata,
+    _group_per_tp_shapes,
+    _validate_autotp_conversion_support,
+    merge_tp_slices,
+)
+from partita.compat.deepspeed.checkpoint.universal_checkpoint import (
+    LayoutError,
+    _get_param_uc_restore_meta,
+    _resolve_autotp_partition,
+)
+from partita.compat.deepspeed.module_inject.tp_shard import get_shard_size_list
 from partita.compat.deepspeed.runtime.engine import _checkpoint_parallel_metadata
+from partita.compat.deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
 def _dims(pp: int, tp: int) -> dict[str, int]:
@@ -170,3 +183,88 @@ def test_autoep_metadata_is_checked_and_merged(tmp_path: Path) -> None:
     bad = [("a.pt", {C.PARAM_SHAPES: {}, C.AUTOEP_LAYERS_KEY: "x", "ds_config": {}})]
     with pytest.raises(RuntimeError, match=r"AutoEP metadata must be a list in a\.pt"):
         _aggregate_autoep_zero12_metadata(bad)
+
+
+def _tp_param(meta: dict[str, Any]) -> SimpleNamespace:
+    return SimpleNamespace(**{C.DS_AUTOTP_UC_META: meta})
+
+
+def test_autotp_slice_of_a_row_parallel_weight() -> None:
+    full = torch.arange(32.0).view(4, 8)
+    meta = {"partition_dim": 1, "logical_shape": (4, 8)}
+    got = _resolve_autotp_partition(_tp_param(meta), {}, full, tp_rank=1, tp_world_size=2)
+    assert got is not None and torch.equal(got, full[:, 4:].flatten())
+
+
+def test_autotp_slice_of_a_fused_weight_cuts_each_sub_parameter() -> None:
+    # Q, K, V of 8, 4, 4 rows over 2 ranks: rank 1 holds Q rows 4-7, K rows 10-11, V rows 14-15.
+    full = torch.arange(32.0).view(16, 2)
+    meta = {"partition_dim": 0, "logical_shape": (16, 2), "sub_param_sizes": (8, 4, 4)}
+    got = _resolve_autotp_partition(_tp_param(meta), {}, full, tp_rank=1, tp_world_size=2)
+    assert got is not None and torch.equal(got, full[[4, 5, 6, 7, 10, 11, 14, 15]].flatten())
+    widths = {**meta, C.UNIVERSAL_CHECKPOINT_VERSION_KEY: 0.4,
+              "sub_param_shard_widths": [[6, 2], [3, 1], [3, 1]]}  # fmt: skip
+    got = _resolve_autotp_partition(_tp_param(widths), {}, full, tp_rank=1, tp_world_size=2)
+    assert got is not None and torch.equal(got, full[[6, 7, 11, 15]].flatten())
+
+
+def test_autotp_slice_uses_recorded_uneven_sizes_and_refuses_to_guess() -> None:
+    full = torch.arange(10.0)
+    meta = {"partition_dim": 0, "logical_shape": (10,), "partition_sizes": (3, 3, 2, 2)}
+    got = _resolve_autotp_partition(_tp_param(meta), {}, full, tp_rank=2, tp_world_size=4)
+    assert got is not None and torch.equal(got, full[6:8])
+    unknown = {"partition_dim": 0, "logical_shape": (10,)}
+    with pytest.raises(LayoutError, match="records no partition_sizes"):
+        _resolve_autotp_partition(_tp_param(unknown), {}, full, tp_rank=0, tp_world_size=4)
+    fused = {**unknown, "sub_param_sizes": (6, 4)}
+    with pytest.raises(AssertionError, match=r"\[4\] are not divisible by tp_world_size 3"):
+        _resolve_autotp_partition(_tp_param(fused), {}, torch.zeros(10), tp_rank=0, tp_world_size=3)
+
+
+def test_autotp_slice_of_replicated_or_unannotated_parameters() -> None:
+    full = torch.arange(4.0)
+    replicated = _tp_param({"replicated": True, "partition_dim": None})
+    assert torch.equal(_resolve_autotp_partition(replicated, {}, full, 1, 2), full)  # type: ignore[arg-type]
+    assert _resolve_autotp_partition(SimpleNamespace(), {}, full, 1, 2) is None
+    assert _get_param_uc_restore_meta(replicated) == {"replicated": True, "partition_dim": None}
+
+
+def test_conversion_support_names_the_unsupported_patterns() -> None:
+    _validate_autotp_conversion_support({})
+    info = {C.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS: {r"^qkv\.weight$": "interleaved heads"}}
+    with pytest.raises(ValueError, match=r"\^qkv\\.weight\$: interleaved heads"):
+        _validate_autotp_conversion_support(info)
+
+
+def test_per_tp_shapes_union_pipeline_stages_and_check_tied_copies() -> None:
+    stages = [{"emb": (3, 4), "l0": (2, 4)}, {"emb": (2, 4), "l0": (2, 4)},
+              {"emb": (3, 4), "l1": (1, 4)}, {"emb": (2, 4)}]  # fmt: skip
+    assert _group_per_tp_shapes(stages, pp_degree=2, tp_degree=2) == {
+        "emb": [(3, 4), (2, 4)], "l0": [(2, 4), (2, 4)], "l1": [(1, 4), None],
+    }  # fmt: skip
+    stages[2]["emb"] = (1, 4)
+    with pytest.raises(AssertionError, match="replicas of emb on tp rank 0 disagree"):
+        _group_per_tp_shapes(stages, pp_degree=2, tp_degree=2)
+
+
+@pytest.mark.parametrize(
+    "total,ranks,meta,expected",
+    [
+        (12, 4, None, [3, 3, 3, 3]),
+        (10, 4, "lm_head", [3, 3, 2, 2]),
+        (12, 2, SimpleNamespace(num_kv_heads=3, tp_grain_size=None), [8, 4]),
+        (12, 4, SimpleNamespace(num_kv_heads=None, tp_grain_size=2), [4, 4, 2, 2]),
+    ],
+)
+def test_shard_sizes_give_the_remainder_to_low_ranks(
+    total: int, ranks: int, meta: Any, expected: list[int]
+) -> None:
+    assert get_shard_size_list(total, ranks, meta) == expected
+    assert sum(expected) == total
+
+
+def test_conversion_and_deepspeed_optimizer_classes_are_clear_refusals() -> None:
+    with pytest.raises(FeatureNotInPartita, match="merge_tp_slices is not in partita"):
+        merge_tp_slices({}, "out", "slices", 2, ("w", []))
+    with pytest.raises(FeatureNotInPartita, match="DeepSpeedZeroOptimizer"):
+        DeepSpeedZeroOptimizer()
