@@ -2,6 +2,7 @@
 partita's figures (`partita.estimate.deepspeed_api`)."""
 
 from partita.compat.deepspeed._missing import module_getattr
+from partita.compat.deepspeed._placeholder import NotInPartitaPlaceholder
 from partita.estimate.deepspeed_api import (
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_cold,
@@ -9,9 +10,19 @@ from partita.estimate.deepspeed_api import (
     model_to_params,
 )
 
+
+class DeepSpeedZeroOptimizer_Stage3(NotInPartitaPlaceholder):
+    """DeepSpeed's ZeRO-3 optimizer class, importable; constructing it raises: partita's engine
+    builds its ZeRO-3 optimizer from ``zero_optimization`` in the config."""
+
+    _deepspeed_name = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+    _feature = "DeepSpeed's ZeRO-3 optimizer class (partita.zero builds its own from the config)"
+
+
 __getattr__ = module_getattr("deepspeed.runtime.zero.stage3")
 
 __all__ = [
+    "DeepSpeedZeroOptimizer_Stage3",
     "estimate_zero3_model_states_mem_needs",
     "estimate_zero3_model_states_mem_needs_all_cold",
     "estimate_zero3_model_states_mem_needs_all_live",
