@@ -86,7 +86,7 @@ def worker(
     import transformers.models.gpt2.modeling_gpt2  # noqa: F401
 
     import partita
-    from partita.accelerator import host_file_rss, host_peak_rss, host_rss
+    from partita.platform.accelerator import host_file_rss, host_peak_rss, host_rss
 
     try:  # reset VmHWM so the peak is this run's, not the imports'
         with open("/proc/self/clear_refs", "w") as f:

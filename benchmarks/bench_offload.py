@@ -49,7 +49,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, write_results
-from partita import native
 from partita.offload import (
     AdamHyper,
     SwapSpace,
@@ -60,6 +59,7 @@ from partita.offload import (
     probe_directory,
 )
 from partita.optim import CPUAdamW, adam_kernel
+from partita.platform import native
 from partita.zero.shard_step import COPY_SLICE_NUMEL, host_step
 
 MB = 1e6

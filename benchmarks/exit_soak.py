@@ -1,6 +1,6 @@
 """Exit soak: many finished jobs through the ``partita`` launcher, none calling
 ``destroy_process_group``; every one must exit 0 (issue 34, "Exit"; [Note: ordered shutdown]
-in `partita.shutdown`).
+in `partita.platform.shutdown`).
 
     .venv/bin/python benchmarks/exit_soak.py [--runs 15] [--steps 4] [--tree TREE]
 

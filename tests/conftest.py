@@ -12,7 +12,7 @@ import torch
 
 from partita.testing import GridCache, rank_threads
 
-# Set at import, before any test module imports partita.accelerator (its choice is cached):
+# Set at import, before any test module imports partita.platform.accelerator (its choice is cached):
 # tests run on CPU even on a GPU machine. An explicit PARTITA_ACCELERATOR in the caller's
 # environment wins. Ranks spawned by partita.testing always get PARTITA_ACCELERATOR=cpu.
 os.environ.setdefault("PARTITA_ACCELERATOR", "cpu")

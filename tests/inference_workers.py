@@ -240,7 +240,7 @@ def tp_worker(folders: dict[str, str], memory_folder: str) -> dict[str, Any]:
     """Every case of tests/test_inference_tp.py on this rank (see the module docstring)."""
     from partita import comm
     from partita.comm import ParallelDims
-    from partita.host_cache import host_cache_stats
+    from partita.platform.host_cache import host_cache_stats
 
     rank = comm.get_rank()
     groups = [comm.new_group([0, 1]), comm.new_group([2, 3])]

@@ -14,8 +14,8 @@ import partita
 from engine_workers import _full_params
 from models import global_batches, make_model, rank_micro_batch
 from partita import comm
-from partita.accelerator import host_peak_rss, host_rss
 from partita.offload import AsyncIOError
+from partita.platform.accelerator import host_peak_rss, host_rss
 
 
 def _train(engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], micro: int) -> None:
@@ -109,7 +109,7 @@ def pinned_by_config(configs: list[dict]) -> list[dict[str, int]]:
     step (gradients are made in backward: [Note: released gradients]), and how many masters
     (fp32 tensors the optimizer steps) and stage-3 shard buffers it has (pinning is a no-op on
     CPU machines, so the accelerator's `pin_memory` is replaced by a recorder)."""
-    from partita.accelerator import get_accelerator
+    from partita.platform.accelerator import get_accelerator
 
     accelerator = get_accelerator()
     pinned: list[torch.Tensor] = []

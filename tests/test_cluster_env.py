@@ -1,4 +1,4 @@
-"""Tests of partita.cluster_env: torchrun, OpenMPI and SLURM variables, node lists, bad values."""
+"""Tests of partita.platform.cluster_env: torchrun, OpenMPI and SLURM variables, node lists, bad values."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv, _first_slurm_host, detect
+from partita.platform.cluster_env import DEFAULT_MASTER_PORT, ClusterEnv, _first_slurm_host, detect
 
 
 def test_no_launcher_is_a_single_process() -> None:

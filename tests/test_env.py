@@ -1,7 +1,7 @@
-"""partita's environment variables: read in one module (`partita.env`), listed in the docs.
+"""partita's environment variables: read in one module (`partita.platform.env`), listed in the docs.
 
 A variable read (or named) anywhere else would drift from its documentation; the table in
-docs/environment.md is generated from `partita.env`, so a variable added there and not to the
+docs/environment.md is generated from `partita.platform.env`, so a variable added there and not to the
 page fails here.
 """
 
@@ -38,10 +38,10 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _names_outside_env_module() -> list[str]:
-    """``file:line: NAME`` for every ``PARTITA_*`` name in code (not prose) outside env.py."""
+    """``file:line: NAME`` for every ``PARTITA_*`` name in code (not prose) outside platform/env.py."""
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "env.py":
+        if path == PACKAGE / "platform" / "env.py":
             continue
         tree = ast.parse(path.read_text(), str(path))
         prose = _docstrings(tree)
@@ -55,15 +55,15 @@ def _names_outside_env_module() -> list[str]:
 
 
 def test_variables_are_named_only_in_env_module() -> None:
-    """No ``PARTITA_*`` string in code outside `partita.env`: readers call its accessors,
+    """No ``PARTITA_*`` string in code outside `partita.platform.env`: readers call its accessors,
     writers (the launcher, the test harness) use its `EnvVar.name`, messages format it in."""
     hits = _names_outside_env_module()
-    assert not hits, "PARTITA_* named outside partita/env.py:\n" + "\n".join(hits)
+    assert not hits, "PARTITA_* named outside partita/platform/env.py:\n" + "\n".join(hits)
 
 
 def test_every_variable_is_registered() -> None:
     """Every `EnvVar` the module defines is in `VARIABLES` (what the table lists), once."""
-    from partita import env
+    from partita.platform import env
 
     defined = [v for v in vars(env).values() if isinstance(v, env.EnvVar)]
     assert sorted(v.name for v in defined) == sorted(v.name for v in env.VARIABLES)
@@ -74,24 +74,24 @@ def test_every_variable_is_registered() -> None:
 
 
 def test_docs_list_every_variable() -> None:
-    """docs/environment.md holds the table `partita.env.markdown_table()` generates, verbatim."""
-    from partita import env
+    """docs/environment.md holds the table `partita.platform.env.markdown_table()` generates, verbatim."""
+    from partita.platform import env
 
     table = env.markdown_table()
     assert all(f"`{v.name}`" in table for v in env.VARIABLES)
     page = ENV_PAGE.read_text()
     missing = [v.name for v in env.VARIABLES if f"| `{v.name}` |" not in page]
     assert table in page, (
-        f"docs/environment.md's table is not what partita.env defines (missing: "
+        f"docs/environment.md's table is not what partita.platform.env defines (missing: "
         f"{missing or 'none; a row differs'}); replace it with the output of "
-        "`python -c 'import partita.env as e; print(e.markdown_table())'`"
+        "`python -c 'import partita.platform.env as e; print(e.markdown_table())'`"
     )
 
 
 def test_startup_hook_reads_the_switch_as_env_does() -> None:
     """The ``.pth`` hook cannot import partita before it knows the switch is on (it runs in
     every interpreter), so it spells the name and the off-values itself: they must match."""
-    from partita import env
+    from partita.platform import env
 
     hook = (SRC / "partita-as-deepspeed.pth").read_text().replace('"', "'")
     assert f"os.environ.get('{env.AS_DEEPSPEED.name}', '')" in hook
@@ -101,7 +101,7 @@ def test_startup_hook_reads_the_switch_as_env_does() -> None:
 @pytest.mark.parametrize("value", ["", "0", "false", "No", " off ", "1", "yes", "true"])
 def test_as_deepspeed_matches_startup_hook(value: str) -> None:
     """`as_deepspeed` and the hook's expression agree on each value."""
-    from partita import env
+    from partita.platform import env
 
     hook = (SRC / "partita-as-deepspeed.pth").read_text()
     condition = hook.split(" and ")[0].split(";", 1)[1].strip()
@@ -111,7 +111,7 @@ def test_as_deepspeed_matches_startup_hook(value: str) -> None:
 
 def test_accessors_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """A variable set after import is seen (tests set os.environ); unset gives the default."""
-    from partita import env
+    from partita.platform import env
 
     for var in env.VARIABLES:
         monkeypatch.delenv(var.name, raising=False)
@@ -145,7 +145,7 @@ def test_accessors_read_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_bad_value_names_the_variable(accessor: str, var: str, value: str) -> None:
     """A value that does not parse is a ValueError naming the variable and the value."""
-    from partita import env
+    from partita.platform import env
 
     name = getattr(env, var).name
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r}")):
@@ -155,7 +155,7 @@ def test_bad_value_names_the_variable(accessor: str, var: str, value: str) -> No
 def test_importing_env_imports_nothing_heavy() -> None:
     """The launcher's --help and the start-up hook import it: no torch, no pydantic."""
     out = run_python(
-        "import sys, partita.env; print(sorted(m for m in ('torch', 'pydantic', 'numpy') "
+        "import sys, partita.platform.env; print(sorted(m for m in ('torch', 'pydantic', 'numpy') "
         "if m in sys.modules))"
     )
     assert out == "[]"

@@ -71,7 +71,7 @@ def train_under_plan(
     from transformers import GPT2LMHeadModel
 
     import partita
-    from partita.accelerator import host_file_rss, host_peak_rss, host_rss
+    from partita.platform.accelerator import host_file_rss, host_peak_rss, host_rss
 
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
         f.write("5")

@@ -1,5 +1,5 @@
 """A finished job exits 0 even when its script leaves the process group and partita's threads
-up: the ordered shutdown of `partita.shutdown` and the pins of `partita.comm.pins` ([Note:
+up: the ordered shutdown of `partita.platform.shutdown` and the pins of `partita.comm.pins` ([Note:
 exit abort] there).
 
 The abort this guards against is a race at interpreter exit (a gloo worker releasing a
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from launch_helpers import write_script
-from partita import shutdown
+from partita.platform import shutdown
 
 JOBS = 1
 """Two-rank jobs, one after the other (one: a start costs ~50 s on 2 loaded cores). Against

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from partita import comm
-from partita.accelerator import get_accelerator
-from partita.env import TEST_START_METHOD
+from partita.platform.accelerator import get_accelerator
+from partita.platform.env import TEST_START_METHOD
 from partita.testing import (
     DistributedTestError,
     DistributedTimeoutError,

@@ -1,4 +1,4 @@
-"""partita's caching host allocator (partita.host_cache): reuse, its memory bound, fallbacks.
+"""partita's caching host allocator (partita.platform.host_cache): reuse, its memory bound, fallbacks.
 
 Allocation counters are process-wide, so each case runs in a fresh interpreter."""
 
@@ -18,8 +18,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 def run_py(body: str, **env: str) -> dict:
     """Runs ``body`` in a fresh interpreter; it prints one JSON object on its last line."""
-    code = "import json, resource, torch\nfrom partita import host_cache as hc\n" + textwrap.dedent(
-        body
+    code = (
+        "import json, resource, torch\nfrom partita.platform import host_cache as hc\n"
+        + textwrap.dedent(body)
     )
     out = run_python(code, timeout=240, **env)
     return json.loads(out.splitlines()[-1])
@@ -116,7 +117,7 @@ def test_mapped_total_within_headroom_when_blocks_serve_smaller_requests() -> No
 def test_repeated_step_does_not_page_fault_again() -> None:
     body = """
         hc.install_host_cache()
-        import partita.accelerator as acc
+        import partita.platform.accelerator as acc
         acc.configure_host_allocator()
         def step():
             a = torch.ones(16 << 20)  # 64 MiB, written: every page touched

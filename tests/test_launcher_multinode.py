@@ -241,7 +241,7 @@ _CASES = [
 
 @pytest.mark.parametrize(("environ", "expected"), _CASES)
 def test_entry_point_environments(environ: dict[str, str], expected: tuple[object, ...]) -> None:
-    from partita.cluster_env import locate
+    from partita.platform.cluster_env import locate
 
     got = locate(environ)
     assert (
@@ -277,7 +277,7 @@ def test_entry_point_environments(environ: dict[str, str], expected: tuple[objec
 def test_bad_entry_point_environments_name_the_variable(
     environ: dict[str, str], message: str
 ) -> None:
-    from partita.cluster_env import locate
+    from partita.platform.cluster_env import locate
 
     with pytest.raises(ValueError, match=message):
         locate(environ)

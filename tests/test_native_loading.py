@@ -1,4 +1,4 @@
-"""Loading partita's compiled helpers (partita.native): only libraries this user built, in a
+"""Loading partita's compiled helpers (partita.platform.native): only libraries this user built, in a
 folder nobody else can write, are loaded; a library without the expected symbols falls back
 like a failed build.
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita import host_cache, native
 from partita.optim import adam_kernel
+from partita.platform import host_cache, native
 
 CXX = native.compiler()
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")

@@ -179,9 +179,9 @@ def hidden_fraction(copies: list[tuple[float, float]], steps: list[tuple[float, 
 def overlap_case(ctx: Context) -> Case:
     """partita's host step (`step_with_copy_back`: CPU Adam slice by slice into two pinned
     staging buffers, copies on a side stream) on fp32 masters with bf16 device weights."""
-    from partita.accelerator import pin_if
     from partita.offload.copy_back import CopyBack
     from partita.optim import CPUAdamW
+    from partita.platform.accelerator import pin_if
     from partita.zero.shard_step import slice_plan, step_with_copy_back
 
     mode, parts = ctx.mode, 4

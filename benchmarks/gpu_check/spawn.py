@@ -108,7 +108,7 @@ def probe_all_reduce() -> float:
     import torch
 
     from partita import comm
-    from partita.accelerator import get_accelerator
+    from partita.platform.accelerator import get_accelerator
 
     t = torch.ones(1, device=get_accelerator().current_device())
     comm.all_reduce(t, tag="probe")

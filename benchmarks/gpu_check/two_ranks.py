@@ -37,7 +37,7 @@ def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[tuple[in
     import partita
     from gpu_check.model import build
     from partita import comm
-    from partita.accelerator import get_accelerator
+    from partita.platform.accelerator import get_accelerator
 
     device = get_accelerator().current_device()
     rank = comm.get_rank()

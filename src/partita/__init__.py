@@ -26,7 +26,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "ConfigError": ("partita.config", "ConfigError"),
     "comm": ("partita.comm", None),
     "zero": ("partita.zero", None),
-    "accelerator": ("partita.accelerator", None),
+    "accelerator": ("partita.platform.accelerator", None),
     "utils": ("partita.utils", None),
 }
 

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from partita import cluster_env, comm, env
+from partita import comm
 from partita.comm import mesh as comm_mesh
 from partita.comm.dims import set_job_dims
 from partita.config import ConfigError, DeepSpeedConfig, config_error, load_config
@@ -17,6 +17,7 @@ from partita.engine import Engine
 from partita.engine import experts as engine_experts
 from partita.engine import setup as engine_setup
 from partita.engine import tensor_parallel as engine_tensor
+from partita.platform import cluster_env, env
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -29,10 +29,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from partita import comm
-from partita.accelerator import get_accelerator
 from partita.activations import storage
 from partita.activations.rng import get_rng_tracker
 from partita.config.sections.runtime import ActivationCheckpointingConfig
+from partita.platform.accelerator import get_accelerator
 
 __all__ = [
     "CheckpointTimings",

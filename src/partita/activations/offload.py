@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from partita.accelerator import get_accelerator
 from partita.activations.storage import STATS
+from partita.platform.accelerator import get_accelerator
 
 __all__ = [
     "CheckpointHiddenStatesOffload",

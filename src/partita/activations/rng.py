@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from partita.accelerator import get_accelerator
+from partita.platform.accelerator import get_accelerator
 
 __all__ = [
     "MODEL_PARALLEL_RNG",

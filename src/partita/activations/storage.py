@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from partita import comm
-from partita.accelerator import get_accelerator
+from partita.platform.accelerator import get_accelerator
 
 __all__ = ["STATS", "ContiguousArena", "Placement", "SavedInputStats", "pack", "unpack"]
 

@@ -30,8 +30,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from partita import comm, env
+from partita import comm
 from partita.checkpoint.manifest import CheckpointError
+from partita.platform import env
 
 CALLS_DIR = ".partita-calls"
 TIMEOUT_ENV = env.CHECKPOINT_TIMEOUT.name

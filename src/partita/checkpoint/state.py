@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from partita.accelerator import get_accelerator
 from partita.checkpoint.experts import global_names
 from partita.checkpoint.manifest import CheckpointError
 from partita.checkpoint.subject import CheckpointSubject
 from partita.comm import ParallelDims
+from partita.platform.accelerator import get_accelerator
 
 logger = logging.getLogger("partita")
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from partita import env
 from partita.comm.counters import COUNTERS, group_name
 from partita.comm.heartbeat import LAST_COLLECTIVE
 from partita.comm.pairwise import pair_all_gather, pair_all_reduce, pair_reduce_scatter
 from partita.comm.pins import hold as _pin
 from partita.comm.process_group import ProcessGroup, is_initialized
+from partita.platform import env
 
 ReduceOp = dist.ReduceOp
 Work = dist.Work
@@ -51,7 +51,7 @@ def link_of(group: ProcessGroup | None) -> str:
         return entry[1]
     if not is_initialized():
         return "intra"
-    from partita import cluster_env
+    from partita.platform import cluster_env
 
     node = max(1, cluster_env.detect().local_world_size)
     if group is None:

@@ -5,7 +5,7 @@ A rank that stops (SIGSTOP, frozen holding the GIL) or deadlocks outside any col
 the other ranks waiting inside one until the process group's timeout (30 minutes). To notice
 it sooner, every collective in `partita.comm` records itself in `LAST_COLLECTIVE` (its name,
 number and tag, and since when this rank has been blocked in it), and, when the ``partita``
-launcher asked for it (`partita.cluster_env.heartbeat_settings`), a daemon thread writes that
+launcher asked for it (`partita.platform.cluster_env.heartbeat_settings`), a daemon thread writes that
 record with a timestamp to ``<dir>/rank<R>.json`` every few seconds. The launcher's watchdog
 (`partita.launcher.watchdog`) reads the files: a file that stops changing means a stopped
 rank; a rank blocked in a collective for longer than the bound while another rank is in none
@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from partita import cluster_env
+from partita.platform import cluster_env
 
 __all__ = [
     "LAST_COLLECTIVE",

@@ -21,7 +21,7 @@ reference is always the main thread's. What is still pinned when the script ends
 pinned until the interpreter tears its modules down, after it marked itself uninitialized,
 where a late release by a worker is a leak, not an abort. Tensors that torch itself creates
 (inside ``all_gather_object``) and collectives a script issues on ``torch.distributed``
-directly are not covered; `partita.shutdown` gives those a moment at exit.
+directly are not covered; `partita.platform.shutdown` gives those a moment at exit.
 """
 
 from __future__ import annotations

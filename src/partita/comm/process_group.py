@@ -8,9 +8,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from partita import cluster_env, shutdown
-from partita.accelerator import get_accelerator
 from partita.comm.heartbeat import start_heartbeat, stop_heartbeat
+from partita.platform import cluster_env, shutdown
+from partita.platform.accelerator import get_accelerator
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 """Collective timeout when none is given (DeepSpeed's default is 30 minutes too)."""
@@ -40,7 +40,7 @@ def init_distributed(
 
     Idempotent: a second call, or a call after the user (or torchrun tooling) already created a
     group, changes nothing. Rank and world size come from the arguments, else from the launcher
-    environment (torchrun, SLURM, OpenMPI; see `partita.cluster_env`). The backend defaults to
+    environment (torchrun, SLURM, OpenMPI; see `partita.platform.cluster_env`). The backend defaults to
     the accelerator's (NCCL on CUDA, gloo on CPU). `timeout` (seconds or timedelta) bounds every
     collective, so a rank that never arrives fails the job instead of hanging it. Under the
     ``partita`` launcher the rank also starts its heartbeat for the hang watchdog
@@ -79,7 +79,7 @@ def init_distributed(
 
 
 def _register_shutdown() -> None:
-    """What this layer stops at exit, in order: [Note: ordered shutdown] in `partita.shutdown`."""
+    """What this layer stops at exit, in order: [Note: ordered shutdown] in `partita.platform.shutdown`."""
     shutdown.register(shutdown.Phase.THREADS, "comm.heartbeat", stop_heartbeat)
     shutdown.register(shutdown.Phase.DEVICE, "accelerator", get_accelerator().synchronize)
     shutdown.register(shutdown.Phase.PROCESS_GROUP, "comm.process_group", destroy_process_group)

@@ -34,9 +34,9 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from partita import env
+from partita.platform import env
 
-# partita.env imports only os and typing: cheap enough for a module that runs at interpreter
+# partita.platform.env imports only os and typing: cheap enough for a module that runs at interpreter
 # start (see install_from_env).
 ALIAS = "deepspeed"
 TARGET = "partita.compat.deepspeed"

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from partita import comm
-from partita.accelerator import configure_host_allocator, get_accelerator, host_peak_rss, host_rss
 from partita.checkpoint import background as checkpoint_background
 from partita.config import DeepSpeedConfig
 from partita.config.sections.runtime import CheckpointConfig
@@ -26,6 +25,12 @@ from partita.engine import setup as engine_setup
 from partita.engine.deepspeed_methods import DeepSpeedEngineMethods
 from partita.moe.layer import expert_parameters
 from partita.monitor import build_monitor
+from partita.platform.accelerator import (
+    configure_host_allocator,
+    get_accelerator,
+    host_peak_rss,
+    host_rss,
+)
 from partita.precision import LossScaler, PrecisionPolicy
 from partita.zero import accessors
 from partita.zero import init as zero_init

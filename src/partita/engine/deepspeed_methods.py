@@ -246,7 +246,7 @@ class DeepSpeedEngineMethods:
     ) -> DistributedDataLoader:
         """A loader of this data-parallel rank's share of `dataset` in micro-batches (what
         ``initialize(training_data=...)`` builds); shuffled each epoch for the ``train`` route."""
-        from partita import env
+        from partita.platform import env
 
         if data_sampler is not None:
             raise ValueError(

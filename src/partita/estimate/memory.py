@@ -144,7 +144,7 @@ class Settings:
     allocator_slack: float | None = None
     """Memory the allocator holds beyond live tensors (fragmentation); None: 0.10 on CUDA
     (torch's caching allocator), 0.05 on CPU ranks (partita's host allocator keeps what it
-    maps within 1.05x of the peak requested, ``host_cache.py``)."""
+    maps within 1.05x of the peak requested, ``platform/host_cache.py``)."""
 
 
 @dataclass(frozen=True)

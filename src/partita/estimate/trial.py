@@ -15,7 +15,7 @@ on their values), trains on random tokens at the planned micro-batch and sequenc
 reports its peak over the baseline taken after imports: on CPU ranks resident memory
 (``VmHWM``, reset first) less the file-backed pages mapped during the run (libraries' code:
 clean, reclaimable, and 26 or 65 MiB for the same steps depending on the page cache, see
-`partita.accelerator.host_file_rss`), on a GPU the caching allocator's reserved bytes.
+`partita.platform.accelerator.host_file_rss`), on a GPU the caching allocator's reserved bytes.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from partita import env as env_vars
 from partita.estimate.memory import Candidate
+from partita.platform import env as env_vars
 
 __all__ = ["TRIAL_MARGIN", "TrialError", "TrialRun", "trial_peaks"]
 
@@ -137,8 +137,8 @@ def _rank(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import partita
-    from partita.accelerator import host_file_rss, host_peak_rss, host_rss
     from partita.estimate.plan import ds_config
+    from partita.platform.accelerator import host_file_rss, host_peak_rss, host_rss
 
     config = AutoConfig.from_pretrained(model_dir)
     _import_model_code(config)

@@ -17,11 +17,11 @@ from torch import nn
 
 from partita.comm import ParallelDims, init_distributed
 from partita.comm.process_group import get_rank, get_world_size, is_initialized
-from partita.host_cache import install_host_cache
 from partita.inference.config import InferenceConfig, TensorParallelConfig, load_inference_config
 from partita.inference.load import build_skeleton, load_slices
 from partita.inference.plan import ShardPlan, build_plan
 from partita.inference.shard import install_plan, shard_module
+from partita.platform.host_cache import install_host_cache
 
 __all__ = ["InferenceEngine", "from_pretrained", "init_inference"]
 

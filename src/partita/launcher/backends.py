@@ -44,11 +44,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
-from partita import env as env_vars
 from partita.launcher.hostfile import Resources
 from partita.launcher.launch import LaunchError, LaunchOptions
 from partita.launcher.multinode import agent_flags
 from partita.launcher.worker_exec import RUN_MODULE, RUN_PATH
+from partita.platform import env as env_vars
 
 __all__ = [
     "BACKENDS",

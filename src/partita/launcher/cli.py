@@ -35,8 +35,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# launch.py imports torch only inside its functions, so this import keeps --help fast.
-from partita import env
 from partita.launcher import lifeline
 from partita.launcher.launch import (
     DEFAULT_MASTER_PORT,
@@ -44,6 +42,9 @@ from partita.launcher.launch import (
     LaunchOptions,
     launch,
 )
+
+# launch.py imports torch only inside its functions, so this import keeps --help fast.
+from partita.platform import env
 
 if TYPE_CHECKING:
     from partita.launcher import backends

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from partita import env
+from partita.platform import env
 
 __all__ = [
     "CRASH_EXIT",

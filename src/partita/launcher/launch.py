@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from partita import env as env_vars
 from partita.launcher import failures
 from partita.launcher.worker_exec import RUN_MODULE, RUN_PATH
+from partita.platform import env as env_vars
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

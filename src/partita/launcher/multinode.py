@@ -34,9 +34,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from partita import env as env_vars
 from partita.launcher.hostfile import Resources
 from partita.launcher.launch import DEFAULT_MASTER_PORT, LaunchError, LaunchOptions
+from partita.platform import env as env_vars
 
 __all__ = [
     "EXPORT_PREFIXES",

@@ -14,7 +14,7 @@ the agent as the parent):
   ``PREFIX_rank<RANK>.log``;
 - ranks started by a scheduler (OpenMPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``, Slurm's
   ``SLURM_*``) also get torch's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-  ``LOCAL_WORLD_SIZE`` (`partita.cluster_env`), as DeepSpeed's MPICH helper and
+  ``LOCAL_WORLD_SIZE`` (`partita.platform.cluster_env`), as DeepSpeed's MPICH helper and
   ``init_distributed`` set them; ``--local_rank`` passes ``--local_rank=<N>`` first to the
   script, as the agent does for its workers.
 
@@ -28,8 +28,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from partita import cluster_env
 from partita.launcher import worker_exec
+from partita.platform import cluster_env
 
 __all__ = ["cores_for_rank", "format_core_list", "main", "parse_core_list", "physical_cores"]
 

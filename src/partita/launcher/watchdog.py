@@ -30,8 +30,8 @@ from pathlib import Path
 import psutil
 
 from partita.comm.heartbeat import Beat, read_beats
-from partita.env import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT
-from partita.env import hang_timeout as hang_timeout_from_env
+from partita.platform.env import DEFAULT_HANG_TIMEOUT, HANG_TIMEOUT
+from partita.platform.env import hang_timeout as hang_timeout_from_env
 
 __all__ = [
     "DEFAULT_HANG_TIMEOUT",

@@ -27,8 +27,8 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-from partita import env
 from partita.launcher import failures
+from partita.platform import env
 
 __all__ = ["RUN_MODULE", "RUN_PATH", "main", "run_python", "set_parent_death_signal"]
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from partita.accelerator import get_accelerator
+from partita.platform.accelerator import get_accelerator
 
 __all__ = ["CopyBack"]
 

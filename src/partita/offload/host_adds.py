@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from partita.accelerator import add_into, get_accelerator
+from partita.platform.accelerator import add_into, get_accelerator
 
 MAX_PENDING_BYTES = 1 << 30
 """Most bytes of device-to-host copies waiting for their add (1 GiB of page-locked memory)."""

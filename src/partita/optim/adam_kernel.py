@@ -5,7 +5,7 @@
 element instead of two (see the C++ file's header for why that is exact). Measured on this
 project's 2-core CPU host with ``benchmarks/bench_offload.py`` (docs/zero.md, offload).
 
-The kernel is built on first use by `partita.native` and checked against torch's kernel on
+The kernel is built on first use by `partita.platform.native` and checked against torch's kernel on
 random data (both modes, with and without weight decay, both of torch's ``lerp`` branches,
 zero and overflowing gradients); when the check fails, there is no compiler, the CPU has
 neither AVX-512 nor AVX2, torch does not vectorise with them, or ``PARTITA_CPU_ADAM=0``, it is
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from partita import env, native
+from partita.platform import env, native
 
 __all__ = [
     "OUT_DTYPES",

@@ -367,7 +367,7 @@ class PipelineModule(nn.Module):
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self._build()
-        from partita.accelerator import get_accelerator
+        from partita.platform.accelerator import get_accelerator
 
         self.to(get_accelerator().current_device())
         self.tied_comms = self._index_tied_modules()

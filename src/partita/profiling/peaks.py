@@ -40,6 +40,6 @@ def device_name(device: torch.device) -> str:
     """A device's marketing name (``NVIDIA H100 80GB HBM3``); ``cpu`` for the host."""
     if device.type == "cuda":
         # Asked of torch directly: the profiler is a side package that reads, never sets, the
-        # device, and partita.accelerator has no name query.
+        # device, and partita.platform.accelerator has no name query.
         return torch.cuda.get_device_name(device)
     return device.type

@@ -34,7 +34,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from partita import env as env_vars
+from partita.platform import env as env_vars
 
 PRELOAD = ["torch", "torch._dynamo"]
 """Modules the fork server imports once (torch's optimizers import torch._dynamo lazily)."""

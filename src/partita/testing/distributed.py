@@ -44,7 +44,7 @@ from typing import Any
 
 import psutil
 
-from partita import env as env_vars
+from partita.platform import env as env_vars
 from partita.testing import deadline
 from partita.testing._child import ChildSpec, RunFiles, child_main
 from partita.testing._start import InheritedStdio, rank_environ, start_context

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partita import env as env_vars
+from partita.platform import env as env_vars
 from partita.testing._child import RunFiles, write_atomic
 from partita.testing.distributed import DistributedTestError, execute, fn_name
 

@@ -30,9 +30,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from partita import comm
-from partita.accelerator import configure_host_allocator
 from partita.config import config_error, load_config
 from partita.offload import SwappedTensor, SwapSpace, unique_run_id
+from partita.platform.accelerator import configure_host_allocator
 from partita.zero.placeholder import (
     COPY_PRE_SHARDED,
     mark_gathered,

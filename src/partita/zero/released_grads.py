@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 import torch
 
-from partita.accelerator import get_accelerator, pin_if
+from partita.platform.accelerator import get_accelerator, pin_if
 
 
 def zeros_like(tensor: torch.Tensor, pin: bool = False) -> torch.Tensor:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from partita import comm
-from partita.accelerator import pin_if
 from partita.offload.placement import Placement
 from partita.partition import FlatLayout, plan_buckets, segment_views
+from partita.platform.accelerator import pin_if
 from partita.precision import PrecisionPolicy
 from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.released_grads import ensure_grad, held_bytes

@@ -35,8 +35,8 @@ def accelerate_processes() -> int | None:
 
 def _world_size() -> int:
     """The data-parallel world partita runs on: the process group's, else the launcher's."""
-    from partita import cluster_env
     from partita.comm import get_world_size, is_initialized
+    from partita.platform import cluster_env
 
     if is_initialized():
         return get_world_size()
@@ -46,7 +46,7 @@ def _world_size() -> int:
 def cpu_world_hint() -> str | None:
     """What to pass, when this is a CPU-only torch, the launcher started more than one rank and
     Accelerate counted one process; None otherwise."""
-    from partita.accelerator import get_accelerator
+    from partita.platform.accelerator import get_accelerator
 
     if get_accelerator().is_cuda or accelerate_processes() != 1:
         return None

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from partita.env import AS_DEEPSPEED
+from partita.platform.env import AS_DEEPSPEED
 
 # DeepSpeed modules (dotted, without the leading "deepspeed.") -> the feature they belong to.
 FEATURES: dict[str, str] = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from partita.env import AS_DEEPSPEED
+from partita.platform.env import AS_DEEPSPEED
 
 
 class FeatureNotInPartita(NotImplementedError):

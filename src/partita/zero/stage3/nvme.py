@@ -46,8 +46,8 @@ import torch
 from torch.profiler import record_function
 
 from partita import comm
-from partita.accelerator import add_into
 from partita.offload import SwapSpace, has_storage, release_storage, restore_storage
+from partita.platform.accelerator import add_into
 from partita.zero.shard_step import TensorParallelNorm, global_norm, tensor_norms
 from partita.zero.stage3.unit import trace
 from partita.zero.strategy import StepOutcome

@@ -58,9 +58,9 @@ import torch
 from torch.profiler import record_function
 
 from partita import comm
-from partita.accelerator import pin_if
 from partita.offload import SwappedTensor, SwapSpace
 from partita.partition import FlatLayout
+from partita.platform.accelerator import pin_if
 from partita.zero.placeholder import mark_gathered, mark_sharded
 from partita.zero.stage3.gather import (
     EXACT,

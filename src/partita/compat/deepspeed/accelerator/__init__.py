@@ -1,5 +1,5 @@
 """``deepspeed.accelerator``: ``get_accelerator()`` with the DeepSpeed accelerator methods
-Transformers and Accelerate call, over partita's `partita.accelerator`."""
+Transformers and Accelerate call, over partita's `partita.platform.accelerator`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from partita.accelerator import get_accelerator as _partita_accelerator
 from partita.compat.deepspeed._missing import missing_attribute
+from partita.platform.accelerator import get_accelerator as _partita_accelerator
 
 
 class DeepSpeedAccelerator:

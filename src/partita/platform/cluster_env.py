@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from partita import env as env_vars
+from partita.platform import env as env_vars
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -295,7 +295,7 @@ class HeartbeatSettings:
 
 def heartbeat_settings(env: Mapping[str, str] | None = None) -> HeartbeatSettings | None:
     """The heartbeat the ``partita`` launcher asked for (``PARTITA_HEARTBEAT_DIR`` and
-    ``PARTITA_HEARTBEAT_INTERVAL``, see `partita.env`), or None when it asked for none.
+    ``PARTITA_HEARTBEAT_INTERVAL``, see `partita.platform.env`), or None when it asked for none.
 
     Raises ValueError naming the variable when the interval is not a positive number.
     """

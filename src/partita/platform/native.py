@@ -36,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from partita import env
+from partita.platform import env
 
 __all__ = ["CSRC", "LibraryError", "build_library", "cache_dir", "compiler", "load_library"]
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 """The folder of the C++ sources."""
 
 

@@ -8,7 +8,7 @@ blocks are unmapped (most recently freed first), then the unused tails of larger
 before a new mapping would take the total past `HEADROOM` above the peak of the bytes tensors
 asked for (page rounding aside; see the C++ file's header).
 
-The C++ file is compiled on first use against torch's ``c10`` headers by `partita.native`
+The C++ file is compiled on first use against torch's ``c10`` headers by `partita.platform.native`
 (about a second; cached, see there). Without a compiler, or with ``PARTITA_HOST_CACHE=0``,
 nothing is installed and `why_not` says why; callers then keep glibc's allocator.
 """
@@ -20,7 +20,7 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from partita import env, native
+from partita.platform import env, native
 
 __all__ = [
     "HostCacheStats",
