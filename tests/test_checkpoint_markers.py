@@ -1,4 +1,4 @@
-"""Arrival markers (see [Note: arrival markers] in partita/checkpoint/rendezvous.py): a process
+"""Arrival markers (see [Note: arrival markers] in partita/checkpoint/arrival.py): a process
 killed while writing its marker leaves nothing that outlives the next save.
 
 Found by tests/test_checkpoint_crash.py: a rank killed between creating its marker and writing
@@ -13,7 +13,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from partita.checkpoint import rendezvous
+from partita.checkpoint import arrival
 
 
 def _dead_pid() -> int:
@@ -25,21 +25,21 @@ def _dead_pid() -> int:
 def test_a_partial_marker_of_a_dead_writer_is_removed_and_a_live_ones_kept(
     tmp_path: Path,
 ) -> None:
-    calls = tmp_path / rendezvous.CALLS_DIR
+    calls = tmp_path / arrival.CALLS_DIR
     calls.mkdir()
     host = socket.gethostname()
     dead = f"save-00000003-rank00000.partial-{_dead_pid()}-{host}"
     live = f"save-00000003-rank00001.partial-{os.getppid()}-{host}"
     (calls / dead).write_text("")  # killed before writing a byte
     (calls / live).write_text("")  # another job's process, still writing
-    rendezvous.remove_stale_markers(str(tmp_path), members=[])
+    arrival.remove_stale_markers(str(tmp_path), members=[])
     assert sorted(os.listdir(calls)) == [live]
 
 
 def test_a_partial_marker_of_this_job_is_removed(tmp_path: Path) -> None:
-    calls = tmp_path / rendezvous.CALLS_DIR
+    calls = tmp_path / arrival.CALLS_DIR
     calls.mkdir()
-    host, pid = rendezvous.job_member()
+    host, pid = arrival.job_member()
     (calls / f"load-00000007-rank00000.partial-{pid}-{host}").write_text("")
-    rendezvous.remove_stale_markers(str(tmp_path), members=[(host, pid)])
+    arrival.remove_stale_markers(str(tmp_path), members=[(host, pid)])
     assert os.listdir(calls) == []

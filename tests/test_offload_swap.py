@@ -1,4 +1,4 @@
-"""partita.offload.swap: swap files per rank, bitwise round trips, clean-up on exit and after a
+"""partita.offload.swap_space: swap files per rank, bitwise round trips, clean-up on exit and after a
 crash, and the bounded buffer pool."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from partita.offload import (
     padded_nbytes,
     remove_stale_swap_dirs,
 )
-from partita.offload.swap import OWNER_FILE, SWAP_DIR_PREFIX
+from partita.offload.swap_space import OWNER_FILE, SWAP_DIR_PREFIX
 
 
 def test_register_swap_out_and_in_is_bitwise(tmp_path: Path) -> None:

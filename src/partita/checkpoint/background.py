@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from partita import comm
+from partita.checkpoint.arrival import WHOLE_JOB
 from partita.checkpoint.manifest import CheckpointError
-from partita.checkpoint.rendezvous import WHOLE_JOB
 from partita.checkpoint.subject import CheckpointSubject
 
 logger = logging.getLogger("partita")

@@ -1,6 +1,6 @@
 """`load_checkpoint`: any saved world size and stage into this engine's (see `reader`).
 
-Phases (each a collective that fails every rank together, see `rendezvous`): arrival; rank 0
+Phases (each a collective that fails every rank together, see `arrival`): arrival; rank 0
 finds the checkpoint and reads its manifest; every rank checks a share of the files (size,
 digest); every rank reads the ranges it owns and writes them through the state-access
 interface (`engine.param_states`); the module's weights are refreshed from the masters;
@@ -17,11 +17,11 @@ from typing import Any, TypeVar
 import torch
 
 from partita.checkpoint import background
+from partita.checkpoint.arrival import WHOLE_JOB, Arrival, arrive, gather_agreed
 from partita.checkpoint.experts import every_expert
 from partita.checkpoint.locate import PARTITA, locate, open_source
 from partita.checkpoint.manifest import CheckpointError, read_manifest
 from partita.checkpoint.reader import StateSource
-from partita.checkpoint.rendezvous import WHOLE_JOB, Arrival, arrive, gather_agreed
 from partita.checkpoint.slices import check_degree, saved_degree
 from partita.checkpoint.stages import check_stage_names, pipeline_place, stage_meta
 from partita.checkpoint.state import (

@@ -1,6 +1,6 @@
 """`save_checkpoint`: every rank writes what it holds; rank 0 commits the manifest last.
 
-Phases (each ends in a collective that fails every rank if one failed, see `rendezvous`):
+Phases (each ends in a collective that fails every rank if one failed, see `arrival`):
 
 1. arrival: every rank has called save (else the missing ranks are named);
 2. agree on the tag and the client state; rank 0 removes the leftovers of dead saves (only
@@ -50,6 +50,13 @@ from typing import Any
 import torch
 
 from partita.checkpoint import background, digest, experts, stfile
+from partita.checkpoint.arrival import (
+    WHOLE_JOB,
+    arrive,
+    gather_agreed,
+    job_member,
+    remove_stale_markers,
+)
 from partita.checkpoint.atomic import Staging, remove_dead_saves, write_atomic
 from partita.checkpoint.manifest import (
     FORMAT_NAME,
@@ -60,13 +67,6 @@ from partita.checkpoint.manifest import (
     CheckpointError,
     shard_file_name,
     state_key,
-)
-from partita.checkpoint.rendezvous import (
-    WHOLE_JOB,
-    arrive,
-    gather_agreed,
-    job_member,
-    remove_stale_markers,
 )
 from partita.checkpoint.slices import slice_file_name, tensor_layout
 from partita.checkpoint.stages import (

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from partita.estimate.stage3 import Moment
+from partita.estimate.stage3_moments import Moment
 from partita.zero.sharded_grads import MAX_IN_FLIGHT, POOL_KEEP
 
 __all__ = ["GradLayout", "pool_peak", "stage012_moments"]

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from partita.estimate.backward import GradLayout, pool_peak, stage012_moments
 from partita.estimate.model import ModelShape
-from partita.estimate.stage3 import Moment, Stage3Layout, moments
+from partita.estimate.stage3_moments import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
 from partita.zero.stage3.settings import Stage3Settings
 

@@ -31,8 +31,8 @@ from .aio import (
 )
 from .checks import DirectoryProbe, check_offload_config, probe_directory
 from .copy_back import CopyBack
-from .swap import SwapBufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
-from .swapped import SwappedTensor, has_storage, release_storage, restore_storage
+from .swap_space import SwapBufferPool, SwapSlot, SwapSpace, remove_stale_swap_dirs, unique_run_id
+from .swapped_tensor import SwappedTensor, has_storage, release_storage, restore_storage
 
 __all__ = [
     "ALIGNMENT",

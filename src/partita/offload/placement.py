@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from partita.offload.swap import SwapSpace
+from partita.offload.swap_space import SwapSpace
 
 Where = Literal["device", "host", "nvme"]
 

@@ -28,7 +28,7 @@ from partita.zero.stage3.unit import ShardedUnit, trace
 
 MAX_IN_FLIGHT = 4
 """Unit reduce-scatters alive at once by default (`UnitGradReducer.max_in_flight`); the
-estimator's stage-3 moments count with it (`partita.estimate.stage3`)."""
+estimator's stage-3 moments count with it (`partita.estimate.stage3_moments`)."""
 POOL_KEEP = 2
 """Freed unit gradient buffers the reducer's pool keeps for the next units."""
 

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
-from .swap import SwapSpace
+from .swap_space import SwapSpace
 
 
 def release_storage(t: torch.Tensor) -> None:
