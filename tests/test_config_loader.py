@@ -232,6 +232,28 @@ def test_cross_field_rules(fragment: dict, path: str, text: str) -> None:
     assert text in problems[0][1]
 
 
+@pytest.mark.parametrize(
+    ("fragment", "feature", "feature_path"),
+    [
+        (
+            {"zero_optimization": {"stage": 2, "zenflow": {}}},
+            "ZenFlow",
+            "zero_optimization.zenflow",
+        ),
+        ({"compile": {"deepcompile": True}}, "DeepCompile", "compile"),
+    ],
+)
+def test_summed_gradients_conflict_named_before_the_refused_feature(
+    fragment: dict, feature: str, feature_path: str
+) -> None:
+    # DeepSpeed names the gradient_allreduce_op conflict; partita lists it first, then its own
+    # refusal of the feature, so both keys to change are named.
+    problems = _problems(_merged({"gradient_allreduce_op": "sum", **fragment}))
+    assert [p for p, _ in problems] == ["gradient_allreduce_op", feature_path]
+    assert f"'sum' is not supported with {feature}" in problems[0][1]
+    assert _problems(_merged(fragment))[0][0] == feature_path  # the mean alone: only the refusal
+
+
 def test_cross_field_rules_are_all_reported() -> None:
     raw = _merged(
         {
@@ -253,7 +275,7 @@ def test_offload_param_below_stage3_is_ignored_with_a_warning(
 ) -> None:
     # DeepSpeed ignores the block below stage 3 (even on NVMe without a path); so does partita,
     # saying so, and the engine places no parameter anywhere else.
-    from partita.engine_setup import offload_placement
+    from partita.engine.setup import offload_placement
 
     raw = _merged({"zero_optimization": {"stage": stage, "offload_param": {"device": "nvme"}}})
     with caplog.at_level("WARNING", logger="partita.config"):

@@ -20,6 +20,7 @@ from .batch import BATCH_KEYS, resolve_batch_sizes
 from .errors import ConfigError, Problem, did_you_mean, join_path
 from .reader import read_config_file
 from .root import DeepSpeedConfig
+from .rules import check_raw_rules
 from .schema import keys_of, model_at
 from .sections.base import whole_number
 from .unsupported import strip_unsupported
@@ -105,7 +106,7 @@ def validate_config(config: Mapping[str, Any], *, world_size: int) -> DeepSpeedC
         ConfigError: every problem found, each with its dotted key path.
     """
     data = copy.deepcopy(dict(config))
-    problems = strip_unsupported(data)
+    problems = check_raw_rules(data) + strip_unsupported(data)
     auto_paths = find_auto(data)
     problems += [Problem(path, _AUTO_HINT) for path in auto_paths]
     batch_problems = _resolve_batch(data, world_size)

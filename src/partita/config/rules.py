@@ -8,7 +8,7 @@ lacks; drop an entry when the feature lands.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .errors import Problem
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .root import DeepSpeedConfig
     from .sections.zero import OffloadOptimizerConfig, OffloadParamConfig
 
-__all__ = ["check_rules"]
+__all__ = ["check_raw_rules", "check_rules"]
 
 # (dotted path, getter, "is this value in use?", what the feature is, what to write instead)
 _NOT_IMPLEMENTED: tuple[
@@ -72,7 +72,7 @@ def _not_implemented(cfg: DeepSpeedConfig) -> list[Problem]:
 
 def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
     """MiCS-style hybrid sharding (``mics_shard_size``) is implemented for stages 1-3;
-    whether the size divides the world is checked once the world is known (engine_setup)."""
+    whether the size divides the world is checked once the world is known (engine.setup)."""
     zero = cfg.zero_optimization
     size = zero.mics_shard_size
     if size == -1:
@@ -215,6 +215,29 @@ def _allreduce_op(cfg: DeepSpeedConfig) -> list[Problem]:
             )
         ]
     return []
+
+
+def check_raw_rules(data: Mapping[str, Any]) -> list[Problem]:
+    """Rules on keys that the loader strips before typing the config (ZenFlow, DeepCompile).
+
+    The summed gradient reduction conflicts with both in DeepSpeed, which says so by the
+    ``gradient_allreduce_op`` key; partita refuses both features anyway, but naming the
+    conflict first tells a user who only wanted the sum which key to change.
+    """
+    if data.get("gradient_allreduce_op") != "sum":
+        return []
+    problems = []
+    zero = data.get("zero_optimization")
+    if isinstance(zero, Mapping) and zero.get("zenflow") is not None:
+        problems.append(
+            Problem("gradient_allreduce_op", "'sum' is not supported with ZenFlow; use 'mean'")
+        )
+    compile_section = data.get("compile")
+    if isinstance(compile_section, Mapping) and compile_section.get("deepcompile") is True:
+        problems.append(
+            Problem("gradient_allreduce_op", "'sum' is not supported with DeepCompile; use 'mean'")
+        )
+    return problems
 
 
 def check_rules(cfg: DeepSpeedConfig) -> list[Problem]:
