@@ -44,7 +44,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,9 +52,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODEL_SHAPES, build_gpt2, count_params
 from partita.testing import run_distributed
+
+if (
+    __package__
+):  # imported from the benchmarks package (tests, python -m benchmarks.bench_checkpoint)
+    from benchmarks.common import MODEL_SHAPES, build_gpt2, count_params
+else:  # python benchmarks/bench_checkpoint.py: this folder is sys.path[0]
+    from common import MODEL_SHAPES, build_gpt2, count_params
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _REFERENCE_CALLS = itertools.count()

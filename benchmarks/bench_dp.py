@@ -28,8 +28,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_dp)
+    from benchmarks import common
+else:  # python benchmarks/bench_dp.py: this folder is sys.path[0]
+    import common
+
 
 IMPLS: dict[str, str] = {
     "partita": "partita stage 0",

@@ -41,9 +41,12 @@ from typing import Any
 
 import torch
 
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_hf)
+    from benchmarks import common
+else:  # python benchmarks/bench_hf.py: this folder is sys.path[0]
+    import common
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import common  # noqa: E402  (benchmarks/ is not a package)
 
 WORKER = HERE / "hf_bench_worker.py"
 IMPLS = ("partita", "deepspeed")

@@ -47,9 +47,18 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
-from bench_zero import StepFn, fused_adamw, setup_ddp, torch_step  # the same torch peers
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_hybrid)
+    from benchmarks import common
+    from benchmarks.bench_zero import (  # the same torch peers
+        StepFn,
+        fused_adamw,
+        setup_ddp,
+        torch_step,
+    )
+else:  # python benchmarks/bench_hybrid.py: this folder is sys.path[0]
+    import common
+    from bench_zero import StepFn, fused_adamw, setup_ddp, torch_step  # the same torch peers
+
 
 # A GPT-2 of a few million parameters over byte tokens (the corpus is bytes): 6 blocks of 256.
 common.MODEL_SHAPES.setdefault(

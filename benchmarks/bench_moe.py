@@ -32,9 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
-from bench_hybrid import BYTES
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_moe)
+    from benchmarks import common
+    from benchmarks.bench_hybrid import BYTES
+else:  # python benchmarks/bench_moe.py: this folder is sys.path[0]
+    import common
+    from bench_hybrid import BYTES
+
 
 WORLD = 4
 IMPLS: dict[str, str] = {

@@ -36,7 +36,6 @@ import argparse
 import ctypes
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,8 +46,6 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything can import dee
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, write_results
 from partita.offload import (
     AdamHyper,
     SwapSpace,
@@ -61,6 +58,11 @@ from partita.offload import (
 from partita.optim import CPUAdamW, adam_kernel
 from partita.platform import native
 from partita.zero.shard_step import COPY_SLICE_NUMEL, host_step
+
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_offload)
+    from benchmarks.common import environment, write_results
+else:  # python benchmarks/bench_offload.py: this folder is sys.path[0]
+    from common import environment, write_results
 
 MB = 1e6
 HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)

@@ -25,8 +25,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_revision)
+    from benchmarks import common
+else:  # python benchmarks/bench_revision.py: this folder is sys.path[0]
+    import common
+
 
 BENCH_ZERO = Path(__file__).resolve().parent / "bench_zero.py"
 DEFAULT_IMPLS = "partita-0,partita-1,partita-2,partita-3,partita-3+cpu,partita-3+nvme"

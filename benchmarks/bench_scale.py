@@ -53,9 +53,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything can import dee
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_offload import disk_bandwidth
-from common import RESULTS_DIR, corpus_batches, environment
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_scale)
+    from benchmarks.bench_offload import disk_bandwidth
+    from benchmarks.common import RESULTS_DIR, corpus_batches, environment
+else:  # python benchmarks/bench_scale.py: this folder is sys.path[0]
+    from bench_offload import disk_bandwidth
+    from common import RESULTS_DIR, corpus_batches, environment
 
 GB = 1e9
 MB = 1e6

@@ -34,10 +34,15 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
-from bench_hybrid import BYTES
-from bench_zero import fused_adamw
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_tp)
+    from benchmarks import common
+    from benchmarks.bench_hybrid import BYTES
+    from benchmarks.bench_zero import fused_adamw
+else:  # python benchmarks/bench_tp.py: this folder is sys.path[0]
+    import common
+    from bench_hybrid import BYTES
+    from bench_zero import fused_adamw
+
 
 WORLD, TP = 4, 2
 IMPLS: dict[str, str] = {

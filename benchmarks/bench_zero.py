@@ -43,8 +43,11 @@ from typing import Any, cast
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common  # benchmarks/ is not a package: found through the path entry above
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_zero)
+    from benchmarks import common
+else:  # python benchmarks/bench_zero.py: this folder is sys.path[0]
+    import common
+
 
 StepFn = Callable[[torch.Tensor], torch.Tensor]
 # fp32 runs of one model on the same data differ only by summation order (fused vs for-loop

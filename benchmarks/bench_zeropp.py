@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MODEL_SHAPES, RESULTS_DIR, build_gpt2, corpus_batches, ds_config
+if __package__:  # imported from the benchmarks package (tests, python -m benchmarks.bench_zeropp)
+    from benchmarks.common import MODEL_SHAPES, RESULTS_DIR, build_gpt2, corpus_batches, ds_config
+else:  # python benchmarks/bench_zeropp.py: this folder is sys.path[0]
+    from common import MODEL_SHAPES, RESULTS_DIR, build_gpt2, corpus_batches, ds_config
+
 
 WORLD = 4
 CONFIGS: dict[str, dict[str, Any]] = {

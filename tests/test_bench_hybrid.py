@@ -13,8 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import json, sys, tempfile
-sys.path.insert(0, "benchmarks")
-import bench_hybrid
+from benchmarks import bench_hybrid
 import torch, torch.distributed as dist
 bench_hybrid.BYTES.install()
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)

@@ -82,8 +82,7 @@ def test_unknown_section_is_refused(tmp_path: Path) -> None:
 
 def test_hidden_fraction_counts_copy_time_inside_cpu_steps() -> None:
     """The overlap figure: the share of copy time that lies inside some slice's CPU step."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_check.offload import hidden_fraction
+    from benchmarks.gpu_check.offload import hidden_fraction
 
     steps = [(0.0, 1.0), (1.5, 2.5)]
     assert hidden_fraction([(0.5, 1.5)], steps) == 0.5  # half inside the first step
@@ -96,11 +95,9 @@ def test_first_step_bound_takes_rounding_and_refuses_a_wrong_update() -> None:
     """On a GPU an offloaded run (partita's CPU Adam) is held against no offload (torch's
     fused CUDA AdamW) by its first update: a few fp32 roundings pass, an update from wrong
     gradients (off by an lr-sized step) does not."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     import torch
-
-    from gpu_check.core import LR
-    from gpu_check.trainers import Run, first_step_close
+    from benchmarks.gpu_check.core import LR
+    from benchmarks.gpu_check.trainers import Run, first_step_close
 
     ref = torch.tensor([0.5, -0.02, 0.0, 1e-3])
     rounded = ref + 4 * torch.finfo(torch.float32).eps * (ref.abs() + LR)

@@ -5,11 +5,8 @@ is a tie. Pure arithmetic on given step times: nothing here is timed."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import plan_speed
+from benchmarks import plan_speed
 
 
 def test_sign_test_is_the_binomial_tail() -> None:

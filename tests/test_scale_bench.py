@@ -4,13 +4,10 @@ and removes its swap folder when the run fails (issue 21, item 3)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import bench_scale
+from benchmarks import bench_scale
 
 
 def test_refuses_naming_the_path_and_bytes_when_the_disk_is_too_small(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gpu_check.model import Shape
+from .model import Shape
 
 PASS, FAIL, ERROR, SKIP, NOT_RUN = "pass", "fail", "error", "skip", "not run (time)"
 FAILING = (FAIL, ERROR)

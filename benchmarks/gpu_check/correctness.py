@@ -9,9 +9,10 @@ from typing import Any
 import torch
 
 import partita
-from gpu_check.core import LR, Case, Context, verdict
-from gpu_check.model import build
-from gpu_check.trainers import (
+
+from .core import LR, Case, Context, verdict
+from .model import build
+from .trainers import (
     bitwise,
     compare,
     engine_config,
@@ -36,7 +37,7 @@ def run_section1(ctx: Context) -> None:
 
 
 def _data(ctx: Context) -> list[Any]:
-    from gpu_check.model import batches
+    from .model import batches
 
     shape = ctx.mode.small
     return batches(shape, ctx.mode.steps, shape.micro, ctx.mode.device)

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from gpu_check.core import Case, Context, verdict
-from gpu_check.trainers import (
+from .core import Case, Context, verdict
+from .trainers import (
     Run,
     bitwise,
     compare,
@@ -28,7 +28,7 @@ CPU = {"device": "cpu", "pin_memory": True}
 def run_section2(ctx: Context) -> None:
     """Every offload variant against the same stage without offload, then the overlap."""
     mode = ctx.mode
-    from gpu_check.model import batches
+    from .model import batches
 
     data = batches(mode.small, mode.steps, mode.small.micro, mode.device)
     plain: dict[int, Run] = {}

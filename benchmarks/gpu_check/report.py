@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from gpu_check.core import FAILING, Case, Context
+from .core import FAILING, Case, Context
 
 SPEED = "4 speed"
 

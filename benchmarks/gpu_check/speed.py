@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gpu_check.core import (
+from .core import (
     H200_BF16_DENSE_FLOPS,
     PASS,
     SKIP,
@@ -32,8 +32,8 @@ from gpu_check.core import (
     free_device_memory,
     peak_device_gb,
 )
-from gpu_check.model import Shape, batches, build, flops_per_token
-from gpu_check.trainers import TorchTrainer, engine_config
+from .model import Shape, batches, build, flops_per_token
+from .trainers import TorchTrainer, engine_config
 
 S4 = "4 speed"
 Step = Callable[[tuple[torch.Tensor, torch.Tensor]], Any]
@@ -190,7 +190,7 @@ def _fsdp2(ctx: Context) -> tuple[Step, str]:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    from gpu_check.core import BETAS, EPS, LR, WEIGHT_DECAY
+    from .core import BETAS, EPS, LR, WEIGHT_DECAY
 
     opt = torch.optim.AdamW(
         model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, fused=True

@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 import partita
-from gpu_check.core import BETAS, EPS, LR, WEIGHT_DECAY
-from gpu_check.model import Shape, build
+
+from .core import BETAS, EPS, LR, WEIGHT_DECAY
+from .model import Shape, build
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 DTYPES = {

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from gpu_check.core import EPS, LR, Case, Context, verdict
-from gpu_check.model import Shape, batches
-from gpu_check.spawn import choose_backend, spawn
-from gpu_check.trainers import DTYPES, engine_config, train_reference
+from .core import EPS, LR, Case, Context, verdict
+from .model import Shape, batches
+from .spawn import choose_backend, spawn
+from .trainers import DTYPES, engine_config, train_reference
 
 S1 = "1 correctness"
 WORLD = 2
@@ -35,9 +35,10 @@ def rank_run(shape: Shape, steps: int, stages: tuple[int, ...]) -> dict[tuple[in
     """On each rank: its half of every global batch, one fp32 engine per stage; the global
     mean loss per step and (rank 0) the final weights on the CPU."""
     import partita
-    from gpu_check.model import build
     from partita import comm
     from partita.platform.accelerator import get_accelerator
+
+    from .model import build
 
     device = get_accelerator().current_device()
     rank = comm.get_rank()
