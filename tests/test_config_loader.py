@@ -526,3 +526,17 @@ def test_config_package_never_imports_torch() -> None:
 def test_json_text_is_not_a_path() -> None:
     with pytest.raises(TypeError, match="looks like JSON text"):
         load_config('{"train_batch_size": 8}', world_size=1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_elastic_checkpoint_is_accepted_and_warned_about_at_stage_3(
+    stage: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="partita.config"):
+        cfg = load_config(
+            _merged({"zero_optimization": {"stage": stage, "elastic_checkpoint": True}}),
+            world_size=1,
+        )
+    assert cfg.zero_optimization.elastic_checkpoint is True
+    warned = [r for r in caplog.records if "elastic checkpointing is deprecated" in r.getMessage()]
+    assert len(warned) == (1 if stage == 3 else 0)

@@ -156,9 +156,9 @@ LEDGER: dict[str, Entry] = {
     "zero_optimization.load_from_fp32_weights": _refused(
         "partita restores master weights from the fp32 copies in its checkpoints", False
     ),
-    "zero_optimization.elastic_checkpoint": _refused(
-        "partita's own checkpoints reshard on load; DeepSpeed's elastic layout is not written",
-        True,
+    "zero_optimization.elastic_checkpoint": _inert(
+        "partita's checkpoints always load at another world size, which is what DeepSpeed's "
+        "elastic layout was for (stage 3 warns that DeepSpeed deprecated it)"
     ),
     "zero_optimization.offload_param.device": _read(_SETUP),
     "zero_optimization.offload_param.nvme_path": _read(_SETUP),
@@ -357,8 +357,7 @@ LEDGER: dict[str, Entry] = {
         "a tensor group in the config; partita builds the groups from autotp_size", "group"
     ),
     "tensor_parallel.injection_policy_tuple": _refused(
-        "an AutoTP injection policy for training (the model's tp plan and the name rules "
-        "decide)",
+        "an AutoTP injection policy for training (the model's tp plan and the name rules decide)",
         ["o_proj"],
     ),
     "tensor_parallel.partition_config": _refused(
@@ -368,9 +367,7 @@ LEDGER: dict[str, Entry] = {
     "tensor_parallel.preset_model": _refused(
         "AutoTP presets (the model's tp plan and the name rules decide)", "llama"
     ),
-    "tensor_parallel.replace_with_kernel_inject": _refused(
-        "DeepSpeed's inference kernels", True
-    ),
+    "tensor_parallel.replace_with_kernel_inject": _refused("DeepSpeed's inference kernels", True),
 }
 """Dotted schema path -> what partita does with it (see the module docstring)."""
 

@@ -358,6 +358,18 @@ class ZeroConfig(Section):
             out["overlap_comm"] = out.get("stage", 0) == 3
         return out
 
+    @model_validator(mode="after")
+    def _elastic_checkpoint_at_stage3(self) -> ZeroConfig:
+        # Inert everywhere (partita's checkpoints always reshard); DeepSpeed's warning is kept
+        # at stage 3 so a config that relied on it hears what DeepSpeed would have said.
+        if self.stage == 3 and self.elastic_checkpoint:
+            logger.warning(
+                "zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is "
+                "deprecated in DeepSpeed; ignored here, since partita's checkpoints load at any "
+                "world size"
+            )
+        return self
+
 
 def _read_as(field: str) -> property:
     """A read-only view of `field` under another name."""
