@@ -1,4 +1,5 @@
-"""Tests of partita.platform.cluster_env: torchrun, OpenMPI and SLURM variables, node lists, bad values."""
+"""Tests of partita.platform.cluster_env: torchrun, OpenMPI and SLURM variables, node lists, bad
+values."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """partita's environment variables: read in one module (`partita.platform.env`), listed in the docs.
 
 A variable read (or named) anywhere else would drift from its documentation; the table in
-docs/environment.md is generated from `partita.platform.env`, so a variable added there and not to the
-page fails here.
+docs/environment.md is generated from `partita.platform.env`, so a variable added there and not
+to the page fails here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _names_outside_env_module() -> list[str]:
-    """``file:line: NAME`` for every ``PARTITA_*`` name in code (not prose) outside platform/env.py."""
+    """``file:line: NAME`` for every ``PARTITA_*`` name in code (not prose) outside
+    platform/env.py."""
     hits = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "platform" / "env.py":
@@ -74,7 +75,8 @@ def test_every_variable_is_registered() -> None:
 
 
 def test_docs_list_every_variable() -> None:
-    """docs/environment.md holds the table `partita.platform.env.markdown_table()` generates, verbatim."""
+    """docs/environment.md holds the table `partita.platform.env.markdown_table()` generates,
+    verbatim."""
     from partita.platform import env
 
     table = env.markdown_table()

@@ -1,6 +1,6 @@
 """partita.estimate at stage 3: the buffers that peak at different moments of a step are not
-added together ([Note: stage-3 moments] in ``partita/estimate/stage3_moments.py``). No processes: the
-measured side is ``benchmarks/bench_estimate.py``'s validation table."""
+added together ([Note: stage-3 moments] in ``partita/estimate/stage3_moments.py``). No
+processes: the measured side is ``benchmarks/bench_estimate.py``'s validation table."""
 
 from __future__ import annotations
 

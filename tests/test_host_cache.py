@@ -1,4 +1,5 @@
-"""partita's caching host allocator (partita.platform.host_cache): reuse, its memory bound, fallbacks.
+"""partita's caching host allocator (partita.platform.host_cache): reuse, its memory bound,
+fallbacks.
 
 Allocation counters are process-wide, so each case runs in a fresh interpreter."""
 

@@ -1,6 +1,6 @@
-"""Loading partita's compiled helpers (partita.platform.native): only libraries this user built, in a
-folder nobody else can write, are loaded; a library without the expected symbols falls back
-like a failed build.
+"""Loading partita's compiled helpers (partita.platform.native): only libraries this user built,
+in a folder nobody else can write, are loaded; a library without the expected symbols falls
+back like a failed build.
 
 A planted library (its constructor writes a marker file) stands in for one another account put
 where a build is looked for; each case shows it is never loaded. The helper built here is a

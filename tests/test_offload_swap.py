@@ -1,5 +1,5 @@
-"""partita.offload.swap_space: swap files per rank, bitwise round trips, clean-up on exit and after a
-crash, and the bounded buffer pool."""
+"""partita.offload.swap_space: swap files per rank, bitwise round trips, clean-up on exit and
+after a crash, and the bounded buffer pool."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ A rank that stops (SIGSTOP, frozen holding the GIL) or deadlocks outside any col
 the other ranks waiting inside one until the process group's timeout (30 minutes). To notice
 it sooner, every collective in `partita.comm` records itself in `LAST_COLLECTIVE` (its name,
 number and tag, and since when this rank has been blocked in it), and, when the ``partita``
-launcher asked for it (`partita.platform.cluster_env.heartbeat_settings`), a daemon thread writes that
-record with a timestamp to ``<dir>/rank<R>.json`` every few seconds. The launcher's watchdog
+launcher asked for it (`partita.platform.cluster_env.heartbeat_settings`), a daemon thread
+writes that record with a timestamp to ``<dir>/rank<R>.json`` every few seconds. The launcher's watchdog
 (`partita.launcher.watchdog`) reads the files: a file that stops changing means a stopped
 rank; a rank blocked in a collective for longer than the bound while another rank is in none
 means the other rank is stuck outside. Times are ``time.monotonic()``, which on Linux is one

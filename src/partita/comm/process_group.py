@@ -40,8 +40,8 @@ def init_distributed(
 
     Idempotent: a second call, or a call after the user (or torchrun tooling) already created a
     group, changes nothing. Rank and world size come from the arguments, else from the launcher
-    environment (torchrun, SLURM, OpenMPI; see `partita.platform.cluster_env`). The backend defaults to
-    the accelerator's (NCCL on CUDA, gloo on CPU). `timeout` (seconds or timedelta) bounds every
+    environment (torchrun, SLURM, OpenMPI; see `partita.platform.cluster_env`). The backend
+    defaults to the accelerator's (NCCL on CUDA, gloo on CPU). `timeout` (seconds or timedelta) bounds every
     collective, so a rank that never arrives fails the job instead of hanging it. Under the
     ``partita`` launcher the rank also starts its heartbeat for the hang watchdog
     (`partita.comm.heartbeat`).
@@ -79,7 +79,8 @@ def init_distributed(
 
 
 def _register_shutdown() -> None:
-    """What this layer stops at exit, in order: [Note: ordered shutdown] in `partita.platform.shutdown`."""
+    """What this layer stops at exit, in order: [Note: ordered shutdown] in
+    `partita.platform.shutdown`."""
     shutdown.register(shutdown.Phase.THREADS, "comm.heartbeat", stop_heartbeat)
     shutdown.register(shutdown.Phase.DEVICE, "accelerator", get_accelerator().synchronize)
     shutdown.register(shutdown.Phase.PROCESS_GROUP, "comm.process_group", destroy_process_group)

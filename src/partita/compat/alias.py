@@ -36,8 +36,8 @@ from typing import Any
 
 from partita.platform import env
 
-# partita.platform.env imports only os and typing: cheap enough for a module that runs at interpreter
-# start (see install_from_env).
+# partita.platform.env imports only os and typing: cheap enough for a module that runs at
+# interpreter start (see install_from_env).
 ALIAS = "deepspeed"
 TARGET = "partita.compat.deepspeed"
 # The DeepSpeed release whose API the compatibility tree follows. Transformers and Accelerate gate

@@ -22,7 +22,8 @@
 // RSS), so blocks serve only requests of about their size.
 //
 // Blocks below `min_bytes` go to the allocator that was installed before (torch's default).
-// Built and loaded by partita/platform/host_cache.py; the C entry points below are its ctypes interface.
+// Built and loaded by partita/platform/host_cache.py; the C entry points below are its ctypes
+// interface.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

@@ -1,7 +1,7 @@
 """Where master weights and optimizer state live when they do not fit on the device.
 
-Layer 4 (see docs/design): may import torch, ``partita.platform.accelerator`` and ``partita.config``;
-never ``zero/`` or the engine. The pieces:
+Layer 4 (see docs/design): may import torch, ``partita.platform.accelerator`` and
+``partita.config``; never ``zero/`` or the engine. The pieces:
 
 - `aio`: asynchronous aligned file I/O (`ThreadPoolIO` behind the `AsyncIO` protocol);
 - `swap`: per-rank preallocated swap files (`SwapSpace`) and a bounded host buffer pool

@@ -175,8 +175,8 @@ def configure_host_allocator() -> bool:
     measured on 2 CPU ranks training a 23M-parameter GPT-2, peak RSS per rank was 1364 MB
     (stage 0) and 1515 MB (stage 3) with glibc's default, 1228 MB and 1236 MB with a fixed 1 MB
     threshold. But then every large block is a fresh mapping each step, page-faulted and zeroed
-    again (190k faults per step there); `partita.platform.host_cache` keeps blocks of 1 MiB and more for
-    reuse while the mapped total stays within 1.05x the peak of what tensors asked for.
+    again (190k faults per step there); `partita.platform.host_cache` keeps blocks of 1 MiB and
+    more for reuse while the mapped total stays within 1.05x the peak of what tensors asked for.
     ``PARTITA_MMAP_THRESHOLD`` sets the threshold in bytes (0 leaves glibc's default),
     ``PARTITA_HOST_CACHE=0`` turns the cache off. Returns True when either was applied (Linux only).
     """

@@ -96,7 +96,8 @@ DEFAULT_HEARTBEAT_INTERVAL = 5.0
 #: Idle host-cache blocks are kept while the mapped total stays within (1 + this) x the peak of
 #: the bytes tensors asked for (see `partita.platform.host_cache`).
 DEFAULT_HOST_CACHE_HEADROOM = 0.05
-#: glibc's mmap threshold partita fixes (see `partita.platform.accelerator.configure_host_allocator`).
+#: glibc's mmap threshold partita fixes
+#: (see `partita.platform.accelerator.configure_host_allocator`).
 DEFAULT_MMAP_THRESHOLD = 1 << 20
 #: Values of a yes/no switch that mean "off" (after strip and lower-casing).
 OFF_VALUES = ("", "0", "false", "no", "off")

@@ -1,7 +1,7 @@
 """``deepspeed.ops.op_builder``: DeepSpeed's builders of compiled ops (``CPUAdamBuilder``,
 ``FusedAdamBuilder``, ``AsyncIOBuilder``...). partita compiles its few C++ helpers itself
-(`partita.platform.native`) and ships no DeepSpeed op: every ``*Builder`` name resolves to a builder that
-answers ``is_compatible() == False`` (so probes skip the op) and whose ``load()`` raises naming
+(`partita.platform.native`) and ships no DeepSpeed op: every ``*Builder`` name resolves to a
+builder that answers ``is_compatible() == False`` (so probes skip the op) and whose ``load()`` raises naming
 what partita offers instead. Any other name is an error naming it."""
 
 from __future__ import annotations
