@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -129,17 +130,8 @@ def _torch_ver(python: str) -> str:
     return ".".join(out.stdout.strip().split("+")[0].split(".")[:2])
 
 
-def run_side(
-    side: str,
-    args: argparse.Namespace,
-    work: Path,
-    targets: list[str],
-) -> tuple[list[str], dict[str, dict], dict[str, dict]]:
-    """Runs one side's pytest session (resuming after a hang); returns `_read_probe`'s triple."""
-    tests_dir = Path(args.ds_tests) / "tests"
-    probe = work / f"{side}.jsonl"
-    probe.unlink(missing_ok=True)
-    env = _env(side, work, args.partita_src, args.hang_timeout)
+def _pytest_base(side: str, args: argparse.Namespace) -> list[str]:
+    """The pytest command line both sides share, before the targets."""
     base = [args.python, "-m", "pytest", "-p", "ds_unit_probe", "-p", "no:cacheprovider"]
     base += [
         "--color=no",
@@ -150,55 +142,70 @@ def run_side(
         base.append("--continue-on-collection-errors")
     if args.forked:  # DeepSpeed's CI runs --forked; pytest-forked 1.7.5 fails on pytest 9 (exit 3)
         base.append("--forked")
-    wanted = list(targets)
-    started = time.time()
-    if side == "partita":
-        # A node id in a module that fails to import makes pytest stop with "found no collectors"
-        # (exit 4) before running anything: collect the modules first and run only the ids of
-        # those that import; the others are charged to their module's import error.
-        modules = sorted({t.split("::")[0] for t in targets})
-        listing = work / f"{side}.modules.txt"
-        listing.write_text("\n".join(modules) + "\n", encoding="utf-8")
-        with open(work / f"{side}.collect.txt", "w", encoding="utf-8") as out:
-            subprocess.run(
-                base + ["--collect-only", f"@{listing}"],
-                cwd=tests_dir,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        _, _, collect_errors = _read_probe(probe)
-        failed = {key.split("::")[0] for key in collect_errors}
-        wanted = [t for t in targets if t.split("::")[0] not in failed]
-        if not wanted:
-            return _read_probe(probe)
+    return base
+
+
+def _importable(
+    side: str, base: list[str], work: Path, targets: list[str], run: dict[str, Any]
+) -> list[str]:
+    """The targets whose modules import (collecting them first records the others' errors)."""
+    # A node id in a module that fails to import makes pytest stop with "found no collectors"
+    # (exit 4) before running anything: collect the modules first and run only the ids of
+    # those that import; the others are charged to their module's import error.
+    modules = sorted({t.split("::")[0] for t in targets})
+    listing = work / f"{side}.modules.txt"
+    listing.write_text("\n".join(modules) + "\n", encoding="utf-8")
+    with open(work / f"{side}.collect.txt", "w", encoding="utf-8") as out:
+        subprocess.run(
+            base + ["--collect-only", f"@{listing}"], stdout=out, stderr=subprocess.STDOUT, **run
+        )
+    _, _, collect_errors = _read_probe(work / f"{side}.jsonl")
+    failed = {key.split("::")[0] for key in collect_errors}
+    return [t for t in targets if t.split("::")[0] not in failed]
+
+
+def _run_once(cmd: list[str], log: Path, deadline: float | None, run: dict[str, Any]) -> int | None:
+    """One pytest session; its exit code, or None when it was killed at `deadline`."""
+    with open(log, "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **run
+        )
+        while proc.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
+                proc.wait()
+                return None
+            time.sleep(2)
+    return proc.returncode
+
+
+def run_side(
+    side: str,
+    args: argparse.Namespace,
+    work: Path,
+    targets: list[str],
+) -> tuple[list[str], dict[str, dict], dict[str, dict]]:
+    """Runs one side's pytest session (resuming after a hang); returns `_read_probe`'s triple."""
+    probe = work / f"{side}.jsonl"
+    probe.unlink(missing_ok=True)
+    run = {
+        "cwd": Path(args.ds_tests) / "tests",
+        "env": _env(side, work, args.partita_src, args.hang_timeout),
+    }
+    base = _pytest_base(side, args)
+    deadline = time.time() + args.budget_s if args.budget_s else None
+    wanted = _importable(side, base, work, targets, run) if side == "partita" else list(targets)
+    if not wanted:
+        return _read_probe(probe)
     hung: dict[str, dict] = {}
     order = [t for t in targets if "::" in t]
     for attempt in range(args.max_resumes + 1):
         argsfile = work / f"{side}.args{attempt}.txt"
         argsfile.write_text("\n".join(wanted) + "\n", encoding="utf-8")
-        cmd = base + [f"@{argsfile}"]
         log = work / f"{side}.log{attempt}.txt"
         print(f"[{side}] {len(wanted)} targets, log {log}", flush=True)
         t0 = time.time()
-        out_of_time = False
-        with open(log, "w", encoding="utf-8") as out:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=tests_dir,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            while proc.poll() is None:
-                if args.budget_s and time.time() - started > args.budget_s:
-                    out_of_time = True
-                    os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
-                    proc.wait()
-                    break
-                time.sleep(2)
-            rc = proc.returncode
+        rc = _run_once(base + [f"@{argsfile}"], log, deadline, run)
         collected, tests, collect_errors = _read_probe(probe)
         print(
             f"[{side}] pytest exit {rc} after {time.time() - t0:.0f}s: {len(tests)} tests reported",
@@ -212,7 +219,7 @@ def run_side(
             for t in order
             if t not in tests and t not in hung and t.split("::")[0] not in failed_modules
         ]
-        if out_of_time:
+        if rc is None:
             print(
                 f"[{side}] out of time (--budget-s {args.budget_s}): {len(remaining)} not reached",
                 flush=True,
@@ -253,86 +260,98 @@ def _git(args: list[str], cwd: Path) -> str:
     return out.stdout.strip()
 
 
+def _header(
+    args: argparse.Namespace, ds: tuple[list[str], dict[str, dict], dict[str, dict]], command: str
+) -> tuple[list[str], list[str], collections.Counter[str]]:
+    """The report's head (what ran, DeepSpeed's outcomes); also the ids DeepSpeed passed and
+    how many per file."""
+    collected, ds_tests, _ = ds
+    counts = collections.Counter(ds_tests[t]["outcome"] for t in collected if t in ds_tests)
+    passed = [t for t in collected if ds_tests.get(t, {}).get("outcome") == "passed"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    commit = _git(["rev-parse", "--short", "HEAD"], REPO)
+    dirty = _git(["status", "--porcelain", "--untracked-files=no", "--", "src"], REPO)
+    src = args.partita_src or str(REPO / "src")
+    edits = " (src/ had uncommitted edits)" if dirty and not args.partita_src else ""
+    selection = (
+        f"- node ids from {args.ids_from}, in that order"
+        if args.ids_from
+        else f"- files: {', '.join(args.files)}"
+    )
+    per_file = collections.Counter(t.split("::")[0] for t in passed)
+    reached = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    lines = [
+        "# DeepSpeed's unit tests on real DeepSpeed and on partita",
+        "",
+        f"- date: {now}",
+        f"- partita: commit {commit}{edits}, source {src}",
+        f"- DeepSpeed tests: {args.ds_label or args.ds_tests}",
+        f"- command: `{command}`",
+        selection,
+        "",
+        f"Selected (after tests/pytest.ini's marker deselection): {len(collected)}",
+        "",
+        f"On DeepSpeed: {reached}; not reached (--budget-s) "
+        f"{len([t for t in collected if t not in ds_tests])}",
+        "",
+        "Passed on DeepSpeed, per file: "
+        + ", ".join(f"{k} {v}" for k, v in sorted(per_file.items())),
+    ]
+    return lines, passed, per_file
+
+
+def _partita_lines(
+    args: argparse.Namespace,
+    passed: list[str],
+    per_file: collections.Counter[str],
+    pt: tuple[list[str], dict[str, dict], dict[str, dict]],
+) -> list[str]:
+    """partita's figure on the tests DeepSpeed passed, per file, and its failures grouped."""
+    _, pt_tests, pt_errors = pt
+    outcomes = {t: _outcome_for(t, pt_tests, pt_errors) for t in passed}
+    ok = [t for t in passed if outcomes[t]["outcome"] == "passed"]
+    pct = 100.0 * len(ok) / len(passed) if passed else 0.0
+    pt_counts = collections.Counter(o["outcome"] for o in outcomes.values())
+    pt_file_ok = collections.Counter(t.split("::")[0] for t in ok)
+    lines = [
+        "",
+        f"**DeepSpeed passes {len(passed)}; partita passes {len(ok)} of them = {pct:.1f}%**",
+        "",
+        "On partita (of those): " + ", ".join(f"{k} {v}" for k, v in sorted(pt_counts.items())),
+        "",
+        "| file | DeepSpeed passes | partita passes |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [
+        f"| {name} | {per_file[name]} | {pt_file_ok.get(name, 0)} |" for name in sorted(per_file)
+    ]
+    groups: dict[str, list[str]] = collections.defaultdict(list)
+    for t in passed:
+        o = outcomes[t]
+        if o["outcome"] != "passed":
+            groups[f"[{o['outcome']}] " + _group_key(o.get("first", ""))].append(t)
+    lines += [
+        "",
+        f"## partita's failures, grouped by first error line ({len(passed) - len(ok)} tests)",
+    ]
+    for key, ids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        shown = ids[: args.show_ids]
+        lines += ["", f"### {len(ids)} x {key}"] + [f"- `{t}`" for t in shown]
+        if len(ids) > len(shown):
+            lines.append(f"- ... and {len(ids) - len(shown)} more")
+    return lines
+
+
 def summarize(
     args: argparse.Namespace,
     ds: tuple[list[str], dict[str, dict], dict[str, dict]],
     pt: tuple[list[str], dict[str, dict], dict[str, dict]] | None,
     command: str,
 ) -> str:
-    collected, ds_tests, _ = ds
-    counts = collections.Counter(ds_tests[t]["outcome"] for t in collected if t in ds_tests)
-    passed = [t for t in collected if ds_tests.get(t, {}).get("outcome") == "passed"]
-    lines = []
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    commit = _git(["rev-parse", "--short", "HEAD"], REPO)
-    dirty = _git(["status", "--porcelain", "--untracked-files=no", "--", "src"], REPO)
-    src = args.partita_src or str(REPO / "src")
-    lines.append("# DeepSpeed's unit tests on real DeepSpeed and on partita")
-    lines.append("")
-    lines.append(f"- date: {now}")
-    lines.append(
-        f"- partita: commit {commit}"
-        + (" (src/ had uncommitted edits)" if dirty and not args.partita_src else "")
-        + f", source {src}"
-    )
-    lines.append(f"- DeepSpeed tests: {args.ds_label or args.ds_tests}")
-    lines.append(f"- command: `{command}`")
-    if args.ids_from:
-        lines.append(f"- node ids from {args.ids_from}, in that order")
-    else:
-        lines.append(f"- files: {', '.join(args.files)}")
-    lines.append("")
-    lines.append(f"Selected (after tests/pytest.ini's marker deselection): {len(collected)}")
-    lines.append("")
-    lines.append(
-        "On DeepSpeed: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        + f"; not reached (--budget-s) {len([t for t in collected if t not in ds_tests])}"
-    )
-    per_file = collections.Counter(t.split("::")[0] for t in passed)
-    lines.append("")
-    lines.append(
-        "Passed on DeepSpeed, per file: "
-        + ", ".join(f"{k} {v}" for k, v in sorted(per_file.items()))
-    )
-    if pt is None:
-        return "\n".join(lines) + "\n"
-    _, pt_tests, pt_errors = pt
-    outcomes = {t: _outcome_for(t, pt_tests, pt_errors) for t in passed}
-    ok = [t for t in passed if outcomes[t]["outcome"] == "passed"]
-    pct = 100.0 * len(ok) / len(passed) if passed else 0.0
-    lines.append("")
-    lines.append(
-        f"**DeepSpeed passes {len(passed)}; partita passes {len(ok)} of them = {pct:.1f}%**"
-    )
-    pt_counts = collections.Counter(o["outcome"] for o in outcomes.values())
-    lines.append("")
-    lines.append(
-        "On partita (of those): " + ", ".join(f"{k} {v}" for k, v in sorted(pt_counts.items()))
-    )
-    pt_file_ok = collections.Counter(t.split("::")[0] for t in ok)
-    lines.append("")
-    lines.append("| file | DeepSpeed passes | partita passes |")
-    lines.append("| --- | ---: | ---: |")
-    for name in sorted(per_file):
-        lines.append(f"| {name} | {per_file[name]} | {pt_file_ok.get(name, 0)} |")
-    groups: dict[str, list[str]] = collections.defaultdict(list)
-    for t in passed:
-        o = outcomes[t]
-        if o["outcome"] != "passed":
-            groups[f"[{o['outcome']}] " + _group_key(o.get("first", ""))].append(t)
-    lines.append("")
-    lines.append(
-        f"## partita's failures, grouped by first error line ({len(passed) - len(ok)} tests)"
-    )
-    for key, ids in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        lines.append("")
-        lines.append(f"### {len(ids)} x {key}")
-        shown = ids if len(ids) <= args.show_ids else ids[: args.show_ids]
-        for t in shown:
-            lines.append(f"- `{t}`")
-        if len(ids) > len(shown):
-            lines.append(f"- ... and {len(ids) - len(shown)} more")
+    """The markdown report: DeepSpeed's half, then (when run) partita's on the same tests."""
+    lines, passed, per_file = _header(args, ds, command)
+    if pt is not None:
+        lines += _partita_lines(args, passed, per_file, pt)
     return "\n".join(lines) + "\n"
 
 
