@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 import torch
 
+import partita
 from models import assert_losses
+from partita.engine.tensor_parallel import clear_recorded
 from partita.testing import run_distributed_grid
-from tp_training_workers import CLIP, MICRO, SEQ, STEPS, reference, tp_grid
+from tp_training_workers import CLIP, MICRO, SEQ, STEPS, dropout_reference, reference, tp_grid
 
 WORLD = 4
 TRAIN = [
@@ -30,6 +32,23 @@ CHECKPOINTS = (("llama", 2, 1), ("gpt2", 2, 2))
 GPT-2's fused QKV strided)."""
 RERUN = ("llama", 2, 2)
 """Run again, its size from `tp_model_init` instead of the config: the same numbers bitwise."""
+DROPOUT = [
+    ("gpt2", 2, 1),
+    ("gpt2", 2, 3),
+    ("llama", 2, 1),
+    ("llama", 2, 3),
+    ("gpt2", 4, 3),
+    ("llama", 4, 1),
+]
+"""With dropout on ([Note: dropout under tensor parallelism] in `partita.parallel.tp_dropout`),
+each tensor rank seeded apart: against one process drawing the data-parallel ranks' masks."""
+DROPOUT_RERUN = ("gpt2", 2, 3)
+DROPOUT_RECOMPUTE = ("gpt2", 2, 1)
+"""With Transformers' gradient checkpointing: the recomputation draws the forward's masks."""
+NORM_RTOL = 1e-5
+"""Clipped gradient norms of the dropout runs: the fp32 reference itself moves by up to 4e-6 from
+a float64 run with the same masks by step 3 (AdamW at lr 1e-2 amplifies rounding), so norms get
+this; the losses keep 1e-6."""
 REFUSALS = {
     "tp3": "autotp_size: 3 does not divide the world size 4",
     "heads": "2 attention heads do not split evenly over tensor_parallel.autotp_size 4",
@@ -56,12 +75,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cases = [
         *[_train(c, folder=folders.get(c)) for c in TRAIN],
         _train(RERUN, via="tp_model_init"),
+        *[{**_train(c), "dropout": True} for c in DROPOUT],
+        {**_train(DROPOUT_RERUN), "dropout": True},
+        {**_train(DROPOUT_RECOMPUTE), "dropout": True, "recompute": True},
         *[{"case": "refusal", "what": what} for what in REFUSALS],
     ]
     per_case = iter(run_distributed_grid(tp_grid, WORLD, cases, timeout=300))
     return {
         "train": {c: next(per_case) for c in TRAIN},
         "rerun": next(per_case),
+        "dropout": {c: next(per_case) for c in DROPOUT},
+        "dropout_rerun": next(per_case),
+        "dropout_recompute": next(per_case),
         "refusals": {what: next(per_case) for what in REFUSALS},
     }
 
@@ -109,6 +134,41 @@ def test_split_parameters_are_marked(results: dict[str, Any]) -> None:
     gpt2 = results["train"][("gpt2", 2, 2)][0]["split"]
     assert "transformer.h.0.attn.c_attn.weight" in gpt2 and "transformer.h.0.mlp.c_fc.bias" in gpt2
     assert "transformer.h.0.attn.c_proj.bias" not in gpt2  # row-parallel bias: replicated
+
+
+@functools.cache
+def _dropout_reference(kind: str, dp: int) -> dict[str, list[float]]:
+    return dropout_reference(kind, dp)
+
+
+def _assert_dropout_parity(runs: list[dict[str, Any]], kind: str, tp: int) -> None:
+    ref = _dropout_reference(kind, WORLD // tp)
+    for run in runs:
+        assert_losses(run["losses"], ref["losses"])
+        assert_losses(run["norms"], ref["norms"], rtol=NORM_RTOL)
+
+
+@pytest.mark.parametrize("case", DROPOUT, ids=lambda c: f"{c[0]}-tp{c[1]}-stage{c[2]}")
+def test_dropout_draws_the_one_process_masks(
+    results: dict[str, Any], case: tuple[str, int, int]
+) -> None:
+    """Replicated dropouts (GPT-2's embeddings and residual branches) agree over the tensor
+    ranks although each was seeded apart; the attention probabilities' (split by heads) are
+    the one-process mask's slices: the losses of one process drawing the same masks."""
+    _assert_dropout_parity(results["dropout"][case], case[0], case[1])
+
+
+def test_dropout_rerun_is_bitwise(results: dict[str, Any]) -> None:
+    first, again = results["dropout"][DROPOUT_RERUN], results["dropout_rerun"]
+    for one, two in zip(first, again, strict=True):
+        assert one["losses"] == two["losses"] and one["norms"] == two["norms"]
+
+
+def test_dropout_with_activation_checkpointing_recomputes_the_same_masks(
+    results: dict[str, Any],
+) -> None:
+    kind, tp, _ = DROPOUT_RECOMPUTE
+    _assert_dropout_parity(results["dropout_recompute"], kind, tp)
 
 
 def test_rerun_through_tp_model_init_is_bitwise(results: dict[str, Any]) -> None:
@@ -161,3 +221,124 @@ def test_moe_layers_with_autotp_are_refused_by_name() -> None:
     )
     with pytest.raises(ConfigError, match=r"tensor_parallel\.autotp_size: 2: .*MoE layers"):
         check_tensor_parallel(config, model, 2, 4, 1, None)
+
+
+def test_intra_node_tensor_groups_larger_than_a_node_are_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``tp_model_init(intra_node=True)``: a tensor group must lie within a node of
+    LOCAL_WORLD_SIZE consecutive ranks; checked from sizes alone (no process group)."""
+    from partita.config import ConfigError, load_config
+    from partita.engine.tensor_parallel import check_intra_node, check_tensor_parallel
+    from tp_training_workers import build_model
+
+    check_intra_node(2, 4)
+    check_intra_node(4, 8)
+    with pytest.raises(ConfigError, match=r"autotp_size: 4 tensor ranks per group, not dividing"):
+        check_intra_node(4, 6)
+    env = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = load_config({"train_batch_size": 8}, world_size=8)
+    model = partita.tp_model_init(build_model("llama"), tp_size=8, intra_node=True)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            check_tensor_parallel(config, model, 8, 8, 1, None)
+    finally:
+        clear_recorded()
+    message = str(refused.value)
+    assert (
+        "tensor_parallel.autotp_size: 8 tensor ranks per group, larger than this node's 4"
+        in (message)
+        and "LOCAL_WORLD_SIZE=4" in message
+        and "intra_node=True" in message
+    ), message
+
+
+PLAN_REFUSALS = {
+    "unknown-layer": (
+        {"layers.*.self_attn.qq_proj": "colwise"},
+        "base_model_tp_plan entry 'layers.*.self_attn.qq_proj': 'colwise' names no layer of "
+        "LlamaForCausalLM (did you mean 'layers.*.self_attn.q_proj'",
+    ),
+    "not-a-linear": (
+        {"layers.*.mlp.act_fn": "colwise"},
+        "model.layers.0.mlp.act_fn (SiLUActivation): base_model_tp_plan entry "
+        "'layers.*.mlp.act_fn': 'colwise', but partita splits only nn.Linear and Conv1D",
+    ),
+}
+"""A custom plan's entry -> the refusal it gets."""
+
+
+@pytest.mark.parametrize(("entry", "expected"), PLAN_REFUSALS.values(), ids=PLAN_REFUSALS)
+def test_custom_plan_naming_an_unknown_layer_is_refused_by_name(
+    entry: dict[str, str], expected: str
+) -> None:
+    """A ``base_model_tp_plan`` set by the user must name the model's linears; checked from the
+    model alone on every rank, before any collective."""
+    from transformers import LlamaConfig
+
+    from partita.config import ConfigError, load_config
+    from partita.engine.tensor_parallel import check_tensor_parallel
+    from tp_training_workers import build_model
+
+    plan = {**LlamaConfig.base_model_tp_plan, **entry}
+    model = build_model("llama", base_model_tp_plan=plan)
+    config = load_config(
+        {"train_batch_size": 4, "tensor_parallel": {"autotp_size": 2}}, world_size=4
+    )
+    with pytest.raises(ConfigError) as refused:
+        check_tensor_parallel(config, model, 2, 4, 1, None)
+    assert f"tensor_parallel.autotp_size: 2: {expected}" in str(refused.value), refused.value
+    # The config class's own plan is not "custom": the model is accepted.
+    check_tensor_parallel(config, build_model("llama"), 2, 4, 1, None)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 3, 3), (2, 3, 6)], ids=["heads", "features"])
+def test_split_dropout_keeps_this_ranks_slice_of_the_whole_mask(
+    shape: tuple[int, ...],
+) -> None:
+    """[Note: dropout under tensor parallelism]: tensor rank 1 of 2 draws, from the same
+    generator state, exactly its slice of the mask one process draws for the whole tensor
+    (heads at dim 1 of a 4-D tensor; else the last column-parallel linear's columns, here the
+    strided [q | k | v] share of a fused projection), and the generator ends where one
+    process's does."""
+    from torch import nn
+
+    from partita.parallel.tp_dropout import _Region, _Split
+
+    region = _Region("attn", size=2, rank=1, heads=4)
+    region.split = _Split(ranges=((2, 4), (6, 8), (10, 12)), width=12)
+    whole_shape = (2, 8, 3, 3) if len(shape) == 4 else (2, 3, 12)
+    mine = [slice(4, 8)] if len(shape) == 4 else [slice(2, 4), slice(6, 8), slice(10, 12)]
+    x = torch.randn(whole_shape, dtype=torch.float64)
+    torch.manual_seed(3)
+    want = nn.functional.dropout(x, 0.4, True)
+    after = torch.get_rng_state()
+    dim = 1 if len(shape) == 4 else -1
+    local = torch.cat([x[(slice(None),) * (dim % x.dim()) + (s,)] for s in mine], dim)
+    torch.manual_seed(3)
+    with region:
+        got = nn.functional.dropout(local, 0.4, True)
+    expected = torch.cat([want[(slice(None),) * (dim % x.dim()) + (s,)] for s in mine], dim)
+    assert torch.equal(got, expected) and torch.equal(torch.get_rng_state(), after)
+    torch.manual_seed(3)
+    with region:  # as some models call it
+        assert torch.equal(torch.dropout(local, 0.4, True), expected)
+    region.split = None  # replicated: the plain dropout of this rank's whole tensor
+    torch.manual_seed(3)
+    with region:
+        assert torch.equal(nn.functional.dropout(x, 0.4, True), want)
+
+
+def test_sdpa_dropout_on_split_heads_is_refused_by_name() -> None:
+    from torch import nn
+
+    from partita.parallel.tp_dropout import _Region, _Split
+
+    region = _Region("model.layers.0.self_attn", size=2, rank=0, heads=2)
+    region.split = _Split(ranges=((0, 4),), width=8)
+    q = torch.randn(1, 2, 3, 4)
+    with region, pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: .*eager"):
+        nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)

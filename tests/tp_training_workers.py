@@ -19,10 +19,21 @@ VOCAB, SEQ, MICRO, STEPS = 64, 8, 2, 3
 LR = 1e-2
 CLIP = 0.5
 """Below every step's whole-model gradient norm (the reference records it), so clipping acts."""
+SEED = 7
+"""The dropout runs' seed, set after the model is built (tensor rank t seeds SEED + t before
+`initialize`, as a script seeding per rank would: the split hands every tensor rank tensor rank
+0's stream)."""
+DROPOUT: dict[str, dict[str, float]] = {
+    "llama": {"attention_dropout": 0.25},
+    "gpt2": {"attn_pdrop": 0.25, "resid_pdrop": 0.25, "embd_pdrop": 0.25},
+}
+"""Every dropout of the model on: attention probabilities (split by heads), and GPT-2's
+embeddings and residual branches (replicated)."""
 
 
-def build_model(kind: str, **overrides: Any) -> nn.Module:
-    """A tiny model of `kind` ("llama" or "gpt2"), same weights on every call."""
+def build_model(kind: str, dropout: bool = False, **overrides: Any) -> nn.Module:
+    """A tiny model of `kind` ("llama" or "gpt2"), same weights on every call; `dropout`:
+    with the rates of `DROPOUT`."""
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -31,14 +42,14 @@ def build_model(kind: str, **overrides: Any) -> nn.Module:
         values = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                       num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                       tie_word_embeddings=False, max_position_embeddings=64)  # fmt: skip
-        values.update(overrides)
+        values.update({**(DROPOUT[kind] if dropout else {}), **overrides})
         config = LlamaConfig(**values)
         config._attn_implementation = "eager"
         model = LlamaForCausalLM(config)
     else:
         values = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        values.update(overrides)
+        values.update({**(DROPOUT[kind] if dropout else {}), **overrides})
         config = GPT2Config(**values)
         config._attn_implementation = "eager"
         model = GPT2LMHeadModel(config)
@@ -66,6 +77,29 @@ def reference(kind: str, dp: int) -> dict[str, list[float]]:
     return {"losses": losses, "norms": norms}
 
 
+def dropout_reference(kind: str, dp: int) -> dict[str, list[float]]:
+    """One process, the whole model, dropout on, drawing the masks the data-parallel ranks
+    draw: each step's `dp` micro-batches start from the same generator state (the ranks share
+    one seed), their gradients summed as the ranks' average; AdamW and clip_grad_norm_."""
+    model = build_model(kind, dropout=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    torch.manual_seed(SEED)
+    losses, norms = [], []
+    for ids in batches(dp):
+        state, total = torch.get_rng_state(), 0.0
+        for k in range(dp):
+            torch.set_rng_state(state)
+            micro = ids[k * MICRO : (k + 1) * MICRO]
+            loss = model(input_ids=micro, labels=micro).loss
+            (loss / dp).backward()
+            total += float(loss.detach())
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / dp)
+    return {"losses": losses, "norms": norms}
+
+
 def _config(tp: int, stage: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -85,18 +119,30 @@ def _mean_over_dp(value: float, dims: Any) -> float:
 
 
 def train(
-    model_kind: str, tp: int, stage: int, via: str = "config", folder: str | None = None
+    model_kind: str,
+    tp: int,
+    stage: int,
+    via: str = "config",
+    folder: str | None = None,
+    dropout: bool = False,
+    recompute: bool = False,
 ) -> dict[str, Any]:
     """Trains `model_kind` at tensor size `tp` and ZeRO `stage` (``via`` "tp_model_init": the size
     comes from `partita.tp_model_init` and the config has no tensor_parallel section); with a
-    `folder`, then checkpoints and reloads at tensor degree 1 (`reload_whole`)."""
+    `folder`, then checkpoints and reloads at tensor degree 1 (`reload_whole`). `dropout`: with
+    `DROPOUT`'s rates, seeded per tensor rank (see `SEED`); `recompute`: with Transformers'
+    gradient checkpointing (torch's checkpoint per block)."""
     world = dist.get_world_size()
     dp = world // tp
-    model = build_model(model_kind)
+    model = build_model(model_kind, dropout=dropout)
+    if recompute:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
     config = _config(tp, stage)
     if via == "tp_model_init":
         del config["tensor_parallel"]
         model = partita.tp_model_init(model, tp_size=tp, dtype=torch.float32)
+    if dropout:
+        torch.manual_seed(SEED + dist.get_rank() % tp)
     engine = partita.initialize(model=model, config=config)[0]
     dims = engine.dims
     losses, norms, tp_bytes = [], [], []

@@ -18,9 +18,11 @@ from partita import comm
 from partita.config import ConfigError, DeepSpeedConfig, config_error
 from partita.config.reader import read_config_file
 from partita.inference.plan import PlanError
+from partita.platform import cluster_env
 
 __all__ = [
     "autotp_size",
+    "check_intra_node",
     "check_tensor_parallel",
     "parallelize_model",
     "tensor_dims",
@@ -37,6 +39,9 @@ class _InitArgs:
 
     tp_size: int
     dtype: torch.dtype | None
+    intra_node: bool = False
+    """partita's ``tp_model_init(..., intra_node=True)``: each tensor group must lie within one
+    node (its all-reduces on the node's links), or the job is refused."""
 
 
 _RECORDED: list[_InitArgs] = []
@@ -54,7 +59,9 @@ def tp_model_init(
 ) -> torch.nn.Module:
     """DeepSpeed's ``tp_model_init``: records the tensor-parallel size (and dtype) for the next
     `initialize`, which splits the model; returns `model` unchanged, as DeepSpeed 0.19 does.
-    A second call with other values, or a ``tp_group`` (partita builds the groups), raises."""
+    A second call with other values, or a ``tp_group`` (partita builds the groups), raises.
+    partita's ``intra_node=True`` asks for every tensor group within one node
+    (`check_intra_node`)."""
     if kwargs.get("tp_group") is not None:
         raise ValueError(
             "tp_model_init(tp_group=...): partita builds the tensor groups from tp_size "
@@ -62,7 +69,10 @@ def tp_model_init(
         )
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init: tp_size {tp_size!r} must be a positive integer")
-    args = _InitArgs(tp_size, dtype)
+    intra_node = kwargs.get("intra_node", False)
+    if not isinstance(intra_node, bool):
+        raise ValueError(f"tp_model_init: intra_node {intra_node!r} must be True or False")
+    args = _InitArgs(tp_size, dtype, intra_node)
     if _RECORDED and _RECORDED[0] != args:
         raise ValueError(
             f"tp_model_init: conflicting calls (tp_size {_RECORDED[0].tp_size} then {tp_size}, "
@@ -143,6 +153,8 @@ def check_tensor_parallel(
             f"{tp}: tensor parallelism together with zero_optimization.mics_shard_size "
             "(hybrid sharding) is not supported by partita yet",
         )
+    if _RECORDED and _RECORDED[0].intra_node:
+        check_intra_node(tp, cluster_env.detect().local_world_size)
     if not isinstance(model, torch.nn.Module):
         raise config_error(KEY, f"{tp}: tensor parallelism needs an nn.Module model")
     _check_other_dimensions(model, tp)
@@ -152,6 +164,26 @@ def check_tensor_parallel(
         check_model(model, tp, world)
     except (PlanError, ValueError) as error:
         raise config_error(KEY, f"{tp}: {error}") from None
+
+
+def check_intra_node(tp: int, local_world: int) -> None:
+    """Raises, naming the key and both sizes, when tensor groups of `tp` consecutive ranks
+    would cross nodes of `local_world` consecutive ranks (``LOCAL_WORLD_SIZE``, as the
+    launchers place ranks) although ``tp_model_init(intra_node=True)`` asked for groups within
+    a node: `tp` must divide `local_world`. Reads sizes only (every rank raises alike)."""
+    if local_world % tp == 0:
+        return
+    why = (
+        "larger than"
+        if tp > local_world
+        else "not dividing (so some tensor groups would straddle two nodes)"
+    )
+    raise config_error(
+        KEY,
+        f"{tp} tensor ranks per group, {why} this node's {local_world} ranks "
+        f"(LOCAL_WORLD_SIZE={local_world}), but tp_model_init(intra_node=True) asked for each "
+        "tensor group within one node",
+    )
 
 
 def with_autotp(config: DeepSpeedConfig, tp: int) -> DeepSpeedConfig:

@@ -25,10 +25,14 @@ every tensor rank. The parameters keep their identity (only ``.data`` becomes th
 optimizer built before `initialize` still steps them, and their names: a checkpoint's keys are
 the model's. Split parameters carry ``tensor_model_parallel = True`` (Megatron's flag), which
 the gradient norm reads to count replicated parameters once (`partita.zero.shard_step`).
+Dropout draws the masks of a one-process run on every tensor rank ([Note: dropout under tensor
+parallelism] in `partita.parallel.tp_dropout`).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,7 @@ from partita.comm import all_gather, all_reduce, broadcast
 from partita.comm.process_group import ProcessGroup
 from partita.inference.plan import PlanError, ShardPlan, build_plan
 from partita.inference.shard import take_slice
+from partita.parallel.tp_dropout import has_dropout, install_split_dropout, sync_generators
 
 __all__ = [
     "ColumnParallelLinear",
@@ -245,6 +250,7 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, world_size: int) -> Sh
             f"{world_size} (tensor groups of consecutive ranks, equal size)"
         )
     _check_heads(model, tp_size)
+    _check_custom_plan(model)
     plan = build_plan(model, tp_size, 0)
     for name, style in plan.styles.items():
         if style not in _TRAINING_STYLES:
@@ -263,6 +269,45 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, world_size: int) -> Sh
             f"over tensor_parallel.autotp_size {tp_size}"
         )
     return plan
+
+
+_SPLIT_LINEAR_STYLES = frozenset({"colwise", "rowwise", "fused_qkv"})
+
+
+def _check_custom_plan(model: nn.Module) -> None:
+    """A ``base_model_tp_plan`` the user set (other than the config class's own) must name
+    layers the model has, and split only linears: a mistyped entry would otherwise leave its
+    layer replicated, and a split style on another layer would be ignored, both silently."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan or plan == getattr(type(config), "base_model_tp_plan", None):
+        return
+    prefix = getattr(model, "base_model_prefix", "")
+    modules = dict(model.named_modules())
+    names = [*modules, *(n for n, _ in model.named_parameters())]
+    relative = {n: n[len(prefix) + 1 :] if prefix and n.startswith(prefix + ".") else n
+                for n in names}  # fmt: skip
+    for key, style in plan.items():
+        pattern = re.compile(re.escape(key).replace(r"\*", r"\d+"))
+        hits = [n for n in names if pattern.fullmatch(n) or pattern.fullmatch(relative[n])]
+        entry = f"base_model_tp_plan entry {key!r}: {style!r}"
+        if not hits:
+            layouts = sorted({re.sub(r"\.\d+\.", ".*.", relative[n]) for n in modules})
+            near = difflib.get_close_matches(key, layouts, n=3)
+            hint = f"did you mean {', '.join(map(repr, near))}?" if near else "no close name"
+            raise PlanError(f"{entry} names no layer of {type(model).__name__} ({hint})")
+        for name in hits:
+            module = modules.get(name)
+            if style in _SPLIT_LINEAR_STYLES and not (module is not None and _is_linear(module)):
+                what = type(module).__name__ if module is not None else "a parameter"
+                raise PlanError(
+                    f"{name} ({what}): {entry}, but partita splits only nn.Linear and Conv1D "
+                    "layers so for tensor-parallel training"
+                )
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
 
 
 def _check_heads(model: nn.Module, tp_size: int) -> None:
@@ -358,6 +403,22 @@ def _broadcast_model(model: nn.Module, place: _Place, ranks: tuple[int, ...]) ->
             broadcast(tensor.data, src=ranks[0], group=place.group, tag="init")
 
 
+def _dropout_columns(
+    model: nn.Module, plan: ShardPlan
+) -> dict[str, tuple[tuple[tuple[int, int], ...], int]]:
+    """Each column-parallel linear's output ranges on this rank and whole output width (read
+    before the split)."""
+    columns: dict[str, tuple[tuple[tuple[int, int], ...], int]] = {}
+    for name, style in plan.styles.items():
+        if style in ("colwise", "fused_qkv"):
+            module = model.get_submodule(name)
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            out_dim = 1 if type(module).__name__ == "Conv1D" else 0
+            columns[name] = (plan.slices[f"{name}.weight"].ranges, int(weight.shape[out_dim]))
+    return columns
+
+
 def parallelize(
     model: nn.Module, group: ProcessGroup | None, ranks: tuple[int, ...], rank: int
 ) -> TensorParallelModel:
@@ -372,6 +433,9 @@ def parallelize(
     _broadcast_model(model, place, ranks)
     replaced: dict[str, str] = {}
     shared = _shared_inputs(plan)
+    # Dropout draws one-process masks ([Note: dropout under tensor parallelism]).
+    dropout = has_dropout(model)
+    columns = _dropout_columns(model, plan) if dropout else {}
     for name, style in plan.styles.items():
         if style in ("colwise", "fused_qkv", "rowwise", "vocab_head"):
             _split_linear(model, name, style, place, plan, shared.get(name))
@@ -382,4 +446,8 @@ def parallelize(
         module = model.get_submodule(name)
         for attr, value in values.items():
             setattr(module, attr, value)
+    if dropout:
+        sync_generators(place.group, ranks[0], next(iter(model.parameters())).device)
+        rows = [name for name, style in replaced.items() if style == "rowwise"]
+        install_split_dropout(model, columns, rows, size, rank)
     return TensorParallelModel(plan, replaced)
