@@ -535,7 +535,7 @@ def _validate(names: list[str], json_path: str | None, tree_commit: str | None) 
     from transformers import GPT2LMHeadModel
 
     import bench_estimate  # the workers import it by this name (this file is __main__ here)
-    from partita.estimate.deepspeed_api import model_to_params
+    from partita.compat.estimator_names import model_to_params
     from partita.testing import run_distributed
 
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}

@@ -18,7 +18,7 @@ from torch import nn
 import partita
 from models import VOCAB, TinyLM, global_batches, make_model, rank_micro_batch
 from partita import comm
-from partita.zero import accessors
+from partita.compat import accessors
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
 

@@ -11,8 +11,8 @@ import partita
 from engine_workers import base_config
 from models import global_batches, make_model, rank_micro_batch
 from partita import comm
+from partita.compat.accessors import safe_get_full_fp32_param
 from partita.engine.offload_states import resident_state_bytes
-from partita.zero.accessors import safe_get_full_fp32_param
 
 
 def _engine(config: dict, seed: int = 0, frozen: bool = False) -> Any:

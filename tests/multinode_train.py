@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' models mo
 import partita
 from models import global_batches, make_model, rank_micro_batch
 from partita import comm
-from partita.zero import accessors
+from partita.compat import accessors
 
 GLOBAL_BATCH = 4
 STAGE_STEPS = 3

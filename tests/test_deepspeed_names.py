@@ -312,7 +312,7 @@ def _engine_attributes(partita: Any, status: Any, swap: str) -> dict[str, Any]:
     }
     engine, *_ = partita.initialize(model=swapped, config=config)
     w = swapped.weight
-    unit = partita.zero.accessors.find(w, sharded=True).gatherer.unit_of(w)
+    unit = partita.zero.registry.find(w, sharded=True).gatherer.unit_of(w)
     local = partita.utils.safe_get_local_fp32_param(w)
     out["nvme"] = [
         unit.shard_swap is not None and not unit.shard_swap.resident,

@@ -17,6 +17,10 @@ import pytest
 import torch
 
 import partita
+from partita.compat.estimator_names import (
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs,
+)
 from partita.config import validate_config
 from partita.estimate import (
     MODEL_STATES,
@@ -32,10 +36,6 @@ from partita.estimate import (
     parse_count,
 )
 from partita.estimate.cli import estimate_main, plan_main
-from partita.estimate.deepspeed_api import (
-    estimate_zero2_model_states_mem_needs,
-    estimate_zero3_model_states_mem_needs,
-)
 from partita.testing import run_distributed_grid
 
 GB = 10**9

@@ -1,6 +1,6 @@
 """DeepSpeed's ``deepspeed.utils`` names that training scripts import."""
 
-from partita.zero.accessors import (
+from partita.compat.accessors import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,

@@ -1,11 +1,11 @@
-"""Finding the checkpoint folder to read and its format (partita or DeepSpeed)."""
+"""Finding the checkpoint folder to read and its format (partita or DeepSpeed, read by
+`partita.compat.checkpoint_reader`)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from partita.checkpoint.deepspeed_format import DeepSpeedSource, is_deepspeed_folder
 from partita.checkpoint.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -33,6 +33,10 @@ def locate(load_dir: str, tag: str | None) -> tuple[str, str] | None:
     `CheckpointError` naming the file when `latest` or the tag's folder is broken, or naming
     the value when the tag (or `latest`) leads outside `load_dir`.
     """
+    # Imported here: the DeepSpeed reader (compat/) imports this package, so a top-level import
+    # would make importing it first a cycle.
+    from partita.compat.checkpoint_reader import is_deepspeed_folder
+
     if tag is None:
         if _is_partita(load_dir):
             return load_dir, PARTITA
@@ -66,6 +70,8 @@ def open_source(
     `degree` (None: the saved degree), re-cut at another degree, or with `tp_rank` None as
     the whole model (see [Note: tensor-parallel slices])."""
     if kind == DEEPSPEED:
+        from partita.compat.checkpoint_reader import DeepSpeedSource  # see `locate`
+
         return DeepSpeedSource(folder, trust_pickle)
     meta = manifest if manifest is not None else read_manifest(folder)
     if saved_degree(meta) == 1:

@@ -32,8 +32,8 @@ from partita.platform.accelerator import (
     host_rss,
 )
 from partita.precision import LossScaler, PrecisionPolicy
-from partita.zero import accessors
 from partita.zero import init as zero_init
+from partita.zero import registry
 from partita.zero.state_access import ParamStates
 from partita.zero.strategy import Strategy
 
@@ -78,7 +78,7 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
             config, self.module, param_lists, self.policy, make_optimizer, self.dims
         )
         self.optimizer = self.strategy.optimizer
-        accessors.register(self.strategy.state)
+        registry.register(self.strategy.state)
         self.lr_scheduler = engine_setup.lr_scheduler(config, lr_scheduler, self.optimizer)
         self.loss_scaler: LossScaler = engine_setup.loss_scaler(config, self.policy)
         self.monitor = build_monitor(
@@ -470,7 +470,7 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         try:
             checkpoint_background.wait_for(self)
         finally:
-            accessors.unregister(self.strategy.state)  # its parameters may join another engine
+            registry.unregister(self.strategy.state)  # its parameters may join another engine
             self.strategy.close()
             self.monitor.close()
 

@@ -11,19 +11,10 @@ partita's own storage layout, and a planner that picks the fastest one that fits
 - ``ulysses.py``: one rank of a Ulysses group (``sequence_parallel_size``) traced as it runs;
   ``longest.py``: its activations fitted over the sequence length, and the longest sequence
   each configuration fits (``partita estimate --sp N --longest``).
-- ``deepspeed_api.py``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_*`` names.
 - ``cli.py``: ``partita estimate`` and ``partita plan``; ``plot.py``: ``--plot FILE.png``.
 """
 
 from partita.estimate.activations import ActivationProfile, trace_activations
-from partita.estimate.deepspeed_api import (
-    estimate_zero2_model_states_mem_needs,
-    estimate_zero2_model_states_mem_needs_all_cold,
-    estimate_zero2_model_states_mem_needs_all_live,
-    estimate_zero3_model_states_mem_needs,
-    estimate_zero3_model_states_mem_needs_all_cold,
-    estimate_zero3_model_states_mem_needs_all_live,
-)
 from partita.estimate.memory import (
     MODEL_STATES,
     Candidate,
@@ -50,12 +41,6 @@ __all__ = [
     "candidates",
     "describe_module",
     "estimate",
-    "estimate_zero2_model_states_mem_needs",
-    "estimate_zero2_model_states_mem_needs_all_cold",
-    "estimate_zero2_model_states_mem_needs_all_live",
-    "estimate_zero3_model_states_mem_needs",
-    "estimate_zero3_model_states_mem_needs_all_cold",
-    "estimate_zero3_model_states_mem_needs_all_live",
     "format_bytes",
     "from_hf_config",
     "parse_bytes",

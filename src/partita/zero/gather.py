@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from partita import comm
-from partita.zero import accessors
+from partita.zero import registry
 from partita.zero.init import PRE_SHARDED, materialized
 
 
@@ -43,7 +43,7 @@ class GatheredParameters:
             return self
         seen: set[int] = set()
         for p in self.params:
-            states = accessors.find(p, sharded=True)
+            states = registry.find(p, sharded=True)
             owner = None if states is None else states.gatherer
             unit = None if owner is None else owner.unit_of(p)
             if unit is not None and id(unit) not in seen:

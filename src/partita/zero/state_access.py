@@ -110,7 +110,7 @@ class UnitGatherer(Protocol):
 
 
 class ParamStates:
-    """The state-access interface of a strategy: the accessors (`partita.zero.accessors`),
+    """The state-access interface of a strategy: the accessors (`partita.compat.accessors`),
     checkpoints and `GatheredParameters` use this, never a stage's internals."""
 
     def __init__(self, layout: StateLayout, gatherer: UnitGatherer | None = None) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from partita.checkpoint.deepspeed_format import load_deepspeed_pickle
 from partita.checkpoint.manifest import CheckpointError
+from partita.compat.checkpoint_reader import load_deepspeed_pickle
 from partita.compat.deepspeed._missing import module_getattr
 from partita.compat.deepspeed.checkpoint.constants import (
     CHECKPOINT_PARALLEL_DIMS,

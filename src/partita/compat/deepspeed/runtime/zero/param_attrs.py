@@ -4,7 +4,7 @@
 Downstream code reads them to find and handle partitioned parameters: TRL gathers the LM head
 when ``p.ds_status != ZeroParamStatus.AVAILABLE``, Transformers counts ``p.ds_numel``, PEFT
 reads ``ds_shape``. partita's stage 3 keeps no such attributes (its units own the state,
-`partita.zero.accessors.zero3_view` reports it); this module puts properties on the class every
+`partita.zero.registry.zero3_view` reports it); this module puts properties on the class every
 ZeRO-3 parameter has (`partita.zero.placeholder.ZeroParameter`), each answering from that view.
 A parameter ZeRO-3 does not manage (any more) has none of them: the property raises
 AttributeError, so ``hasattr(p, "ds_numel")`` is False, as for a parameter DeepSpeed never
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from partita.zero.accessors import Presence, ZeroParamView, zero3_view
 from partita.zero.placeholder import ZeroParameter
+from partita.zero.registry import Presence, ZeroParamView, zero3_view
 
 
 class ZeroParamStatus(enum.Enum):

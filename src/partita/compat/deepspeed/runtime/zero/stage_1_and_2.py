@@ -1,9 +1,9 @@
 """``deepspeed.runtime.zero.stage_1_and_2``: DeepSpeed's ZeRO-1/2 memory estimators, answering with
-partita's figures (`partita.estimate.deepspeed_api`)."""
+partita's figures (`partita.compat.estimator_names`)."""
 
 from partita.compat.deepspeed._missing import module_getattr
 from partita.compat.deepspeed._placeholder import NotInPartitaPlaceholder
-from partita.estimate.deepspeed_api import (
+from partita.compat.estimator_names import (
     estimate_zero2_model_states_mem_needs,
     estimate_zero2_model_states_mem_needs_all_cold,
     estimate_zero2_model_states_mem_needs_all_live,

@@ -1,10 +1,9 @@
-"""DeepSpeed's ``safe_get_full_*`` / ``safe_set_*`` accessors for master weights, gradients and
-optimizer state, whatever the ZeRO stage.
+"""Which live engine's state holds a parameter, and what ZeRO-3 knows of one it manages.
 
-"Full" functions return a parameter-shaped fp32 tensor on every rank and are collective under
-ZeRO 1-2 (every rank must call them, in the same order). "Local" functions return the 1-D part
-this rank owns (the whole flattened parameter in stage 0; possibly empty). Gradients are
-available between the boundary backward and `engine.step()`, as in DeepSpeed.
+The engine registers its strategy's state (`register`) when built and forgets it when destroyed;
+DeepSpeed's ``safe_get_*`` / ``safe_set_*`` accessors (`partita.compat.accessors`),
+`GatheredParameters` and the ``ds_*`` attribute views (`zero3_view`) find a parameter's state
+here.
 """
 
 from __future__ import annotations
@@ -40,7 +39,9 @@ def find(param: torch.Tensor, sharded: bool = False) -> ParamStates | None:
     return None
 
 
-def _owner(param: torch.Tensor) -> ParamStates:
+def owner(param: torch.Tensor) -> ParamStates:
+    """The state of the live engine that trains `param`; raises ValueError naming its shape
+    when none does."""
     for states in list(_STATES):
         if states.owns(param):
             return states
@@ -135,90 +136,12 @@ def zero3_view(param: torch.Tensor) -> ZeroParamView | None:
     )
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """The full fp32 master value of `param` (collective under ZeRO)."""
-    return _owner(param).full_state(param, "param")
-
-
-def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Sets the fp32 master (and the module weight) of `param` from a full value."""
-    _owner(param).set_full_state(param, "param", value)
-
-
-def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The full reduced fp32 gradient of `param` (collective under ZeRO)."""
-    return _owner(param).full_state(param, "grad")
-
-
-def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Replaces the reduced gradient of `param` (before `engine.step()`)."""
-    _owner(param).set_full_state(param, "grad", value)
-
-
-def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
-    """The full optimizer state `optim_state_key` (e.g. "exp_avg") of `param`."""
-    return _owner(param).full_state(param, optim_state_key)
-
-
-def safe_set_full_optimizer_state(
-    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
-) -> None:
-    """Sets optimizer state `optim_state_key` of `param` from a full value."""
-    _owner(param).set_full_state(param, optim_state_key, value)
-
-
-def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's part of the fp32 master of `param` (1-D)."""
-    return _owner(param).local_state(param, "param")
-
-
-def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Sets this rank's part of the fp32 master of `param` (the module weight follows at the
-    next step's all-gather)."""
-    _owner(param).set_local_state(param, "param", value)
-
-
-def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """This rank's part of the reduced gradient of `param` (1-D)."""
-    return _owner(param).local_state(param, "grad")
-
-
-def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
-    """Sets this rank's part of the reduced gradient of `param`."""
-    _owner(param).set_local_state(param, "grad", value)
-
-
-def safe_get_local_optimizer_state(
-    param: torch.Tensor, optim_state_key: str
-) -> torch.Tensor | None:
-    """This rank's part of optimizer state `optim_state_key` of `param` (1-D)."""
-    return _owner(param).local_state(param, optim_state_key)
-
-
-def safe_set_local_optimizer_state(
-    param: torch.Tensor, value: torch.Tensor, optim_state_key: str
-) -> None:
-    """Sets this rank's part of optimizer state `optim_state_key` of `param`."""
-    _owner(param).set_local_state(param, optim_state_key, value)
-
-
 __all__ = [
     "Presence",
     "ZeroParamView",
     "find",
+    "owner",
     "register",
-    "safe_get_full_fp32_param",
-    "safe_get_full_grad",
-    "safe_get_full_optimizer_state",
-    "safe_get_local_fp32_param",
-    "safe_get_local_grad",
-    "safe_get_local_optimizer_state",
-    "safe_set_full_fp32_param",
-    "safe_set_full_grad",
-    "safe_set_full_optimizer_state",
-    "safe_set_local_fp32_param",
-    "safe_set_local_grad",
-    "safe_set_local_optimizer_state",
     "unregister",
     "zero3_view",
 ]
