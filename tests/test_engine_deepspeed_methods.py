@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_compat_workers import (
+from engine_deepspeed_methods_workers import (
     accessor_cases,
     config,
     offload_cases,
