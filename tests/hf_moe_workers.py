@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 STEPS, SEQ, PER_RANK, SEED, LR = 3, 16, 2, 7, 1e-3
+CKPT_STEPS, SAVE_AT = 4, 2
+"""Checkpoint runs: steps in all, and the step after which the checkpoint is saved."""
 SGD_LR, CLIP = 0.5, 0.5
 """SGD (no normalisation hides a mis-scaled expert gradient) with clipping (reads the norm)."""
 EXPERTS, TOP_K, VOCAB = 8, 2, 128
@@ -37,13 +39,15 @@ def mixtral(kind: str = "mixtral") -> torch.nn.Module:
     return cls(config).float()
 
 
-def batches(world: int) -> list[torch.Tensor]:
+def batches(world: int, steps: int = STEPS) -> list[torch.Tensor]:
     """Each step's whole batch of token ids (world x PER_RANK sequences)."""
     g = torch.Generator().manual_seed(SEED + 1)
-    return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, (world * PER_RANK, SEQ), generator=g) for _ in range(steps)]
 
 
-def reference(world: int, sgd: bool = False, kind: str = "mixtral") -> list[float]:
+def reference(
+    world: int, sgd: bool = False, kind: str = "mixtral", steps: int = STEPS
+) -> list[float]:
     """One process, every expert, torch's AdamW (or SGD with clipping) on the whole batch:
     the per-step losses."""
     model = mixtral(kind)
@@ -53,7 +57,7 @@ def reference(world: int, sgd: bool = False, kind: str = "mixtral") -> list[floa
         else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     )
     losses = []
-    for ids in batches(world):
+    for ids in batches(world, steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if sgd:
@@ -108,10 +112,71 @@ def train(
         "ep_ranks": list(engine.dims.ep_ranks),
         "moe_bytes": comm.COUNTERS.bytes("all_to_all", "moe") - before,
     }
+    engine.destroy()
+    return out
+
+
+def _engine(ep: int, stage: int, freeze: bool = False) -> Any:
+    """A fresh engine on the tiny Mixtral at `ep` (1: every expert on every rank) and ZeRO
+    `stage`, AdamW; with `freeze` the first layer's stacked ``down_proj`` is frozen."""
+    import partita
+    from partita.moe import expert_parallel
+
+    model = mixtral() if ep == 1 else expert_parallel(mixtral(), ep)
+    if freeze:
+        model.model.layers[0].mlp.experts.down_proj.requires_grad_(False)
+    config = {
+        "train_micro_batch_size_per_gpu": PER_RANK,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
+        "steps_per_print": 1000,
+    }
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    return engine
+
+
+def _steps(engine: Any, todo: list[torch.Tensor]) -> list[float]:
+    """Trains `engine` on `todo` (whole batches; this rank takes its rows): each step's mean
+    loss over the ranks."""
+    from partita import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    losses = []
+    for ids in todo:
+        mine = ids[rank * PER_RANK : (rank + 1) * PER_RANK]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        comm.all_reduce(total, tag="test")
+        losses.append(total.item() / world)
+    return losses
+
+
+def resumed(folder: str, save: tuple[int, int], loads: list[tuple[int, int]]) -> dict[str, Any]:
+    """Trains CKPT_STEPS steps at ``save = (ep, stage)``, saving after SAVE_AT; then for each
+    ``(ep, stage)`` of `loads` a fresh engine loads that checkpoint and trains the remaining
+    steps. The losses of each run, and the error a frozen stacked expert weight gives."""
+    from partita import comm
+
+    todo = batches(comm.get_world_size(), CKPT_STEPS)
+    engine = _engine(*save)
+    first = _steps(engine, todo[:SAVE_AT])
+    engine.save_checkpoint(folder, tag="mid")
+    out: dict[str, Any] = {"saved": first + _steps(engine, todo[SAVE_AT:]), "loaded": []}
+    engine.destroy()
+    for ep, stage in loads:
+        engine = _engine(ep, stage)
+        engine.load_checkpoint(folder, tag="mid")
+        out["loaded"].append(_steps(engine, todo[SAVE_AT:]))
+        engine.destroy()
+    engine = _engine(*save, freeze=True)
     try:
-        engine.save_checkpoint("/nonexistent-partita-hf-moe")
-    except NotImplementedError as error:
-        out["checkpoint"] = str(error)
+        engine.save_checkpoint(folder, tag="frozen")
+    except Exception as error:  # the message is the result
+        out["frozen"] = f"{type(error).__name__}: {error}"
     engine.destroy()
     return out
 
@@ -131,4 +196,12 @@ def refused(section: dict[str, Any]) -> str:
 
 def grid(cases: list[dict[str, Any]]) -> list[Any]:
     """Every case in one set of processes (``{"refused": section}``: `refused`)."""
-    return [refused(c["refused"]) if "refused" in c else train(**c) for c in cases]
+    out: list[Any] = []
+    for c in cases:
+        if "refused" in c:
+            out.append(refused(c["refused"]))
+        elif "resumed" in c:
+            out.append(resumed(**c["resumed"]))
+        else:
+            out.append(train(**c))
+    return out

@@ -4,14 +4,15 @@ a tiny Mixtral (8 experts, top-2, dropless) from Transformers at 4 CPU ranks as 
 ep 4, ZeRO stages 0-3, and a tiny Qwen3-MoE at ZeRO 2-3: per-step losses within rtol 1e-6 of
 one process holding every expert on the whole batch (AdamW; and SGD with clipping, which a
 mis-scaled expert gradient or a norm counting experts twice would move); DeepSpeed's AutoEP
-section trains bitwise as the API; each rank holds E/ep experts; checkpoints and layouts partita
-cannot split refused by name. One spawn runs every case."""
+section trains bitwise as the API; each rank holds E/ep experts; checkpoints saved at one ep and
+stage load at others (and at ep 1) with the one-process losses; layouts partita cannot split,
+and frozen stacked expert weights in a checkpoint, refused by name. One spawn runs every case."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_moe_workers import EXPERTS, grid, reference
+from hf_moe_workers import CKPT_STEPS, EXPERTS, SAVE_AT, grid, reference
 from models import assert_losses
 from partita.testing import run_distributed
 
@@ -24,9 +25,23 @@ AUTOEP = [{"ep": 2, "stage": 2, "autoep": True}]
 BAD = [{"refused": {"enabled": True, "autoep_size": 3}}, {"refused": {"comm_backend": "x"}}]
 
 
+RESUMED = [((2, 1), [(2, 1), (4, 3), (1, 2)]), ((4, 3), [(2, 0), (1, 3)])]
+"""Checkpoints: saved at (ep, stage), loaded at each (ep, stage) listed (ep 1: every expert on
+every rank, no expert parallelism)."""
+
+
 @pytest.fixture(scope="module")
-def results() -> list[list[dict]]:
-    return run_distributed(grid, WORLD, CASES + AUTOEP + BAD, timeout=300)
+def folders(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    return [str(tmp_path_factory.mktemp(f"hf-moe-ckpt{i}")) for i in range(len(RESUMED))]
+
+
+@pytest.fixture(scope="module")
+def results(folders: list[str]) -> list[list[dict]]:
+    resumed = [
+        {"resumed": {"folder": f, "save": save, "loads": loads}}
+        for f, (save, loads) in zip(folders, RESUMED, strict=True)
+    ]
+    return run_distributed(grid, WORLD, CASES + AUTOEP + BAD + resumed, timeout=300)
 
 
 @pytest.mark.parity
@@ -51,7 +66,7 @@ def test_autoep_config_section_trains_as_the_api(results: list[list[dict]]) -> N
 
 def test_bad_autoep_sections_are_refused_by_name(results: list[list[dict]]) -> None:
     for rank in results:
-        size, unknown = rank[len(CASES) + 1 :]
+        size, unknown = rank[len(CASES) + 1 : len(CASES) + 1 + len(BAD)]
         assert "expert_parallel" in size and "not divisible by ep_size 3" in size
         assert "expert_parallel.comm_backend" in unknown
 
@@ -67,10 +82,32 @@ def test_each_rank_holds_its_share_of_the_experts(results: list[list[dict]]) -> 
             assert got["moe_bytes"] > 0  # tokens went through the all-to-all
 
 
-def test_checkpoints_are_refused_by_name(results: list[list[dict]]) -> None:
+@pytest.mark.parity
+def test_checkpoints_load_at_other_expert_degrees_and_stages(results: list[list[dict]]) -> None:
+    """Saved after step 2 of 4 at ep 2 ZeRO 1 and at ep 4 ZeRO 3 ([Note: stacked expert rows]
+    in `partita.checkpoint.experts`): each reload trains steps 3-4 with the one-process
+    losses, at ep 4, 2 or 1 (a model holding every expert) and another stage; at the saving
+    layout, bitwise the run that never stopped."""
+    want = reference(WORLD, steps=CKPT_STEPS)
+    first = len(CASES + AUTOEP + BAD)
+    for i, (save, loads) in enumerate(RESUMED):
+        for rank in results:
+            got = rank[first + i]
+            assert_losses(got["saved"], want)
+            for (ep, stage), losses in zip(loads, got["loaded"], strict=True):
+                assert_losses(losses, want[SAVE_AT:])
+                if (ep, stage) == save:
+                    assert losses == got["saved"][SAVE_AT:]
+
+
+def test_frozen_stacked_experts_are_refused_by_name(results: list[list[dict]]) -> None:
+    first = len(CASES + AUTOEP + BAD)
     for rank in results:
-        for got in rank[: len(CASES)]:
-            assert "expert_parallel" in got["checkpoint"] and "save_checkpoint" in got["checkpoint"]
+        for got in rank[first:]:
+            message = got["frozen"]
+            assert message.startswith("CheckpointError")
+            assert "model.layers.0.mlp.experts.down_proj" in message
+            assert "frozen stacked expert weight" in message
 
 
 def test_models_partita_cannot_split_are_refused_by_name() -> None:

@@ -24,6 +24,17 @@ checkpoint of expert-parallel training reads as a checkpoint of that model. So:
 
 Module tensors are read from rank 0's file when it holds them, else from the file that does
 (`PartitaSource.read_module`): an expert's frozen parameters are in its writer's.
+
+[Note: stacked expert rows]
+Hugging Face MoE models keep a layer's experts in stacked weights (``gate_up_proj`` [E, 2F, H],
+``down_proj`` [E, H, F]); `partita.moe.expert_parallel` leaves expert-parallel rank ``r`` the
+rows ``r * L .. r * L + L - 1`` under the module's own names ([Note: Hugging Face expert plan]
+in `partita.moe.hf_experts`). Those rows are one contiguous block of the flattened full tensor,
+starting at element ``r * numel(local)``. A checkpoint therefore records the full tensor (its
+shape [E, ...], the one-process model's) and every range a rank writes shifted by that offset
+(`stacked_rows`), so the usual resharding by range loads it at any ep, world size and stage,
+and into a model holding every expert. Only trained stacked weights are supported: a frozen
+one is written whole by one rank, which cannot hold the other ranks' rows (refused by name).
 """
 
 from __future__ import annotations
@@ -55,6 +66,34 @@ class ExpertTensor:
     def name(self) -> str:
         """The global state-dict name, the one-process model's."""
         return f"{self.prefix}.{self.index}.{self.key}"
+
+
+@dataclass(frozen=True)
+class StackedRows:
+    """Where this rank's rows of a stacked expert weight sit in the full tensor ([Note:
+    stacked expert rows])."""
+
+    offset: int
+    """Flat offset of this rank's block in the flattened full tensor."""
+    shape: tuple[int, ...]
+    """The full tensor's shape (every expert)."""
+    writer: int
+    """The expert-parallel rank (`ExpertShard.ep_rank`) whose rows these are."""
+
+
+def stacked_rows(module: torch.nn.Module) -> dict[str, StackedRows]:
+    """State-dict name -> `StackedRows` of every stacked expert weight of a Hugging Face
+    experts module cut by `partita.moe.expert_parallel` (empty for any other model)."""
+    from partita.moe.hf_experts import hf_expert_modules
+
+    out = {}
+    for name, experts, shard in hf_expert_modules(module):
+        for key, p in experts.named_parameters(recurse=False):
+            full = (shard.num_experts, *p.shape[1:])
+            out[f"{name}.{key}" if name else key] = StackedRows(
+                shard.ep_rank * p.numel(), full, shard.ep_rank
+            )
+    return out
 
 
 def ep_place(dims: ParallelDims) -> tuple[int, int]:
@@ -133,14 +172,20 @@ def writers(module: torch.nn.Module, dims: ParallelDims) -> dict[str, int]:
     edp = dims.edp_ranks or (dims.rank,)
     files = dims.grad_ranks or (dims.rank,)  # file ranks (`state.file_place`)
     mine = global_names(module, dims).values()
-    return {e.name: files.index(edp[e.index % len(edp)]) for e in mine}
+    out = {e.name: files.index(edp[e.index % len(edp)]) for e in mine}
+    # Stacked expert rows: one rank of the group holding these rows writes them.
+    stacked = stacked_rows(module)
+    out.update({n: files.index(edp[i % len(edp)]) for i, n in enumerate(stacked)})
+    return out
 
 
 __all__ = [
     "ExpertTensor",
+    "StackedRows",
     "ep_place",
     "every_expert",
     "global_names",
+    "stacked_rows",
     "table",
     "writers",
 ]

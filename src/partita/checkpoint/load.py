@@ -177,10 +177,10 @@ def _load_tensors(
         info = saved.get(e.name)
         if info is None or e.kind == "alias" or info.get("stored") is False:
             continue
-        if list(info["shape"]) != list(e.tensor.shape):
+        if list(info["shape"]) != e.shape:
             raise CheckpointError(
                 f"{src.folder}: {e.name!r} has shape {info['shape']} in the checkpoint, "
-                f"{list(e.tensor.shape)} in the module"
+                f"{e.shape} in the module"
             )
         src.check_split(e.name, e.tensor)
         todo.append((e, info))
@@ -208,7 +208,7 @@ def _check_optimizer(engine: CheckpointSubject, meta: dict[str, Any]) -> None:
 def _load_trainable(
     strategy: ParamStates, src: StateSource, e: Entry, info: dict, keys: list[str]
 ) -> None:
-    ranges = [(int(o), int(n)) for o, n in strategy.owned_ranges(e.tensor)]
+    ranges = [(int(o) + e.offset, int(n)) for o, n in strategy.owned_ranges(e.tensor)]
     if info["kind"] == "trainable":
         # Borrowed: copied into the engine's state at once (one copy from the verified bytes).
         value = src.read(e.name, "param", ranges, borrow=True)

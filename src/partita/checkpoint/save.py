@@ -312,7 +312,9 @@ def _shard_tensors(
     ranges: dict[str, list[list[int]]] = {}
     for e in entries:
         if e.kind == "trainable" and writers.get(e.name, rank) == rank:
-            owned = [[int(o), int(n)] for o, n in strategy.owned_ranges(e.tensor) if n > 0]
+            owned = [
+                [int(o) + e.offset, int(n)] for o, n in strategy.owned_ranges(e.tensor) if n > 0
+            ]
             if not owned:
                 continue
             ranges[e.name] = owned
@@ -479,7 +481,7 @@ def _tensor_table(engine: CheckpointSubject, exclude_frozen: bool) -> dict[str, 
     for e in inventory(engine):
         info: dict[str, Any] = {
             "kind": e.kind,
-            "shape": list(e.tensor.shape),
+            "shape": e.shape,
             "dtype": dtype_name(e.tensor.dtype),
         }
         if e.alias_of is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from partita.checkpoint.experts import global_names
+from partita.checkpoint.experts import global_names, stacked_rows
 from partita.checkpoint.manifest import CheckpointError
 from partita.checkpoint.subject import CheckpointSubject
 from partita.comm import ParallelDims
@@ -65,6 +65,18 @@ class Entry:
     kind: str
     """"trainable", "frozen", "buffer" or "alias"."""
     alias_of: str | None = None
+    offset: int = 0
+    """Where this rank's elements start in the flattened checkpoint tensor (nonzero for the
+    rows of a stacked expert weight: [Note: stacked expert rows] in
+    `partita.checkpoint.experts`)."""
+    full_shape: tuple[int, ...] | None = None
+    """The checkpoint tensor's shape when it is not this rank's tensor's (stacked expert
+    rows), else None."""
+
+    @property
+    def shape(self) -> list[int]:
+        """The checkpoint tensor's shape."""
+        return list(self.full_shape if self.full_shape is not None else self.tensor.shape)
 
 
 def inventory(engine: CheckpointSubject) -> list[Entry]:
@@ -76,6 +88,7 @@ def inventory(engine: CheckpointSubject) -> list[Entry]:
     # Expert tensors go by their global names ([Note: expert slices] in
     # `partita.checkpoint.experts`).
     experts = global_names(engine.module, engine.dims)
+    stacked = stacked_rows(engine.module)
     for local, t in engine.module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             continue  # `_extra_state` objects are not tensors; modules re-create them
@@ -85,7 +98,17 @@ def inventory(engine: CheckpointSubject) -> list[Entry]:
             continue
         seen[id(t)] = name
         kind = ("trainable" if strategy.owns(t) else "frozen") if id(t) in param_ids else "buffer"
-        entries.append(Entry(name, t, kind))
+        rows = stacked.get(local)
+        if rows is None:
+            entries.append(Entry(name, t, kind))
+            continue
+        if kind != "trainable":
+            raise CheckpointError(
+                f"{name}: a frozen stacked expert weight split by partita.moe.expert_parallel "
+                "cannot be checkpointed yet (each rank holds other experts' rows); train it, "
+                "or save without expert_parallel"
+            )
+        entries.append(Entry(name, t, kind, offset=rows.offset, full_shape=rows.shape))
     return entries
 
 
@@ -318,23 +341,43 @@ def optimizer_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def restore_optimizer_groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> None:
-    """Writes saved hyperparameters back (only keys both sides have; groups by position)."""
-    if len(saved) != len(optimizer.param_groups):
+    """Writes saved hyperparameters back (only keys both sides have). Groups match by
+    position, except the expert groups split off a mixed group (``"moe": True``, see
+    `partita.engine.experts.split_expert_groups`), which exist at some layouts only (expert
+    parallelism at stages 0-2): those match by position among themselves, or take the values
+    of the group they were split from (``moe_of``) when the checkpoint has none; a checkpoint's
+    expert groups the optimizer lacks repeat their origin's values and are skipped."""
+    here = [g for g in optimizer.param_groups if not g.get("moe")]
+    there = [g for g in saved if not g.get("moe")]
+    experts_here = [g for g in optimizer.param_groups if g.get("moe")]
+    experts_there = [g for g in saved if g.get("moe")]
+    if experts_here and experts_there:
+        here, there = here + experts_here, there + experts_there
+    elif experts_here and all(isinstance(g.get("moe_of"), int) for g in experts_here):
+        here = here + experts_here
+        there = there + [there[g["moe_of"]] for g in experts_here if g["moe_of"] < len(there)]
+    elif experts_here:
+        here, there = list(optimizer.param_groups), saved
+    if len(here) != len(there):
         raise CheckpointError(
             f"checkpoint has {len(saved)} optimizer parameter groups, the optimizer has "
             f"{len(optimizer.param_groups)}"
         )
-    for group, values in zip(optimizer.param_groups, saved, strict=True):
-        for k, v in values.items():
-            if k not in group or k == "params":
-                continue
-            current = group[k]
-            if isinstance(current, torch.Tensor):
-                current.fill_(v)
-            elif isinstance(current, tuple) and isinstance(v, list):
-                group[k] = tuple(v)
-            else:
-                group[k] = v
+    for group, values in zip(here, there, strict=True):
+        _restore_group(group, values)
+
+
+def _restore_group(group: dict[str, Any], values: dict[str, Any]) -> None:
+    for k, v in values.items():
+        if k not in group or k in ("params", "moe", "moe_of"):
+            continue
+        current = group[k]
+        if isinstance(current, torch.Tensor):
+            current.fill_(v)
+        elif isinstance(current, tuple) and isinstance(v, list):
+            group[k] = tuple(v)
+        else:
+            group[k] = v
 
 
 __all__ = [

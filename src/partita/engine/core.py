@@ -424,7 +424,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import save_checkpoint
 
         self._require_resident_states("save_checkpoint()")
-        engine_experts.refuse_hf_expert_checkpoint(self.module, "save_checkpoint()")
         return save_checkpoint(
             self,
             save_dir,
@@ -451,7 +450,6 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         from partita.checkpoint import load_checkpoint
 
         self._require_resident_states("load_checkpoint()")
-        engine_experts.refuse_hf_expert_checkpoint(self.module, "load_checkpoint()")
         return load_checkpoint(
             self,
             load_dir,

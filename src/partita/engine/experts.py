@@ -100,26 +100,14 @@ def split_expert_groups(
     if not experts:
         return groups
     added = []
-    for group in groups:
+    for i, group in enumerate(groups):
         mine = [p for p in group["params"] if p in experts]
         dense = [p for p in group["params"] if p not in experts]
         if mine and dense:
             group["params"] = dense
-            added.append({**group, "params": mine, "moe": True})
+            # moe_of: a checkpoint of a layout without the split gives it its origin's values.
+            added.append({**group, "params": mine, "moe": True, "moe_of": i})
     return groups + added
-
-
-def refuse_hf_expert_checkpoint(module: torch.nn.Module, what: str) -> None:
-    """Raises, naming `what`, when `module` has Hugging Face experts cut by
-    `partita.moe.expert_parallel`: their stacked weights are saved under one name per rank,
-    which partita's checkpoints cannot yet tell apart (DeepSpeed-MoE layers can)."""
-    from partita.moe.hf_experts import hf_expert_layers
-
-    if hf_expert_layers(module):
-        raise NotImplementedError(
-            f"{what} of a Hugging Face MoE model with its experts split by "
-            "partita.moe.expert_parallel is not supported by partita yet"
-        )
 
 
 def broadcast_group(

@@ -77,6 +77,12 @@ def hf_expert_layers(model: nn.Module) -> list[ExpertShard]:
     return [_SHARDS[m] for m in model.modules() if m in _SHARDS]
 
 
+def hf_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module, ExpertShard]]:
+    """Every cut experts module inside `model` with its name and state, in registration
+    order."""
+    return [(name, m, _SHARDS[m]) for name, m in model.named_modules() if m in _SHARDS]
+
+
 def hf_expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The stacked expert weights of every cut experts module of `model`."""
     return [p for m in model.modules() if m in _SHARDS for p in m.parameters()]
@@ -206,5 +212,6 @@ __all__ = [
     "ExpertShard",
     "expert_parallel",
     "hf_expert_layers",
+    "hf_expert_modules",
     "hf_expert_parameters",
 ]
