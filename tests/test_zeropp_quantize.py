@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from partita.precision.quantize import (
+    INT4_MAX,
     INT8_MAX,
     check_block_size,
     dequantize_blocks,
@@ -112,3 +113,38 @@ def test_cuda_quantizer_adapter_round_trips_in_the_parameter_dtype(dtype: torch.
     assert bool((error <= step / 2 + x.double().abs() * eps).all())
     with pytest.raises(ValueError, match="7 groups do not divide"):
         CUDAQuantizer().quantize(x, groups=7)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256, 512])
+def test_each_int4_block_round_trips_within_half_a_quantization_step(block_size: int) -> None:
+    """int4 ([Note: int4 blocks]): codes in [-7, 7], scale = max|x| / 7 over the block, and
+    |x - dequant(quant(x))| <= scale / 2 per element (plus one fp32 rounding of the product),
+    through the packed nibbles too."""
+    for x in _samples():
+        values, scales = quantize_blocks(x, block_size, bits=4)
+        assert int(values.abs().max()) <= INT4_MAX
+        blocks = x.reshape(-1, block_size)
+        assert torch.equal(scales, blocks.abs().amax(dim=1) / INT4_MAX)
+        bound = scales.unsqueeze(1) / 2 + blocks.abs() * 2.0**-23
+        error = (dequantize_blocks(values, scales) - x).reshape(-1, block_size).abs()
+        assert bool((error <= bound).all()), float((error - bound).max())
+        packed = unpack(pack(x, block_size, bits=4), x.numel(), block_size, torch.float32, 4)
+        assert torch.equal(packed, dequantize_blocks(values, scales))
+
+
+@pytest.mark.parametrize("numel", [1, 7, 255, 256, 1000])
+def test_int4_packs_two_codes_a_byte_plus_scales(numel: int) -> None:
+    """ceil(n / 2) bytes of codes (an odd count ends in a padding nibble) and 4 per block;
+    rows of any length unpack side by side."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    buf = pack(x, 256, bits=4)
+    assert buf.numel() == packed_nbytes(numel, 256, bits=4) == -(-numel // 2) + 4 * -(-numel // 256)
+    rows = torch.stack([x, -x])
+    table = unpack_rows(torch.cat([buf, pack(-x, 256, bits=4)]), 2, numel, 256, torch.float32, 4)
+    assert torch.equal(table[1], -table[0])
+    assert float((table - rows).abs().max()) <= float(x.abs().max()) / INT4_MAX / 2 * (1 + 1e-6)
+
+
+def test_unknown_bit_widths_are_refused() -> None:
+    with pytest.raises(ValueError, match="3 bits is not supported; use 4 or 8"):
+        pack(torch.ones(4), 4, bits=3)

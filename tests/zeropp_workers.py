@@ -168,6 +168,32 @@ def train(
     return out
 
 
+def reduced_grads(zero: dict[str, Any]) -> dict[str, Any]:
+    """Trains STEPS steps at learning rate 0 (the weights, so each step's gradients, are the
+    same in every run) and returns this rank's reduced master gradients after each step's
+    backward, flat: the quantized reductions measured against the exact ones, step by step."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make_model(kind="gpt2")
+    cfg = config(**zero)
+    cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}}
+    engine, _, _, _ = partita.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    grads = []
+    for batch in global_batches(STEPS, GAS * world):
+        for m in range(GAS):
+            engine.backward(engine(*rank_micro_batch(batch, rank, world, 1, m)))
+            if m == GAS - 1:
+                masters = engine.strategy._masters()
+                flat = [torch.zeros(x.numel()) if x.grad is None else x.grad for x in masters]
+                grads.append(torch.cat([g.detach().float().reshape(-1) for g in flat]).clone())
+            engine.step()
+    held = engine.strategy.reducer.quantized
+    feedback = None if held is None or held.feedback is None else held.feedback.nbytes
+    engine.destroy()
+    return {"grads": grads, "feedback_bytes": feedback}
+
+
 def _qgz_bytes(strategy: Any) -> dict[str, int] | None:
     """qgZ: bytes per step each hop sends, from the layouts: every trainable segment of every
     unit reduced once per micro-batch ([Note: quantized gradient reduce-scatter])."""
@@ -216,5 +242,7 @@ def refusal(zero: dict[str, Any]) -> str:
 
 
 def zeropp_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid: "train" or "refusal"."""
+    """One case of the grid: "train", "grads" or "refusal"."""
+    if kind == "grads":
+        return reduced_grads(**kwargs)
     return train(**kwargs) if kind == "train" else refusal(**kwargs)

@@ -219,6 +219,8 @@ LEDGER: dict[str, Entry] = {
     "zero_optimization.zero_quantized_weights": _read(_ZEROPP),
     "zero_optimization.zero_quantized_nontrainable_weights": _read(_ZEROPP),
     "zero_optimization.zero_quantized_gradients": _read(_ZEROPP),
+    "zero_optimization.zero_quantized_gradients_bits": _read(_ZEROPP),
+    "zero_optimization.zero_quantized_gradients_error_feedback": _read(_ZEROPP),
     "zero_optimization.zeropp_loco_param": _refused(
         "LoCo-ZeRO++", {"err_beta": 0.8, "reset_T": 1024}, enforced_by=_RULES
     ),

@@ -96,6 +96,7 @@ _ZEROPP_STAGE3: tuple[tuple[str, str, str], ...] = (
     ("zero_quantized_weights", "ZeRO++ quantized weight all-gather (qwZ)", "use false"),
     ("zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", "use false"),
     ("zero_quantized_gradients", "ZeRO++ quantized gradient reduce-scatter (qgZ)", "use false"),
+    ("zero_quantized_gradients_error_feedback", "qgZ's error feedback", "use false"),
 )
 
 
@@ -105,6 +106,9 @@ def _zeropp_stage(cfg: DeepSpeedConfig) -> list[Problem]:
     fewer bytes it would not get, so partita says so, naming the key."""
     zero = cfg.zero_optimization
     if zero.stage == 3:
+        if zero.zero_quantized_gradients_error_feedback and not zero.zero_quantized_gradients:
+            key = "zero_optimization.zero_quantized_gradients_error_feedback"
+            return [Problem(key, "true needs zero_optimization.zero_quantized_gradients true")]
         return []
     problems = []
     for key, feature, instead in _ZEROPP_STAGE3:

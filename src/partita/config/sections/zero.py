@@ -302,6 +302,18 @@ class ZeroConfig(Section):
     zero_quantized_gradients: Bool = Field(
         default=False, description="ZeRO++ qgZ: quantize gradients for the reduction."
     )
+    zero_quantized_gradients_bits: Literal[4, 8] = Field(
+        default=4,
+        description="qgZ's code width on both hops: 4 (DeepSpeed's ZeRO++, which has no key "
+        "for it) or 8 (half the rounding error, twice the bytes). partita's own key.",
+    )
+    zero_quantized_gradients_error_feedback: Bool = Field(
+        default=False,
+        description="qgZ keeps each rank's quantization residual and adds it to the next "
+        "reduction of the same gradients (memory: about 1 + 1/hpz fp32 copies of the "
+        "gradient). partita's own key; DeepSpeed's LoCo variant (zeropp_loco_param) is "
+        "refused.",
+    )
     zeropp_loco_param: dict[str, Any] | None = Field(
         default=None, description="LoCo-ZeRO++ error feedback settings (err_beta, reset_T)."
     )

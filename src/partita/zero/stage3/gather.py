@@ -37,7 +37,7 @@ from partita import comm
 from partita.comm.dims import node_block_group, node_lane_group
 from partita.config.errors import config_error
 from partita.precision.quantize import check_block_size, pack, packed_nbytes, unpack_rows
-from partita.zero.stage3.qgz import NodeGroups
+from partita.zero.stage3.qgz import ErrorFeedback, NodeGroups
 from partita.zero.stage3.settings import Stage3Settings
 
 DEFAULT_BLOCK_SIZE = 2048
@@ -208,7 +208,11 @@ def reduce_groups_from_config(zero: Stage3Settings, plan: GatherPlan) -> NodeGro
         )
     size = plan.secondary.size
     lane, ranks = node_lane_group(size, "hpz_lane")
-    return NodeGroups(plan.secondary.group, size, lane, len(ranks), plan.block_size)
+    feedback = ErrorFeedback() if zero.quantized_gradients_error_feedback else None
+    return NodeGroups(
+        plan.secondary.group, size, lane, len(ranks), plan.block_size,
+        bits=zero.quantized_gradients_bits, feedback=feedback,
+    )  # fmt: skip
 
 
 __all__ = [

@@ -166,7 +166,7 @@ class UnitGradReducer:
             if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
                 data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
             out = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
-            handle = self._start(out, data, unit.process_group)
+            handle = self._start(out, data, unit.process_group, key=(id(unit), idx))
             launched.append(_Pending(unit, idx, out, handle, numel=seg.padded_numel, ticket=ticket))
             self._in_flight.append(launched[-1])
             self._in_flight_numel += seg.padded_numel
@@ -197,13 +197,26 @@ class UnitGradReducer:
                 works.append(handle)
         return works
 
-    def _start(self, out: torch.Tensor, data: torch.Tensor, group: comm.ProcessGroup | None) -> Any:
+    def _start(
+        self,
+        out: torch.Tensor,
+        data: torch.Tensor,
+        group: comm.ProcessGroup | None,
+        key: tuple[int, int] | None = None,
+    ) -> Any:
         """Starts reducing `data` into this rank's chunk `out` over the unit's `group` (an
         expert unit's is its expert-data-parallel group): one reduce-scatter, or qgZ's two
-        quantized hops."""
+        quantized hops, whose error feedback keeps its residual under `key` (the unit's
+        identity and segment; None for a pass with zeros, which must leave no state)."""
         if self.quantized is not None:
-            return quantized_reduce_scatter(out, data, self.quantized)
+            return quantized_reduce_scatter(out, data, self.quantized, key)
         return comm.reduce_scatter(out, data, group=group, async_op=True, tag="grad")
+
+    def step_skipped(self) -> None:
+        """A step was skipped (overflow): qgZ's error feedback drops its residuals, which came
+        from the discarded gradients ([Note: qgZ error feedback])."""
+        if self.quantized is not None and self.quantized.feedback is not None:
+            self.quantized.feedback.clear()
 
     def _full(self, numel: int) -> bool:
         """Whether a reduction of `numel` more elements must wait for the oldest one."""

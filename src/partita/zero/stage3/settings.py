@@ -40,6 +40,11 @@ class Stage3Settings:
     """``zero_quantized_nontrainable_weights``: frozen weights gathered quantized."""
     quantized_gradients: bool = False
     """``zero_quantized_gradients``: ZeRO++ qgZ."""
+    quantized_gradients_bits: int = 4
+    """``zero_quantized_gradients_bits``: qgZ's code width on both hops (partita's key)."""
+    quantized_gradients_error_feedback: bool = False
+    """``zero_quantized_gradients_error_feedback``: qgZ keeps and resends its quantization
+    residuals (partita's key)."""
 
     @classmethod
     def from_config(cls, zero: Any) -> Stage3Settings:
@@ -57,6 +62,8 @@ class Stage3Settings:
             quantized_weights=bool(zero.zero_quantized_weights),
             quantized_nontrainable_weights=bool(zero.zero_quantized_nontrainable_weights),
             quantized_gradients=bool(zero.zero_quantized_gradients),
+            quantized_gradients_bits=int(zero.zero_quantized_gradients_bits),
+            quantized_gradients_error_feedback=bool(zero.zero_quantized_gradients_error_feedback),
         )
 
     @classmethod

@@ -510,6 +510,8 @@ class FullySharded:
             for unit in self.all_units:  # hpZ's secondary copies are stale now
                 unit.parameters_changed()
             self._after_step()
+        else:
+            self.reducer.step_skipped()
         self.divergence.next_step()
         return outcome
 
