@@ -244,3 +244,24 @@ def test_qgz_without_a_node_dimension_is_refused(results: dict) -> None:
     for message in results["qgz_alone"]:
         assert "zero_optimization.zero_quantized_gradients" in message, message
         assert "zero_hpz_partition_size" in message, message
+
+
+@pytest.mark.parametrize("name", ["plain", "qwz", "hpz", "qwz_hpz", "qwz_bf16", "qgz", "qgz8"])
+def test_the_estimate_prices_each_step_as_the_engine_counts_it(results: dict, name: str) -> None:
+    """`partita.estimate.zeropp.price`, from the units `describe_module` finds before the
+    engine exists: per step and per group (so per link, nodes of 2), the gathers' and the
+    gradient reductions' bytes equal the counters', and hpZ's secondary copy the bytes the
+    units hold."""
+    for r in results[name]:
+        priced = r["price"]
+        for counted, grads in zip(r["counted"], r["grad_counted"], strict=True):
+            assert counted == priced.gather, (name, counted, priced.gather)
+            assert grads == priced.reduce, (name, grads, priced.reduce)
+        assert r["secondary_bytes"] == priced.secondary_bytes
+
+
+def test_the_estimate_prices_error_feedback_memory(results: dict) -> None:
+    for name in ("int4_feedback", "int8_feedback"):
+        for r in results["grads"][name]:
+            assert r["feedback_bytes"] == r["price"].feedback_bytes > 0
+    assert results["grads"]["int4"][0]["price"].feedback_bytes == 0

@@ -13,6 +13,8 @@ from models import global_batches, make_model, rank_micro_batch
 from partita import comm
 from partita.comm import COUNTERS
 from partita.config import ConfigError
+from partita.estimate.model import describe_module
+from partita.estimate.zeropp import ZeroPP, price, tied_units
 from partita.precision import full_dtype
 from partita.precision.quantize import blocks_for, packed_nbytes
 from partita.zero.stage3.gather import DEFAULT_BLOCK_SIZE, TRAINING, payload_bytes
@@ -125,6 +127,7 @@ def train(
     model = make_model(kind="gpt2", frozen=frozen)
     cfg = config(**zero) | ({"bf16": {"enabled": True}} if bf16 else {})
     params = [p for p in model.parameters() if p.requires_grad]
+    priced = _price(model, world, cfg, bf16)
     engine, _, _, _ = partita.initialize(model=model, model_parameters=params, config=cfg)
     events: list[tuple[str, int]] = []
     original = _record_gathers(events)
@@ -163,9 +166,28 @@ def train(
         "secondary_expected": sum(_secondary_bytes(u) for u in units),
         "unit_bytes": sum(u.numel * u.flat_full.element_size() for u in units),
         "params": _full_params(engine),
+        "price": priced,
     }
     engine.destroy()
     return out
+
+
+def _price(model: Any, world: int, cfg: dict[str, Any], bf16: bool) -> Any:
+    """The estimator's ZeRO++ figures for this job (`partita.estimate.zeropp`), or None for
+    a frozen-weights case (its units hold frozen segments the estimator does not gather)."""
+    if not all(p.requires_grad for p in model.parameters()):
+        return None
+    z = cfg["zero_optimization"]
+    opts = ZeroPP(
+        quantized_weights=z.get("zero_quantized_weights", False),
+        quantized_gradients=z.get("zero_quantized_gradients", False),
+        gradient_bits=z.get("zero_quantized_gradients_bits", 4),
+        error_feedback=z.get("zero_quantized_gradients_error_feedback", False),
+        hpz=z.get("zero_hpz_partition_size", 1),
+    )
+    units = describe_module(model).units
+    dtype_bytes, tied = (2 if bf16 else 4), tied_units(model)
+    return price(units, world, opts, dtype_bytes, dtype_bytes, gas=GAS, tied=tied)
 
 
 def reduced_grads(zero: dict[str, Any]) -> dict[str, Any]:
@@ -176,6 +198,7 @@ def reduced_grads(zero: dict[str, Any]) -> dict[str, Any]:
     model = make_model(kind="gpt2")
     cfg = config(**zero)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}}
+    priced = _price(model, world, cfg, False)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
@@ -191,7 +214,7 @@ def reduced_grads(zero: dict[str, Any]) -> dict[str, Any]:
     held = engine.strategy.reducer.quantized
     feedback = None if held is None or held.feedback is None else held.feedback.nbytes
     engine.destroy()
-    return {"grads": grads, "feedback_bytes": feedback}
+    return {"grads": grads, "feedback_bytes": feedback, "price": priced}
 
 
 def _qgz_bytes(strategy: Any) -> dict[str, int] | None:
