@@ -23,6 +23,7 @@ from partita.config.sections.runtime import CheckpointConfig
 from partita.engine import experts as engine_experts
 from partita.engine import setup as engine_setup
 from partita.engine.deepspeed_methods import DeepSpeedEngineMethods
+from partita.moe import load_stats
 from partita.moe.layer import expert_parameters
 from partita.monitor import build_monitor
 from partita.platform.accelerator import (
@@ -94,6 +95,7 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
         self._step_applied = False
         self._global_grad_norm: float | None = None
         self._loss_sum = torch.zeros((), device=self.device)
+        self._moe_figures: dict[str, dict[str, float]] = {}
         self._last_step_comm: dict[tuple[str, str], int] = {}
         self._timer = _WallClock(self.accelerator, enabled=config.wall_clock_breakdown)
         self._window_start = time.perf_counter()
@@ -276,8 +278,12 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
     def _report(self) -> None:
         loss = float(self._loss_sum)
         self._loss_sum.zero_()
+        # A collective while the monitor is on (the same on every rank): [Note: expert load
+        # statistics] in `partita.moe.load_stats`.
+        self._moe_figures = engine_experts.load_figures(self.module, self.dims, self.monitor)
         if self.monitor.is_writer:
-            self.monitor.write_events(self._events(loss))
+            moe = load_stats.events(self._moe_figures, self.global_samples)
+            self.monitor.write_events(self._events(loss) + moe)
         spp = self._config.steps_per_print
         if spp and self.global_steps % spp == 0 and self.global_rank == 0:
             elapsed = time.perf_counter() - self._window_start
@@ -303,6 +309,12 @@ class Engine(DeepSpeedEngineMethods, torch.nn.Module):
             (ev.EVENT_SAMPLES_PER_SEC, self._timer.samples_per_sec(self.train_batch_size()), step)
         )
         return out
+
+    def moe_load_stats(self) -> dict[str, dict[str, float]]:
+        """The last step's load figures of each MoE layer, by module name (``imbalance``,
+        ``dropped``, ``l_aux``: [Note: expert load statistics] in `partita.moe.load_stats`);
+        empty without MoE layers or while no monitor backend is enabled."""
+        return {layer: dict(values) for layer, values in self._moe_figures.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Releases accumulated gradients, as ``set_to_none=True`` does (the engine always does:

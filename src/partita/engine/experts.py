@@ -14,6 +14,7 @@ import torch
 from partita import comm
 from partita.comm.dims import check_expert_parallel_size
 from partita.config import DeepSpeedConfig, config_error
+from partita.moe import load_stats
 from partita.moe.layer import expert_parameters, moe_layers
 from partita.zero.strategy import ExpertFamily
 
@@ -108,6 +109,18 @@ def split_expert_groups(
             # moe_of: a checkpoint of a layout without the split gives it its origin's values.
             added.append({**group, "params": mine, "moe": True, "moe_of": i})
     return groups + added
+
+
+def load_figures(
+    module: torch.nn.Module, dims: comm.ParallelDims, monitor: Any
+) -> dict[str, dict[str, float]]:
+    """The step's expert load figures of `module`'s MoE layers while `monitor` is enabled
+    (summed over the ranks holding the same layers: a collective), else none; either way the
+    layers' tallies start again ([Note: expert load statistics] in `partita.moe.load_stats`)."""
+    if not monitor.enabled:
+        load_stats.clear(module)
+        return {}
+    return load_stats.step_figures(module, dims.grad_group)
 
 
 def broadcast_group(

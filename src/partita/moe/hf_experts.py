@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from partita import comm
+from partita.moe import load_stats
 
 
 class AllToAllV(torch.autograd.Function):
@@ -179,6 +180,7 @@ def _dispatch_forward(
     order = torch.argsort(expert, stable=True)
     order = order[expert[order] < shard.num_experts]
     expert, token = expert[order], token[order]
+    load_stats.record(self, torch.bincount(expert, minlength=shard.num_experts), len(expert), None)
     weight = top_k_weights.reshape(-1)[order]
     local = shard.num_local_experts
     send = torch.bincount(expert // local, minlength=shard.ep_size)

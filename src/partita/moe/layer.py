@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from partita import comm
+from partita.moe import load_stats
 from partita.moe.dispatch import all_to_all, decode, encode, route_slots
 from partita.moe.experts import Experts
 from partita.moe.gating import (
@@ -150,6 +151,8 @@ class MOELayer(nn.Module):
         tokens = hidden.reshape(-1, width)
         routing = self.gate.route(tokens, input[1] if len(input) > 1 else None)
         self.l_aux, self.exp_counts = routing.l_aux, routing.exp_counts
+        kept = routing.indices.ge(0).sum()
+        load_stats.record(self, routing.exp_counts, kept, routing.l_aux)
         experts, capacity = routing.num_experts, routing.capacity
         self.capacity = capacity
         slots = route_slots(routing.indices, routing.locations, experts, capacity)
