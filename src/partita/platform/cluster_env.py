@@ -140,6 +140,40 @@ def _slurm(env: Mapping[str, str], addr: str | None, port: int) -> ClusterEnv:
     return _checked(cluster, names)
 
 
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_OPENMPI = (
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+
+
+def _read(
+    env: Mapping[str, str],
+    names: tuple[str, str, str, str],
+    addr: str | None,
+    port: int,
+    source: str,
+    local_defaults: bool = True,
+) -> ClusterEnv:
+    """The layout in the variables `names` (rank, world size, local rank, local world size),
+    checked. With `local_defaults` the local pair may be missing (one node: local rank 0 of
+    the whole world); without, they are required."""
+    rank, world_name, local_rank, local_world = names
+    world = _int(env, world_name)
+    cluster = ClusterEnv(
+        rank=_int(env, rank),
+        world_size=world,
+        local_rank=_int(env, local_rank, 0 if local_defaults else None),
+        local_world_size=_int(env, local_world, world if local_defaults else None),
+        master_addr=addr or "127.0.0.1",
+        master_port=port,
+        source=source,
+    )
+    return _checked(cluster, (rank, world_name, local_rank, local_world))
+
+
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     """Reads the launcher environment (`os.environ` unless `env` is given).
 
@@ -152,35 +186,10 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     if "RANK" in env or "WORLD_SIZE" in env:
         # One without the other is a launcher mistake; running as a single process would hang
         # the ranks that were started.
-        world = _int(env, "WORLD_SIZE")
-        cluster = ClusterEnv(
-            rank=_int(env, "RANK"),
-            world_size=world,
-            local_rank=_int(env, "LOCAL_RANK", 0),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
-            master_addr=addr or "127.0.0.1",
-            master_port=port,
-            source="torchrun",
-        )
-        return _checked(cluster, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+        return _read(env, _TORCHRUN, addr, port, "torchrun")
     if "OMPI_COMM_WORLD_RANK" in env:
-        world = _int(env, "OMPI_COMM_WORLD_SIZE")
-        cluster = ClusterEnv(
-            rank=_int(env, "OMPI_COMM_WORLD_RANK"),
-            world_size=world,
-            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0),
-            local_world_size=_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world),
-            master_addr=addr or "127.0.0.1",
-            master_port=port,
-            source="openmpi",
-        )
-        names = (
-            "OMPI_COMM_WORLD_RANK",
-            "OMPI_COMM_WORLD_SIZE",
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "OMPI_COMM_WORLD_LOCAL_SIZE",
-        )
-        return _needs_master(_checked(cluster, names), addr, names[1], names[3])
+        cluster = _read(env, _OPENMPI, addr, port, "openmpi")
+        return _needs_master(cluster, addr, _OPENMPI[1], _OPENMPI[3])
     if "PMI_RANK" in env or "PMI_SIZE" in env:
         return _pmi(env, addr, port)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -204,22 +213,13 @@ def _needs_master(cluster: ClusterEnv, addr: str | None, world: str, local: str)
 
 def _pmi(env: Mapping[str, str], addr: str | None, port: int) -> ClusterEnv:
     """MPICH / Intel MPI (Hydra) and Cray PMI ranks."""
-    world = _int(env, "PMI_SIZE")
     if "MPI_LOCALRANKID" in env or "PMI_LOCAL_RANK" not in env:
         local_names = ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     else:
         local_names = ("PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")
-    cluster = ClusterEnv(
-        rank=_int(env, "PMI_RANK"),
-        world_size=world,
-        local_rank=_int(env, local_names[0]),
-        local_world_size=_int(env, local_names[1]),
-        master_addr=addr or "127.0.0.1",
-        master_port=port,
-        source="pmi",
-    )
     names = ("PMI_RANK", "PMI_SIZE", *local_names)
-    return _needs_master(_checked(cluster, names), addr, "PMI_SIZE", local_names[1])
+    cluster = _read(env, names, addr, port, "pmi", local_defaults=False)
+    return _needs_master(cluster, addr, "PMI_SIZE", local_names[1])
 
 
 def _agreeing(env: Mapping[str, str], name: str, pet_name: str) -> str | None:
