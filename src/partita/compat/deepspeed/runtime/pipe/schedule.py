@@ -4,44 +4,7 @@ DeepSpeed's; nothing in partita executes them yet (pipeline parallelism is not i
 and ``DualPipeVSchedule`` is not here."""
 
 from partita.compat.deepspeed._missing import module_getattr
-from partita.parallel.pipe_schedule import (
-    BackwardPass,
-    BufferOpInstruction,
-    CommitP2P,
-    DataParallelSchedule,
-    ForwardPass,
-    InferenceSchedule,
-    LoadMicroBatch,
-    OptimizerStep,
-    PipeInstruction,
-    PipeSchedule,
-    RecvActivation,
-    RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
-    SendActivation,
-    SendGrad,
-    TrainSchedule,
-)
+from partita.parallel.pipe_schedule import *  # noqa: F403 (every name it exports is DeepSpeed's)
+from partita.parallel.pipe_schedule import __all__ as __all__
 
 __getattr__ = module_getattr("deepspeed.runtime.pipe.schedule")
-
-__all__ = [
-    "BackwardPass",
-    "BufferOpInstruction",
-    "CommitP2P",
-    "DataParallelSchedule",
-    "ForwardPass",
-    "InferenceSchedule",
-    "LoadMicroBatch",
-    "OptimizerStep",
-    "PipeInstruction",
-    "PipeSchedule",
-    "RecvActivation",
-    "RecvGrad",
-    "ReduceGrads",
-    "ReduceTiedGrads",
-    "SendActivation",
-    "SendGrad",
-    "TrainSchedule",
-]
