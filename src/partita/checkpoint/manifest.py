@@ -52,6 +52,21 @@ def state_key(what: str, name: str) -> str:
     return f"{what}::{name}"
 
 
+def states_by_part(
+    manifest: dict[str, Any], per_part: list[list[dict[str, Any]]], key: str
+) -> dict[str, Any]:
+    """`manifest` with the ranks' RNG and data loader states kept per part (a pipeline stage or
+    a tensor slice; `per_part` holds each part's rank reports in order) under `key`, and the
+    first part's also as the manifest's own ``rng`` / ``data_loader``."""
+    states = [
+        {"rng": [r["rng"] for r in rs], "data_loader": [r["data_loader"] for r in rs]}
+        for rs in per_part
+    ]
+    manifest[key] = states
+    manifest["rng"], manifest["data_loader"] = states[0]["rng"], states[0]["data_loader"]
+    return manifest
+
+
 def read_manifest(folder: str) -> dict[str, Any]:
     """Parses and checks `folder`'s manifest; raises `CheckpointError` naming the file and
     what is wrong (missing, unreadable, not JSON, not a partita manifest, wrong version)."""
@@ -369,5 +384,6 @@ __all__ = [
     "resolve_tag",
     "shard_file_name",
     "state_key",
+    "states_by_part",
     "tag_folder",
 ]

@@ -67,6 +67,7 @@ from partita.checkpoint.manifest import (
     CheckpointError,
     shard_file_name,
     state_key,
+    states_by_part,
 )
 from partita.checkpoint.slices import slice_file_name, tensor_layout
 from partita.checkpoint.stages import (
@@ -588,13 +589,7 @@ def _complete_slices(manifest: dict[str, Any], reports: list[dict[str, Any]]) ->
         else info
         for name, info in manifest["tensors"].items()
     }
-    states = [
-        {"rng": [r["rng"] for r in rs], "data_loader": [r["data_loader"] for r in rs]}
-        for rs in per_slice
-    ]
-    manifest["tp_rank_state"] = states
-    manifest["rng"], manifest["data_loader"] = states[0]["rng"], states[0]["data_loader"]
-    return manifest
+    return states_by_part(manifest, per_slice, "tp_rank_state")
 
 
 def _json_bytes(data: Any) -> bytes:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from partita.checkpoint.manifest import states_by_part
 from partita.checkpoint.subject import CheckpointSubject
 
 
@@ -60,13 +61,7 @@ def stage_states(manifest: dict[str, Any], reports: list[dict[str, Any]]) -> dic
     sorted by stage, then data-parallel rank)."""
     stages = int(manifest["pp_world_size"])
     per_stage = [[r for r in reports if r.get("pp_rank") == s] for s in range(stages)]
-    states = [
-        {"rng": [r["rng"] for r in rs], "data_loader": [r["data_loader"] for r in rs]}
-        for rs in per_stage
-    ]
-    manifest["pp_rank_state"] = states
-    manifest["rng"], manifest["data_loader"] = states[0]["rng"], states[0]["data_loader"]
-    return manifest
+    return states_by_part(manifest, per_stage, "pp_rank_state")
 
 
 def stage_meta(meta: dict[str, Any], place: tuple[int, int] | None) -> dict[str, Any]:

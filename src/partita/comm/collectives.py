@@ -184,6 +184,23 @@ def _copied_back(work: Work | None, copy_back: Callable[[], None] | None) -> Wor
     return _Then(work, copy_back)  # type: ignore[return-value]
 
 
+def _issued(
+    op: str,
+    tag: str,
+    group: ProcessGroup | None,
+    async_op: bool,
+    tensors: tuple[torch.Tensor, ...],
+    run: Callable[[tuple[torch.Tensor, ...], bool], Any],
+) -> Work | None:
+    """Runs ``run(tensors, async_op)``, collective `op` over `tensors` (its output first):
+    staged where the backend cannot reach them (see `_staged`), pinned until it completes
+    ([Note: exit abort] in partita.comm.pins) and tracked (see `_tracked`)."""
+    staged, back = _staged(group, *tensors)
+    _pin(*staged)
+    work = _tracked(op, tag, async_op, lambda a: run(staged, a))
+    return _copied_back(work, back)
+
+
 def all_reduce(
     tensor: torch.Tensor,
     op: dist.ReduceOp.RedOpType = ReduceOp.SUM,
@@ -195,10 +212,9 @@ def all_reduce(
     _record("all_reduce", tag, tensor, group)
     if _single_process(group):
         return None
-    (t,), back = _staged(group, tensor)
-    _pin(t)  # [Note: exit abort] in partita.comm.pins
-    work = _tracked("all_reduce", tag, async_op, lambda a: _all_reduce(t, op, group, a))
-    return _copied_back(work, back)
+    return _issued(
+        "all_reduce", tag, group, async_op, (tensor,), lambda t, a: _all_reduce(t[0], op, group, a)
+    )
 
 
 PAIR_ALL_REDUCE_BYTES = 256 * 1024
@@ -229,12 +245,14 @@ def reduce_scatter(
         _record("reduce_scatter", tag, input, group)
         output.copy_(input.view(-1)[: output.numel()].view_as(output))
         return None
-    (out, inp), back = _staged(group, output, input)
-    _pin(out, inp)
-    work = _tracked(
-        "reduce_scatter", tag, async_op, lambda a: _reduce_scatter(out, inp, op, group, a, tag)
+    return _issued(
+        "reduce_scatter",
+        tag,
+        group,
+        async_op,
+        (output, input),
+        lambda t, a: _reduce_scatter(t[0], t[1], op, group, a, tag),
     )
-    return _copied_back(work, back)
 
 
 def _reduce_scatter(
@@ -280,10 +298,14 @@ def all_gather(
         if output.data_ptr() != input.data_ptr():
             output.view(-1)[: input.numel()].copy_(input.view(-1))
         return None
-    (out, inp), back = _staged(group, output, input)
-    _pin(out, inp)
-    work = _tracked("all_gather", tag, async_op, lambda a: _all_gather(out, inp, group, a, tag))
-    return _copied_back(work, back)
+    return _issued(
+        "all_gather",
+        tag,
+        group,
+        async_op,
+        (output, input),
+        lambda t, a: _all_gather(t[0], t[1], group, a, tag),
+    )
 
 
 def _all_gather(
@@ -322,12 +344,14 @@ def broadcast(
     _record("broadcast", tag, tensor, group)
     if _single_process(group):
         return None
-    (t,), back = _staged(group, tensor)
-    _pin(t)
-    work = _tracked(
-        "broadcast", tag, async_op, lambda a: dist.broadcast(t, src=src, group=group, async_op=a)
+    return _issued(
+        "broadcast",
+        tag,
+        group,
+        async_op,
+        (tensor,),
+        lambda t, a: dist.broadcast(t[0], src=src, group=group, async_op=a),
     )
-    return _copied_back(work, back)
 
 
 def all_to_all(
@@ -346,15 +370,14 @@ def all_to_all(
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return None
-    (out, inp), back = _staged(group, output, input)
-    _pin(out, inp)
-    work = _tracked(
+    return _issued(
         "all_to_all",
         tag,
+        group,
         async_op,
-        lambda a: dist.all_to_all_single(out, inp, group=group, async_op=a),
+        (output, input),
+        lambda t, a: dist.all_to_all_single(t[0], t[1], group=group, async_op=a),
     )
-    return _copied_back(work, back)
 
 
 def all_to_all_v(
@@ -372,17 +395,16 @@ def all_to_all_v(
     if _single_process(group):
         output.copy_(input)
         return
-    (out, inp), back = _staged(group, output, input)
-    _pin(out, inp)
-    work = _tracked(
+    _issued(
         "all_to_all",
         tag,
+        group,
         False,
-        lambda a: dist.all_to_all_single(
-            out, inp, output_splits, input_splits, group=group, async_op=a
+        (output, input),
+        lambda t, a: dist.all_to_all_single(
+            t[0], t[1], output_splits, input_splits, group=group, async_op=a
         ),
     )
-    _copied_back(work, back)
 
 
 def all_gather_object(obj: Any, group: ProcessGroup | None = None) -> list[Any]:
