@@ -52,6 +52,15 @@ GRADS: dict[str, dict[str, Any]] = {
     | {"zero_quantized_gradients_bits": 8, "zero_quantized_gradients_error_feedback": True},
 }
 """Reduced gradients at learning rate 0 ([Note: qgZ error feedback])."""
+FEEDBACK = QG | {"zero_quantized_gradients_error_feedback": True}
+SKIPPED, AFTER = 1, 2
+OVERFLOW: dict[str, dict[str, Any]] = {
+    "overflow": {"zero": FEEDBACK, "fp16": True, "inject": SKIPPED},
+    "fresh": {"zero": FEEDBACK, "fp16": True, "start": AFTER},
+    "history": {"zero": FEEDBACK, "fp16": True},
+}
+"""fp16 with a static loss scale, error feedback on: a step forced to overflow, a run that
+starts after it (no feedback history) and one that never overflows (all of its history)."""
 REFUSED_HPZ = (3, 8)
 QGZ_ALONE = {"zero_quantized_gradients": True}
 
@@ -62,11 +71,13 @@ def results() -> dict:
     cases += [{"kind": "refusal", "zero": {"zero_hpz_partition_size": h}} for h in REFUSED_HPZ]
     cases += [{"kind": "refusal", "zero": QGZ_ALONE}]
     cases += [{"kind": "grads", "zero": zero} for zero in GRADS.values()]
+    cases += [{"kind": "grads", **case} for case in OVERFLOW.values()]
     per_case = iter(run_distributed_grid(zeropp_grid, WORLD, cases, timeout=500))
     out = {name: next(per_case) for name in TRAIN}
     out["refusals"] = {h: next(per_case) for h in REFUSED_HPZ}
     out["qgz_alone"] = next(per_case)
     out["grads"] = {name: next(per_case) for name in GRADS}
+    out["overflow"] = {name: next(per_case) for name in OVERFLOW}
     return out
 
 
@@ -265,3 +276,25 @@ def test_the_estimate_prices_error_feedback_memory(results: dict) -> None:
         for r in results["grads"][name]:
             assert r["feedback_bytes"] == r["price"].feedback_bytes > 0
     assert results["grads"]["int4"][0]["price"].feedback_bytes == 0
+
+
+def test_a_skipped_step_clears_error_feedback_and_the_next_starts_afresh(results: dict) -> None:
+    """fp16, qgZ with error feedback, learning rate 0: rank 0's gradient holds an inf in step
+    1's first micro-batch, so that step's reductions carry inf/nan residuals and the step is
+    skipped on every rank. After it the residuals are gone (0 bytes held; the steps before and
+    after hold them), and step 2's reduced gradients equal, bitwise on every rank, those of a
+    run that starts at step 2's batch with no feedback history. The run that never overflowed
+    reaches step 2 with its history and reduces differently, so the equality is the clearing's
+    doing, not feedback's absence of effect."""
+    runs = results["overflow"]
+    poisoned = False
+    for rank in range(WORLD):
+        over, fresh, kept = (runs[name][rank] for name in ("overflow", "fresh", "history"))
+        assert over["applied"] == [step != SKIPPED for step in range(STEPS)], over["applied"]
+        assert over["feedback_after"][SKIPPED] == 0
+        assert over["feedback_after"][SKIPPED - 1] > 0 and over["feedback_after"][AFTER] > 0
+        assert over["grads"][AFTER].equal(fresh["grads"][0]), rank
+        assert not kept["grads"][AFTER].equal(fresh["grads"][0]), rank
+        assert kept["applied"] == [True] * STEPS
+        poisoned |= not bool(over["grads"][SKIPPED].isfinite().all())
+    assert poisoned  # the forced overflow reached the reduced gradients

@@ -190,31 +190,64 @@ def _price(model: Any, world: int, cfg: dict[str, Any], bf16: bool) -> Any:
     return price(units, world, opts, dtype_bytes, dtype_bytes, gas=GAS, tied=tied)
 
 
-def reduced_grads(zero: dict[str, Any]) -> dict[str, Any]:
-    """Trains STEPS steps at learning rate 0 (the weights, so each step's gradients, are the
-    same in every run) and returns this rank's reduced master gradients after each step's
-    backward, flat: the quantized reductions measured against the exact ones, step by step."""
+def _inf_hook(armed: list[bool]) -> Any:
+    """A gradient hook putting +inf into element 0 while ``armed[0]``: a forced overflow."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if not armed[0]:
+            return grad
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+    return hook
+
+
+def reduced_grads(
+    zero: dict[str, Any], fp16: bool = False, inject: int | None = None, start: int = 0
+) -> dict[str, Any]:
+    """Trains at learning rate 0 (the weights, so each step's gradients, are the same in every
+    run) and returns this rank's reduced master gradients after each step's backward, flat:
+    the quantized reductions measured against the exact ones, step by step. `fp16`: a static
+    loss scale (the same in every run; an overflowed step is still skipped); `inject`: at that
+    step rank 0's first gradient holds an inf in its first micro-batch (the step overflows), and
+    each step's applied flag and error-feedback bytes after it are returned; `start`: the run
+    begins at that batch of the same sequence (a run without the earlier steps' history)."""
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make_model(kind="gpt2")
     cfg = config(**zero)
     cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0, "weight_decay": 0.0}}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "loss_scale": 128}
     priced = _price(model, world, cfg, False)
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=cfg
     )
-    grads = []
-    for batch in global_batches(STEPS, GAS * world):
+    armed = [False]
+    if inject is not None and rank == 0:
+        next(engine.module.parameters()).register_hook(_inf_hook(armed))
+    grads, applied, held_after = [], [], []
+    held = engine.strategy.reducer.quantized
+    for step, batch in enumerate(global_batches(STEPS, GAS * world)[start:], start):
         for m in range(GAS):
+            armed[0] = step == inject and m == 0
             engine.backward(engine(*rank_micro_batch(batch, rank, world, 1, m)))
             if m == GAS - 1:
                 masters = engine.strategy._masters()
                 flat = [torch.zeros(x.numel()) if x.grad is None else x.grad for x in masters]
                 grads.append(torch.cat([g.detach().float().reshape(-1) for g in flat]).clone())
             engine.step()
-    held = engine.strategy.reducer.quantized
+        applied.append(engine.was_step_applied())
+        held_after.append(None if held is None or held.feedback is None else held.feedback.nbytes)
     feedback = None if held is None or held.feedback is None else held.feedback.nbytes
     engine.destroy()
-    return {"grads": grads, "feedback_bytes": feedback, "price": priced}
+    return {
+        "grads": grads,
+        "feedback_bytes": feedback,
+        "price": priced,
+        "applied": applied,
+        "feedback_after": held_after,
+    }
 
 
 def _qgz_bytes(strategy: Any) -> dict[str, int] | None:

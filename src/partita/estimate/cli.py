@@ -10,14 +10,24 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from partita.estimate import plan, trial
-from partita.estimate.memory import Candidate, Estimate, Hardware, Settings, candidates, estimate
+from partita.estimate import plan, trial, zeropp_plan
+from partita.estimate.memory import (
+    DTYPE_BYTES,
+    Candidate,
+    Estimate,
+    Hardware,
+    Settings,
+    candidates,
+    estimate,
+)
 from partita.estimate.model import ModelShape
 from partita.estimate.plan import HEADROOM
 from partita.estimate.ulysses import ATTENTION, check_sequence_parallel
 from partita.estimate.units import EstimateError, format_bytes, parse_bytes, parse_count
+from partita.estimate.zeropp import ZeroPP
 
 __all__ = ["estimate_main", "plan_main"]
 
@@ -73,7 +83,11 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         help="sequence_parallel_size (Ulysses): each rank holds seq_len / N tokens; several "
         "values estimate each (default: --ds_config's, else 1)",
     )  # fmt: skip
-    ap.add_argument("--ds_config", help="DeepSpeed config to read sequence_parallel_size from")
+    ap.add_argument(
+        "--ds_config",
+        help="DeepSpeed config to read sequence_parallel_size and the ZeRO++ keys from",
+    )
+    zeropp_plan.add_arguments(ap)
     ap.add_argument(
         "--tiled_mlp", type=_positive, metavar="TOKENS",
         help="run each block's MLP as partita.tiling.TiledMLP over shards of at most TOKENS",
@@ -174,23 +188,62 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     )
 
 
-def _candidates(args: argparse.Namespace, hw: Hardware, activations: bool) -> list[Candidate]:
+def _candidates(
+    args: argparse.Namespace, hw: Hardware, activations: bool, zeropp: Sequence[ZeroPP] = ()
+) -> list[Candidate]:
+    """The configurations to estimate; each stage-3 one without parameter offload once more
+    with each of `zeropp`'s options."""
     ckpt = {"on": True, "off": False, "both": None}[args.checkpointing]
     if not activations:
         ckpt = False  # without shapes checkpointing changes nothing estimated
-    return [
+    base = [
         c
         for c in candidates(args.precision, ckpt)
         if hw.nvme is not None or "nvme" not in (c.offload_optimizer, c.offload_param)
     ]
+    more = [
+        replace(c, zeropp=o)
+        for o in zeropp
+        for c in base
+        if c.stage == 3 and c.offload_param == "none"
+    ]
+    return base + more
 
 
-def _estimates(args: argparse.Namespace, sp: int = 1) -> tuple[ModelShape, list[Estimate]]:
+def _zeropp(args: argparse.Namespace, planning: bool) -> list[ZeroPP]:
+    """The ZeRO++ options to price: those asked for (flags, else ``--ds_config``), checked
+    against the machines; else, when planning on several nodes, the planner's variants."""
+    asked = zeropp_plan.options(args)
+    if asked is not None:
+        zeropp_plan.check(asked, args.devices_per_node, args.devices_per_node * args.nodes)
+        return [asked]
+    if planning and args.nodes > 1:
+        return zeropp_plan.variants(args.devices_per_node)
+    return []
+
+
+def _estimates(
+    args: argparse.Namespace, sp: int = 1, planning: bool = False
+) -> tuple[ModelShape, list[Estimate]]:
     """One rank's model (at sequence-parallel degree `sp`) and every candidate's estimate."""
     hw = _hardware(args)
+    zeropp = _zeropp(args, planning)
     model = _model(args, sp)
-    cands = _candidates(args, hw, model.activations is not None)
+    cands = _candidates(args, hw, model.activations is not None, zeropp)
     return model, [estimate(model, c, hw, Settings()) for c in cands]
+
+
+def _print_zeropp(model: ModelShape, estimates: list[Estimate]) -> None:
+    """Each ZeRO++ option set's bytes per rank and step by group and link, and its memory."""
+    hw = estimates[0].hardware
+    seen: dict[tuple[ZeroPP, str], None] = {}
+    for e in estimates:
+        if e.candidate.zeropp is not None:
+            seen[(e.candidate.zeropp, e.candidate.precision)] = None
+    for opts, precision in seen:
+        figures = zeropp_plan.priced(model.units, hw.world, opts, DTYPE_BYTES[precision])
+        for line in zeropp_plan.describe(f"{opts.label} {precision}", figures, hw.nodes):
+            print(line)
 
 
 _LIMIT_FLAGS = {"device": "--device_memory", "host": "--host_memory", "nvme": "--nvme"}
@@ -302,6 +355,7 @@ def estimate_main(argv: Sequence[str]) -> int:
         for sp in _sp_values(args):
             model, estimates = _estimates(args, sp)
             _print(model, estimates, args.detail, sp)
+            _print_zeropp(model, estimates)
             everything += estimates
         if args.plot:
             from partita.estimate.plot import plot_estimates
@@ -380,13 +434,15 @@ def plan_main(argv: Sequence[str]) -> int:
     try:
         sp = _plan_sp(args)
         rates = _rates(args)
-        model, estimates = _estimates(args, sp)
+        model, estimates = _estimates(args, sp, planning=True)
     except EstimateError as error:
         print(f"partita plan: error: {error}", file=sys.stderr)
         return 2
     tokens = args.micro_batch * args.seq_len // sp  # one rank's share of the sequence
     a2a = _a2a_link_bytes(args, sp)
-    ranked = plan.rank(estimates, model.trainable, tokens, rates, model.recomputed, a2a)
+    ranked = plan.rank(
+        estimates, model.trainable, tokens, rates, model.recomputed, a2a, model.units
+    )
     kept = (
         plan.kept_out_by_headroom(model, estimates, ranked, tokens, rates, a2a)
         if args.headroom > 0
@@ -396,6 +452,7 @@ def plan_main(argv: Sequence[str]) -> int:
         print(_nothing_fits(estimates))
         return 1
     _print_ranking(ranked)
+    ranked = _zeropp_choice(model, estimates, ranked)
     best: Candidate | None = ranked[0][0].candidate if ranked else None
     if args.trial:
         try:
@@ -455,6 +512,11 @@ def _plan_parser() -> argparse.ArgumentParser:
         "forward and backward, or a matmul with --params)",
     )
     ap.add_argument("--link_bandwidth", default="100GB", help="collective bytes/s per rank")
+    ap.add_argument(
+        "--inter_node_bandwidth", default="25GB",
+        help="bytes/s one rank sends across nodes, with --nodes > 1 (default 25GB: a 200 "
+        "Gb/s network port per device); --link_bandwidth is inside a node",
+    )  # fmt: skip
     ap.add_argument("--host_bandwidth", default="20GB", help="device-host bytes/s per rank")
     ap.add_argument(
         "--adam_rate",
@@ -498,8 +560,78 @@ def _rates(args: argparse.Namespace) -> plan.Rates:
         parse_bytes(args.host_bandwidth, "--host_bandwidth"),
         adam,
         parse_bytes(args.disk_bandwidth, "--disk_bandwidth"),
+        inter_node_bandwidth=parse_bytes(args.inter_node_bandwidth, "--inter_node_bandwidth"),
         comm_cpu_share=args.comm_cpu_share,
     )
+
+
+QUANTIZED_GAIN = 0.05
+"""The predicted gain a quantized plan (qwZ or qgZ) must show over the fastest exact one to be
+chosen: quantizing changes the numbers (within bounds, docs/zero.md) and its own compute is
+not in the step time. A chosen bar, not a measured one; hpZ alone is exact and needs none."""
+
+
+def _zeropp_choice(
+    model: ModelShape, estimates: list[Estimate], ranked: list[tuple[Estimate, plan.Timing]]
+) -> list[tuple[Estimate, plan.Timing]]:
+    """`ranked` with the choice first, after saying why the fastest ZeRO++ configuration is
+    chosen or not (nothing when none was priced)."""
+    tried = [e for e in estimates if e.candidate.zeropp is not None]
+    if not tried:
+        return ranked
+    zpp = [(e, t) for e, t in ranked if e.candidate.zeropp is not None]
+    exact = [(e, t) for e, t in ranked if e.candidate.zeropp is None]
+    if not zpp:
+        least = min(tried, key=plan.rank_need)
+        print(
+            f"zero++: none of the {len(tried)} ZeRO++ configurations fits; the least memory, "
+            f"{least.candidate.label}: {'; '.join(least.shortfalls())}"
+        )
+        return ranked
+    (ze, zt) = zpp[0]
+    if not exact:
+        print(f"zero++: chose {ze.candidate.label}: no exact configuration fits")
+        return ranked
+    (be, bt) = exact[0]
+    why = _zeropp_why(model, ze, zt, be, bt)
+    quantized = ze.candidate.zeropp is not None and (
+        ze.candidate.zeropp.quantized_weights or ze.candidate.zeropp.quantized_gradients
+    )
+    bar = QUANTIZED_GAIN if quantized else 0.0
+    if ranked[0][0] is ze and 1 - zt.total / bt.total >= bar:
+        print(f"zero++: chose {ze.candidate.label}: {why}")
+        return ranked
+    if ranked[0][0] is ze:  # quantized, faster, but under the bar: the exact one instead
+        print(f"zero++: rejected {ze.candidate.label}: {why}, under the {bar:.0%} a quantized "
+              "plan must gain")  # fmt: skip
+        return [(be, bt)] + [et for et in ranked if et[0] is not be]
+    print(f"zero++: rejected {ze.candidate.label}: {why}")
+    return ranked
+
+
+def _zeropp_why(
+    model: ModelShape, ze: Estimate, zt: plan.Timing, be: Estimate, bt: plan.Timing
+) -> str:
+    """The comparison printed: step times, gain, and inter-node bytes where stage 3 has them."""
+    hw = ze.hardware
+    gain = 1 - zt.total / bt.total if bt.total else 0.0
+    text = (
+        f"predicted {zt.total:.3g} s a step against {bt.total:.3g} s for {be.candidate.label}, "
+        f"the fastest exact configuration ({gain:+.0%})"
+    )
+    if be.candidate.stage == 3:
+        inter = [
+            zeropp_plan.link_bytes(
+                zeropp_plan.priced(
+                    model.units, hw.world, e.candidate.zeropp or ZeroPP(),
+                    DTYPE_BYTES[e.candidate.precision],
+                ),
+                hw.nodes,
+            )["inter"]
+            for e in (ze, be)
+        ]  # fmt: skip
+        text += f"; inter-node bytes per rank and step {inter[0]:,} against {inter[1]:,}"
+    return text
 
 
 def _print_ranking(ranked: list[tuple[Estimate, plan.Timing]]) -> None:

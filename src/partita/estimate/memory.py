@@ -34,6 +34,7 @@ from partita.estimate.backward import GradLayout, pool_peak, stage012_moments
 from partita.estimate.model import ModelShape
 from partita.estimate.stage3_moments import Moment, Stage3Layout, moments
 from partita.estimate.units import EstimateError, format_bytes
+from partita.estimate.zeropp import ZeroPP, price
 from partita.zero.stage3.settings import Stage3Settings
 
 _RUN = Stage3Settings.defaults()
@@ -77,6 +78,9 @@ PER_PARAM_GROUPS = {
     "gradient transient": "activations",
     "allocator slack": "slack",
     "runtime": "other",
+    "hpz secondary": "weights",
+    "qgz feedback": "grads",
+    "qgz buffers": "buffers",
 }
 """Which group of `Estimate.per_param` each item falls in: the familiar 16 bytes per parameter
 (2 weights + 2 gradients + 4 fp32 master + 8 Adam moments) against what partita holds besides."""
@@ -156,8 +160,12 @@ class Candidate:
     offload_param: Offload = "none"
     precision: Literal["fp32", "bf16", "fp16"] = "bf16"
     checkpointing: bool = False
+    zeropp: ZeroPP | None = None
+    """ZeRO++'s options (stage 3 only; None: none on)."""
 
     def __post_init__(self) -> None:
+        if self.zeropp is not None and self.stage != 3:
+            raise EstimateError(f"ZeRO++ ({self.zeropp.label}) is stage 3 only")
         if self.stage not in (0, 1, 2, 3):
             raise EstimateError(f"stage {self.stage} must be 0, 1, 2 or 3")
         if self.precision not in DTYPE_BYTES:
@@ -178,6 +186,8 @@ class Candidate:
         if self.offload_param != "none":
             parts.append(f"param={self.offload_param}")
         parts.append(self.precision + (" ckpt" if self.checkpointing else ""))
+        if self.zeropp is not None:
+            parts.append(self.zeropp.label)
         return " ".join(parts)
 
 
@@ -521,7 +531,7 @@ def estimate(
         states = _stage012(candidate, model, n, s, p)
         moms = _stage012_moments(candidate, model, n, s, p)
     before, after, peaks, note = _moment_items(candidate, model, hardware, moms, states)
-    items = before + staging + after
+    items = before + staging + after + _zeropp_items(candidate, model, n, p)
     notes.append(note)
     if model.activations is None:
         notes.append("activations not included: give a model or config for its shapes")
@@ -538,6 +548,21 @@ def estimate(
         notes.append("the CUDA context and library workspaces are not included")
     own = {i.name: i.device + i.host + i.nvme for i in items} | peaks
     return Estimate(candidate, hardware, items, notes, own, states, model.trainable)
+
+
+def _zeropp_items(c: Candidate, m: ModelShape, n: int, p: int) -> list[Item]:
+    """What ZeRO++ adds to a rank, counted at every moment (`partita.estimate.zeropp.price`):
+    hpZ's secondary copy and qgZ's error-feedback residuals live between steps; qgZ's packed
+    buffers of one reduction in flight are counted at the peak too (backward reduces while
+    its activations are still held)."""
+    if c.zeropp is None:
+        return []
+    priced = price(m.units, n, c.zeropp, p, p)
+    return [
+        Item("hpz secondary", device=priced.secondary_bytes),
+        Item("qgz feedback", device=priced.feedback_bytes),
+        Item("qgz buffers", device=priced.transient_bytes),
+    ]
 
 
 def candidates(precision: str = "bf16", checkpointing: bool | None = None) -> list[Candidate]:

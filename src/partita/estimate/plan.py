@@ -29,6 +29,11 @@ waits for the Ulysses all-to-alls: query, key, value and the output of every lay
 again in the recomputed forward under checkpointing (`partita.estimate.ulysses.
 all_to_all_bytes`). Attention's quadratic FLOPs are not in the step time.
 
+On several nodes a collective over ranks of more than one node goes at
+`Rates.inter_node_bandwidth`. Stage 3 there is priced per group and link by
+`partita.estimate.zeropp.price`, with or without ZeRO++'s options ([Note: ZeRO++ in the
+planner] in ``zeropp_plan.py``): its gathers waited for, its reductions beside the backward.
+
 Not modelled: the device optimizer step without offload, the copies of gradients into buckets
 and of updated shards into the parameters, the wait of a rank for a slower one.
 """
@@ -43,6 +48,8 @@ from typing import Any
 from partita.estimate.calibrate import calibrate_adam_rate, calibrate_flops
 from partita.estimate.memory import DTYPE_BYTES, Candidate, Estimate, estimate
 from partita.estimate.model import ModelShape
+from partita.estimate.zeropp import ZeroPP
+from partita.estimate.zeropp_plan import KEYS, link_seconds, priced
 
 __all__ = [
     "HEADROOM",
@@ -92,6 +99,9 @@ class Rates:
     """Parameters/s the CPU Adam steps for one rank."""
     disk_bandwidth: float = 3e9
     """Bytes/s of a node's NVMe, shared by its ranks."""
+    inter_node_bandwidth: float | None = None
+    """Bytes/s one rank sends across nodes (its share of the network); None: `link_bandwidth`.
+    Only jobs on several nodes use it."""
     comm_cpu_share: float = 1.0
     """On CPU ranks, the part of a collective's time its own CPU work takes (copies, sums,
     socket calls; the rest is waiting for the peer): what a collective that runs beside compute
@@ -124,22 +134,29 @@ def step_time(
     rates: Rates,
     recomputed: int | None = None,
     a2a_bytes: int = 0,
+    units: tuple[tuple[int, ...], ...] | None = None,
 ) -> Timing:
     """Predicted step time of `est`'s configuration for `params` trainable parameters and
     `tokens_per_rank` tokens per rank per step (micro-batch x sequence length / sp); `recomputed`:
     the parameters inside the checkpointed blocks (`ModelShape.recomputed`; None: all);
     `a2a_bytes`: what one forward's Ulysses all-to-alls send from this rank over links, sent
     again by backward and by the recomputed forward under checkpointing, and waited for
-    (attention needs its heads)."""
+    (attention needs its heads); `units`: the model's stage-3 units (`ModelShape.units`),
+    which price stage 3 per group and link on several nodes or with ZeRO++."""
     c, hw = est.candidate, est.hardware
     n, p = hw.world, DTYPE_BYTES[c.precision]
     again = params if recomputed is None else recomputed
     forward = 2 * params * tokens_per_rank / rates.flops
     backward = (4 * params + (2 * again if c.checkpointing else 0)) * tokens_per_rank / rates.flops
+    world_rate = _world_rate(hw.nodes, rates)
     # One pass over Ψ elements between ranks: what a reduce-scatter or an all-gather sends.
-    one = params * p * (n - 1) / n / rates.link_bandwidth if n > 1 else 0.0
+    one = params * p * (n - 1) / n / world_rate if n > 1 else 0.0
     cpu = hw.accelerator == "cpu"
-    comm = _comm(c.stage, one, backward, rates.comm_cpu_share if cpu else None)
+    share = rates.comm_cpu_share if cpu else None
+    if c.stage == 3 and units is not None and (hw.nodes > 1 or c.zeropp is not None):
+        comm = _stage3_links(est, units, backward, rates, share)
+    else:
+        comm = _comm(c.stage, one, backward, share)
     comm += a2a_bytes * (3 if c.checkpointing else 2) / rates.link_bandwidth
     shard = params / n
     offload = 0.0
@@ -156,6 +173,33 @@ def step_time(
         disk += 2 * shard * p
     nvme = disk * hw.devices_per_node / rates.disk_bandwidth
     return Timing(forward + backward, comm, offload, nvme)
+
+
+def _world_rate(nodes: int, rates: Rates) -> float:
+    """Bytes/s of a collective over the world: the network's pace once it spans nodes."""
+    if nodes > 1 and rates.inter_node_bandwidth is not None:
+        return rates.inter_node_bandwidth
+    return rates.link_bandwidth
+
+
+def _stage3_links(
+    est: Estimate,
+    units: tuple[tuple[int, ...], ...],
+    backward: float,
+    rates: Rates,
+    cpu_share: float | None,
+) -> float:
+    """Stage 3's collectives priced per group and link (`partita.estimate.zeropp.price`, one
+    micro-batch): gathers waited for, reductions beside the backward as in `_comm`."""
+    hw, opts = est.hardware, est.candidate.zeropp or ZeroPP()
+    p = DTYPE_BYTES[est.candidate.precision]
+    figures = priced(units, hw.world, opts, p)
+    gather, reduce = link_seconds(
+        figures, opts, hw.world, hw.nodes, rates.link_bandwidth, _world_rate(hw.nodes, rates)
+    )
+    if cpu_share is not None:
+        return gather + cpu_share * reduce
+    return gather + max(0.0, reduce - backward)
 
 
 def _comm(stage: int, one: float, backward: float, cpu_share: float | None) -> float:
@@ -181,13 +225,14 @@ def rank(
     rates: Rates,
     recomputed: int | None = None,
     a2a_bytes: int = 0,
+    units: tuple[tuple[int, ...], ...] | None = None,
 ) -> list[tuple[Estimate, Timing]]:
     """The estimates that fit, fastest first; among equal predicted times the one with the
     smaller peak (more memory left for what the estimate misses), then `estimates`' order
-    (`candidates` gives the simplest first). `recomputed` and `a2a_bytes` as in
-    `step_time`."""
+    (`candidates` gives the simplest first, exact before ZeRO++). `recomputed`, `a2a_bytes`
+    and `units` as in `step_time`."""
     timed = [
-        (e, step_time(e, params, tokens_per_rank, rates, recomputed, a2a_bytes))
+        (e, step_time(e, params, tokens_per_rank, rates, recomputed, a2a_bytes, units))
         for e in estimates
         if e.fits
     ]
@@ -214,7 +259,13 @@ def kept_out_by_headroom(
     return [
         (e, t)
         for e, t in rank(
-            without, model.trainable, tokens_per_rank, rates, model.recomputed, a2a_bytes
+            without,
+            model.trainable,
+            tokens_per_rank,
+            rates,
+            model.recomputed,
+            a2a_bytes,
+            model.units,
         )
         if e.candidate not in fits_now and t.total < chosen
     ]
@@ -244,6 +295,7 @@ def ds_config(
         if where == "nvme":
             block["nvme_path"] = nvme_path or os.path.join(os.getcwd(), "nvme_offload")
         zero[key] = block
+    zero.update(_zeropp_keys(c.zeropp))
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -255,6 +307,23 @@ def ds_config(
     if sequence_parallel_size > 1:
         config["sequence_parallel_size"] = sequence_parallel_size
     return config
+
+
+def _zeropp_keys(opts: ZeroPP | None) -> dict[str, Any]:
+    """The ``zero_optimization`` keys of ZeRO++'s options (none when off)."""
+    if opts is None:
+        return {}
+    values = (
+        opts.quantized_weights,
+        opts.quantized_gradients,
+        opts.gradient_bits,
+        opts.error_feedback,
+        opts.hpz,
+    )
+    keys = dict(zip(KEYS, values, strict=True))
+    if not opts.quantized_gradients:
+        keys = {k: v for k, v in keys.items() if not k.startswith("zero_quantized_gradients_")}
+    return keys
 
 
 def write_ds_config(path: str, config: dict[str, Any]) -> None:

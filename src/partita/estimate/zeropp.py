@@ -58,6 +58,20 @@ class ZeroPP:
     hpz: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
 
+    @property
+    def label(self) -> str:
+        """Short name for a table row: ``qwZ hpZ8 qgZ4+ef``."""
+        parts = ["qwZ"] if self.quantized_weights else []
+        parts += [f"hpZ{self.hpz}"] if self.hpz > 1 else []
+        if self.quantized_gradients:
+            parts.append(f"qgZ{self.gradient_bits}" + ("+ef" if self.error_feedback else ""))
+        return " ".join(parts)
+
+    @property
+    def any(self) -> bool:
+        """Whether any option is on (ZeroPP() prices plain stage 3)."""
+        return self.quantized_weights or self.quantized_gradients or self.hpz > 1
+
 
 @dataclass(frozen=True)
 class Price:
@@ -162,4 +176,9 @@ def price(
     )
 
 
-__all__ = ["LINK_OF", "Price", "ZeroPP", "price", "tied_units"]
+def group_sizes(world: int, opts: ZeroPP) -> dict[str, int]:
+    """Ranks in each group `price` names: the world, hpZ's node group, qgZ's lane."""
+    return {WORLD_GROUP: world, NODE_GROUP: opts.hpz, LANE_GROUP: world // max(opts.hpz, 1)}
+
+
+__all__ = ["LINK_OF", "Price", "ZeroPP", "group_sizes", "price", "tied_units"]
