@@ -168,7 +168,28 @@ class SharedInput:
         return y
 
 
-class ColumnParallelLinear(nn.Module):
+class _SplitLinear(nn.Module):
+    """A linear whose weight (and bias) are this rank's part of the split over `place`'s tensor
+    group; `transposed`: the weight is stored [in, out] (a Conv1D)."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        place: _Place,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.place = place
+        self.transposed = transposed
+
+    def extra_repr(self) -> str:
+        return f"tp={self.place.rank}/{self.place.size}"
+
+
+class ColumnParallelLinear(_SplitLinear):
     """A linear holding this rank's output features (see [Note: tensor-parallel training]);
     with `gather_output`, its output is the whole width (an output head)."""
 
@@ -181,11 +202,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         shared: SharedInput | None = None,
     ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.place = place
-        self.transposed = transposed
+        super().__init__(weight, bias, place, transposed)
         self.gather_output = gather_output
         self.shared = shared
 
@@ -201,33 +218,17 @@ class ColumnParallelLinear(nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"tp={self.place.rank}/{self.place.size}, gather_output={self.gather_output}"
+        return f"{super().extra_repr()}, gather_output={self.gather_output}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_SplitLinear):
     """A linear holding this rank's input features; the partial outputs are summed over the
     tensor group and the (replicated) bias added once (see [Note: tensor-parallel training])."""
-
-    def __init__(
-        self,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        place: _Place,
-        transposed: bool = False,
-    ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.place = place
-        self.transposed = transposed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The whole output, identical on every rank of the group."""
         y = reduce_from_tensor_region(_matmul(x, self.weight, self.transposed), self.place.group)
         return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return f"tp={self.place.rank}/{self.place.size}"
 
 
 @dataclass(frozen=True)

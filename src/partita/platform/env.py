@@ -15,8 +15,8 @@ and ``typing``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import NamedTuple, TypeVar
 
 __all__ = [
     "ACCELERATOR",
@@ -269,9 +269,12 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-def _number(var: EnvVar, raw: str, what: str) -> float:
+_T = TypeVar("_T")
+
+
+def _parsed(var: EnvVar, raw: str, parse: Callable[[str], _T], what: str) -> _T:
     try:
-        return float(raw)
+        return parse(raw)
     except ValueError:
         raise ValueError(f"environment variable {var.name}={raw!r} {what}") from None
 
@@ -303,7 +306,7 @@ def checkpoint_timeout_s(environ: Environ | None = None) -> float | None:
     raw = CHECKPOINT_TIMEOUT.raw(environ)
     if not raw:
         return None
-    return _number(CHECKPOINT_TIMEOUT, raw, "is not a number of seconds")
+    return _parsed(CHECKPOINT_TIMEOUT, raw, float, "is not a number of seconds")
 
 
 def collectives(environ: Environ | None = None) -> str:
@@ -322,12 +325,7 @@ def data_seed(environ: Environ | None = None) -> int:
     raw = DATA_SEED.raw(environ)
     if raw is None:
         return 0
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {DATA_SEED.name}={raw!r} is not an integer"
-        ) from None
+    return _parsed(DATA_SEED, raw, int, "is not an integer")
 
 
 def debug(environ: Environ | None = None) -> bool:
@@ -391,7 +389,7 @@ def host_cache_headroom(environ: Environ | None = None) -> float:
     raw = HOST_CACHE_HEADROOM.raw(environ)
     if raw is None:
         return DEFAULT_HOST_CACHE_HEADROOM
-    return _number(HOST_CACHE_HEADROOM, raw, "is not a number")
+    return _parsed(HOST_CACHE_HEADROOM, raw, float, "is not a number")
 
 
 def launcher_pid(environ: Environ | None = None) -> str | None:
@@ -405,12 +403,7 @@ def mmap_threshold(environ: Environ | None = None) -> int:
     raw = MMAP_THRESHOLD.raw(environ)
     if raw is None:
         return DEFAULT_MMAP_THRESHOLD
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(
-            f"environment variable {MMAP_THRESHOLD.name}={raw!r} is not a number of bytes"
-        ) from None
+    return _parsed(MMAP_THRESHOLD, raw, int, "is not a number of bytes")
 
 
 def harness_run_dir(environ: Environ | None = None) -> str:
