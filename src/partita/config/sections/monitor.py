@@ -8,24 +8,32 @@ from .base import Bool, Section
 
 __all__ = ["CSVMonitorConfig", "TensorBoardConfig", "WandbConfig"]
 
-_OUTPUT_PATH = "Directory the logs are written under; empty means under the launch directory."
-_JOB_NAME = "Name of this run; becomes a sub-directory of output_path."
+
+class _FileMonitorConfig(Section):
+    """A monitor that writes files: whether it runs, and where and under which run name."""
+
+    # Each subclass declares `enabled` again to say what it writes; pydantic keeps it first.
+    enabled: Bool = False
+    output_path: StrictStr = Field(
+        default="",
+        description="Directory the logs are written under; empty means under the launch directory.",
+    )
+    job_name: StrictStr = Field(
+        default="DeepSpeedJobName",
+        description="Name of this run; becomes a sub-directory of output_path.",
+    )
 
 
-class TensorBoardConfig(Section):
+class TensorBoardConfig(_FileMonitorConfig):
     """``tensorboard``: write training scalars as TensorBoard event files."""
 
     enabled: Bool = Field(default=False, description="Write TensorBoard event files.")
-    output_path: StrictStr = Field(default="", description=_OUTPUT_PATH)
-    job_name: StrictStr = Field(default="DeepSpeedJobName", description=_JOB_NAME)
 
 
-class CSVMonitorConfig(Section):
+class CSVMonitorConfig(_FileMonitorConfig):
     """``csv_monitor``: write training scalars as CSV files."""
 
     enabled: Bool = Field(default=False, description="Write CSV files.")
-    output_path: StrictStr = Field(default="", description=_OUTPUT_PATH)
-    job_name: StrictStr = Field(default="DeepSpeedJobName", description=_JOB_NAME)
 
 
 class WandbConfig(Section):

@@ -8,7 +8,7 @@ For the types partita builds itself the params are checked against a typed model
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, Field, StrictStr, ValidationError, model_validator
 
@@ -51,8 +51,30 @@ def params_problems(
     return []
 
 
-class OptimizerConfig(Section):
+class _NamedType(Section):
+    """A section naming a type and its keyword arguments: the arguments are checked against
+    the type's model in `param_models` when there is one (problems at `params_path`)."""
+
+    param_models: ClassVar[Mapping[str, type[BaseModel]]]
+    params_path: ClassVar[str]
+
+    # Each subclass declares both again with its own descriptions; pydantic keeps this order.
+    type: StrictStr
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _typed_params(self) -> _NamedType:
+        problems = params_problems(self.param_models, self.type, self.params, self.params_path)
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+class OptimizerConfig(_NamedType):
     """``optimizer``: the optimizer the engine builds when the script passes none."""
+
+    param_models = OPTIMIZER_PARAMS
+    params_path = "optimizer.params"
 
     type: StrictStr = Field(
         description="Optimizer name as DeepSpeed spells it (e.g. 'Adam', 'AdamW', 'SGD'); "
@@ -63,16 +85,12 @@ class OptimizerConfig(Section):
         description="Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...).",
     )
 
-    @model_validator(mode="after")
-    def _typed_params(self) -> OptimizerConfig:
-        problems = params_problems(OPTIMIZER_PARAMS, self.type, self.params, "optimizer.params")
-        if problems:
-            raise ConfigError(problems)
-        return self
 
-
-class SchedulerConfig(Section):
+class SchedulerConfig(_NamedType):
     """``scheduler``: the learning rate schedule the engine builds when the script passes none."""
+
+    param_models = SCHEDULER_PARAMS
+    params_path = "scheduler.params"
 
     type: StrictStr = Field(
         description="Scheduler name as DeepSpeed spells it (e.g. 'WarmupLR', 'WarmupDecayLR', "
@@ -82,10 +100,3 @@ class SchedulerConfig(Section):
         default_factory=dict,
         description="Keyword arguments of the scheduler (warmup_num_steps, total_num_steps, ...).",
     )
-
-    @model_validator(mode="after")
-    def _typed_params(self) -> SchedulerConfig:
-        problems = params_problems(SCHEDULER_PARAMS, self.type, self.params, "scheduler.params")
-        if problems:
-            raise ConfigError(problems)
-        return self
