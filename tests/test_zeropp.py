@@ -34,7 +34,7 @@ TRAIN: dict[str, dict[str, Any]] = {
     "qwz_hpz": {"zero": QW | HPZ},
     "qwz_bf16": {"zero": QW, "bf16": True},
     "frozen_plain": {"zero": {}, "bf16": True, "frozen": True},
-    "qgz": {"zero": {"zero_quantized_gradients": True} | HPZ},
+    "qgz": {"zero": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 4} | HPZ},
     "qgz8": {"zero": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8} | HPZ},
     "frozen_q": {
         "zero": {"zero_quantized_nontrainable_weights": True},
@@ -45,8 +45,9 @@ TRAIN: dict[str, dict[str, Any]] = {
 QG = {"zero_quantized_gradients": True} | HPZ
 GRADS: dict[str, dict[str, Any]] = {
     "exact": {},
-    "int4": QG,
-    "int4_feedback": QG | {"zero_quantized_gradients_error_feedback": True},
+    "int4": QG | {"zero_quantized_gradients_bits": 4},
+    "int4_feedback": QG
+    | {"zero_quantized_gradients_bits": 4, "zero_quantized_gradients_error_feedback": True},
     "int8": QG | {"zero_quantized_gradients_bits": 8},
     "int8_feedback": QG
     | {"zero_quantized_gradients_bits": 8, "zero_quantized_gradients_error_feedback": True},

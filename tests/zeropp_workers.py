@@ -181,7 +181,7 @@ def _price(model: Any, world: int, cfg: dict[str, Any], bf16: bool) -> Any:
     opts = ZeroPP(
         quantized_weights=z.get("zero_quantized_weights", False),
         quantized_gradients=z.get("zero_quantized_gradients", False),
-        gradient_bits=z.get("zero_quantized_gradients_bits", 4),
+        gradient_bits=z.get("zero_quantized_gradients_bits", 8),
         error_feedback=z.get("zero_quantized_gradients_error_feedback", False),
         hpz=z.get("zero_hpz_partition_size", 1),
     )

@@ -53,7 +53,7 @@ class ZeroPP:
 
     quantized_weights: bool = False
     quantized_gradients: bool = False
-    gradient_bits: int = 4
+    gradient_bits: int = 8
     error_feedback: bool = False
     hpz: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE

@@ -81,7 +81,7 @@ def options(args: argparse.Namespace) -> ZeroPP | None:
     opts = ZeroPP(
         quantized_weights=bool(raw.get("zero_quantized_weights", False)),
         quantized_gradients=bool(raw.get("zero_quantized_gradients", False)),
-        gradient_bits=int(raw.get("zero_quantized_gradients_bits", 4)),
+        gradient_bits=int(raw.get("zero_quantized_gradients_bits", 8)),
         error_feedback=bool(raw.get("zero_quantized_gradients_error_feedback", False)),
         hpz=int(raw.get("zero_hpz_partition_size", 1)),
     )

@@ -40,7 +40,7 @@ class Stage3Settings:
     """``zero_quantized_nontrainable_weights``: frozen weights gathered quantized."""
     quantized_gradients: bool = False
     """``zero_quantized_gradients``: ZeRO++ qgZ."""
-    quantized_gradients_bits: int = 4
+    quantized_gradients_bits: int = 8
     """``zero_quantized_gradients_bits``: qgZ's code width on both hops (partita's key)."""
     quantized_gradients_error_feedback: bool = False
     """``zero_quantized_gradients_error_feedback``: qgZ keeps and resends its quantization
