@@ -31,6 +31,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hpZ 2": {"zero_hpz_partition_size": 2},
     "qwZ + hpZ 2": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2},
     "qgZ + hpZ 2": {"zero_quantized_gradients": True, "zero_hpz_partition_size": 2},
+    "qgZ + feedback + hpZ 2": {
+        "zero_quantized_gradients": True,
+        "zero_quantized_gradients_error_feedback": True,
+        "zero_hpz_partition_size": 2,
+    },
+    "qgZ int4 + hpZ 2": {
+        "zero_quantized_gradients": True,
+        "zero_quantized_gradients_bits": 4,
+        "zero_hpz_partition_size": 2,
+    },
+    "qgZ int4 + feedback + hpZ 2": {
+        "zero_quantized_gradients": True,
+        "zero_quantized_gradients_bits": 4,
+        "zero_quantized_gradients_error_feedback": True,
+        "zero_hpz_partition_size": 2,
+    },
     "qwZ + qgZ + hpZ 2": {
         "zero_quantized_weights": True,
         "zero_quantized_gradients": True,
