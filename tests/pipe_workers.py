@@ -353,13 +353,38 @@ def resume(case: dict[str, Any]) -> dict[Any, Any]:
     return out
 
 
+def save16(case: dict[str, Any]) -> dict[str, Any]:
+    """Trains ``case["steps"]`` batches, then `save_16bit_model` into ``case["dir"]``; returns
+    this rank's stage weights as its module holds them (gathered at ZeRO 3) and its stage."""
+    from partita.zero.gather import GatheredParameters
+
+    torch.manual_seed(0)
+    module = PipelineModule(
+        layer_specs(case["tied"]), num_stages=case["stages"], loss_fn=lm_loss,
+        seed_layers=True, base_seed=BASE_SEED,
+    )  # fmt: skip
+    cfg = config(case["micro"], case["gas"], case.get("stage", 0))
+    engine, _, _, _ = partita.initialize(model=module, config=cfg)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    for step in micro_batches(case["steps"], case["micro"], case["gas"], case["dp"]):
+        engine.train_batch(iter(step[dp_rank]))
+    assert engine.save_16bit_model(case["dir"])
+    with GatheredParameters(list(module.parameters())):
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    out = {"stage": engine.stage_id, "dp_rank": dp_rank, "state": state, "dir": case["dir"]}
+    engine.destroy()
+    return out
+
+
 def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
     """One case of the grid: ``kind`` "train" (`pipe_train`), "bad" (`bad_input`),
-    "reshard" (`reshard`) or "resume" (`resume`)."""
+    "reshard" (`reshard`), "resume" (`resume`) or "save16" (`save16`)."""
     if kind == "reshard":
         return reshard(case)
     if kind == "resume":
         return resume(case)
+    if kind == "save16":
+        return save16(case)
     return pipe_train(case) if kind == "train" else bad_input(case)
 
 

@@ -86,6 +86,10 @@ def _bad_tied() -> list[Any]:
     ]
 
 
+SAVE16 = {"tied": True, "stages": 2, "dp": 2, "stage": 3, **BASE, "steps": 2}
+"""`save_16bit_model` of a pipeline: pp 2 x dp 2, ZeRO 3 inside the stages, tied head."""
+
+
 @pytest.fixture(scope="module")
 def two() -> dict[str, Any]:
     cases = [{"kind": "train", "case": c} for c in TWO]
@@ -102,6 +106,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]
     cases.append({"kind": "reshard", "case": {**BASE, "dir": where}})
     saved = str(tmp_path_factory.mktemp("pipe_checkpoint"))
     cases.append({"kind": "resume", "case": {**BASE, "dir": saved}})
+    cases.append({"kind": "save16", "case": {**SAVE16, "dir": str(tmp_path_factory.mktemp("s16"))}})
     return run_distributed_grid(pipe_grid, 4, cases, timeout=300)
 
 
@@ -170,7 +175,7 @@ def test_engine_checkpoint_of_every_stage_resumes_and_loads_at_other_degrees(
     process on the same batches (master weights and Adam state come from every stage's
     files)."""
     want, _ = reference({"tied": True, "steps": STEPS, "micro": 2, "gas": 4, "dp": 2})
-    for per_rank in four[len(FOUR) + 1 :]:
+    for per_rank in four[len(FOUR) + 1 : len(FOUR) + 2]:  # the resume case
         for got in per_rank:
             # Each stage's data-parallel group wrote its own two files.
             shards = [f for f in got["files"] if f.endswith(".safetensors")]
@@ -328,3 +333,28 @@ def test_config_pipeline_section_sets_the_interval_and_refuses_other_keys() -> N
         take_pipeline_section({"pipeline": {"pipe_partitioned": False}}, m)
     with pytest.raises(ConfigError, match="activation_checkpoint_interval"):
         take_pipeline_section({"pipeline": {"activation_checkpoint_interval": -1}}, m)
+
+
+def test_save_16bit_model_merges_every_stage_into_one_file(
+    four: list[list[dict[str, Any]]],
+) -> None:
+    """pp 2 x dp 2 at ZeRO 3: one ``model.safetensors`` (written by global rank 0) holds every
+    stage's weights under the module's names (global layer indices), the tied embedding once,
+    each bitwise what its stage holds (gathered) after training."""
+    from safetensors.torch import load_file
+
+    per_rank = four[-1]  # the save16 case, one result per rank
+    saved = load_file(f"{per_rank[0]['dir']}/model.safetensors")
+    stages = {r["stage"]: r["state"] for r in per_rank if r["dp_rank"] == 0}
+    assert sorted(stages) == [0, 1]
+    want: dict[str, torch.Tensor] = {}
+    for stage in (0, 1):
+        for name, value in stages[stage].items():
+            want.setdefault(name, value)
+    assert sorted(saved) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(saved[name], value), name
+    tied = [n for n in saved if n.startswith("tied_modules.")]
+    assert tied and all(n in stages[0] and n in stages[1] for n in tied)
+    layers = {int(n.split(".")[0]) for n in saved if n[0].isdigit()}
+    assert layers == set(range(min(layers), max(layers) + 1))  # no stage's layers missing

@@ -178,15 +178,22 @@ class PipelineEngine(Engine):
         assert isinstance(module, PipelineModule)
         return list(module.replicated_tied_parameters())
 
-    def save_16bit_model(self, *args: Any, **kwargs: Any) -> bool:
-        """Not yet: a stage holds only its own layers (``save_checkpoint`` saves every stage;
-        ``engine.module.save_state_dict(dir)`` writes the weights per layer)."""
-        raise _no_checkpoints("save_16bit_model()")
+    def consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """Every stage's weights in the module's dtype, merged on global rank 0 under the
+        `PipelineModule`'s state-dict names (global layer indices; a tied module once), which
+        are those of the same module built at one stage; None elsewhere. Collective: every
+        rank must call. `save_16bit_model` writes it (the engine's, inherited)."""
+        from partita.zero.save16 import consolidated_16bit_state_dict
 
-    def consolidated_16bit_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """Not yet (see `save_16bit_model`): ``self.module.state_dict()`` holds this stage's
-        layers, under their global layer indices."""
-        raise _no_checkpoints("consolidated_16bit_state_dict()")
+        self._require_resident_states("consolidated_16bit_state_dict()")
+        collector = self.dims.dp_ranks[0]  # this stage's first data-parallel rank
+        mine = consolidated_16bit_state_dict(self, exclude_frozen_parameters, collector)
+        if self.dims.rank != collector:
+            return None
+        group = self.grid.get_pipe_parallel_group()
+        return _merge_stages(mine or {}, group, self.dims.rank, self.device)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True: every `train_batch` ends with an optimizer step."""
@@ -595,12 +602,33 @@ def take_pipeline_section(source: Any, module: PipelineModule) -> Any:
     return {k: v for k, v in source.items() if k != "pipeline"}
 
 
-def _no_checkpoints(what: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"{what} of a PipelineModule is not supported yet: each stage holds only its own "
-        "layers; engine.save_checkpoint(dir) saves every stage (loadable at any pipeline "
-        "degree), engine.module.save_state_dict(dir) the weights per layer"
-    )
+def _merge_stages(
+    mine: dict[str, torch.Tensor],
+    group: comm.ProcessGroup | None,
+    rank: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor] | None:
+    """Each stage's `mine` (on its first data-parallel rank, the ranks of `group`) sent to
+    global rank 0, merged in stage order, a name seen before (a tied module) kept once; None
+    on the other stages. Names, dtypes and shapes go first as objects, then the tensors one by
+    one through `device` (NCCL sends device tensors only), so no stage holds more than its
+    own."""
+    metas = comm.all_gather_object([(n, str(t.dtype), tuple(t.shape)) for n, t in mine.items()],
+                                   group=group)  # fmt: skip
+    ranks = comm.all_gather_object(rank, group=group)
+    if rank != 0:
+        for tensor in mine.values():
+            p2p.send(tensor.to(device), 0, tag="save16")
+        return None
+    merged = dict(mine)
+    for source, meta in zip(ranks, metas, strict=True):
+        if source == 0:
+            continue
+        for name, dtype, shape in meta:
+            kind = getattr(torch, dtype.removeprefix("torch."))
+            value = p2p.recv(torch.empty(shape, dtype=kind, device=device), source, tag="save16")
+            merged.setdefault(name, value.cpu())
+    return merged
 
 
 def _floats(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -39,20 +39,21 @@ def _param_batches(engine: Any, exclude_frozen: bool) -> Iterator[list[tuple[str
 
 
 def consolidated_16bit_state_dict(
-    engine: Any, exclude_frozen_parameters: bool = False
+    engine: Any, exclude_frozen_parameters: bool = False, collector: int = 0
 ) -> dict[str, torch.Tensor] | None:
     """The full weights (module dtype, CPU copies) and persistent buffers, keyed like
-    ``engine.module.state_dict()``, on rank 0; None on the other ranks. Collective: every rank
-    must call. Stage 3 gathers one unit at a time, so only rank 0's host holds the whole model.
-    With several replicas it is the first replica's model (see `partita.comm.ParallelDims`)."""
+    ``engine.module.state_dict()``, on global rank `collector`; None on the other ranks.
+    Collective: every rank must call. Stage 3 gathers one unit at a time, so only the
+    collector's host holds the whole model. With several replicas it is the first replica's
+    model (see `partita.comm.ParallelDims`)."""
     rank = engine.dims.rank
     out: dict[str, torch.Tensor] = {}
     for batch in _param_batches(engine, exclude_frozen_parameters):
         with GatheredParameters([p for _, p in batch]):
-            if rank == 0:
+            if rank == collector:
                 for name, p in batch:
                     out[name] = p.detach().to("cpu").contiguous().clone()
-    if rank != 0:
+    if rank != collector:
         return None
     persistent = set(engine.module.state_dict(keep_vars=True))
     for name, buf in engine.module.named_buffers():
@@ -68,9 +69,10 @@ def save_16bit_model(
     exclude_frozen_parameters: bool = False,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> bool:
-    """Writes `consolidated_16bit_state_dict` (collective: every rank must call; global rank 0,
-    of the first replica, writes), split into files of at most `max_shard_bytes`. Returns True."""
-    state = consolidated_16bit_state_dict(engine, exclude_frozen_parameters)
+    """Writes the engine's ``consolidated_16bit_state_dict`` (collective: every rank must call;
+    global rank 0, of the first replica, writes), split into files of at most
+    `max_shard_bytes`. Returns True."""
+    state = engine.consolidated_16bit_state_dict(exclude_frozen_parameters)
     if state is not None:
         os.makedirs(save_dir, exist_ok=True)
         _write(save_dir, save_filename, _split(state, max_shard_bytes))
