@@ -94,17 +94,8 @@ def train(
     engine, _, _, _ = partita.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
-    rank, world = comm.get_rank(), comm.get_world_size()
     before = comm.COUNTERS.bytes("all_to_all", "moe")
-    losses = []
-    for ids in batches(world):
-        mine = ids[rank * PER_RANK : (rank + 1) * PER_RANK]
-        loss = engine(input_ids=mine, labels=mine).loss
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        comm.all_reduce(total, tag="test")
-        losses.append(total.item() / world)
+    losses = _steps(engine, batches(comm.get_world_size()))
     experts = model.model.layers[0].mlp.experts
     out = {
         "losses": losses,
