@@ -24,7 +24,6 @@ numbers per layer, made only while the monitor is enabled or the figures were as
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,19 +35,15 @@ EVENT_PREFIX = "Train/MoE"
 ``.../l_aux``."""
 
 
-@dataclass
-class _Tally:
-    """One layer's routes since the last step."""
-
-    counts: torch.Tensor
-    """[E] routes per expert (float64)."""
-    kept: float = 0.0
-    aux: float = 0.0
-    forwards: int = 0
-    aux_forwards: int = 0
-
-
-_TALLIES: weakref.WeakKeyDictionary[nn.Module, _Tally] = weakref.WeakKeyDictionary()
+_STATS = 4
+"""A tally row after its E counts: routes kept, aux loss sum, forwards, forwards with an aux."""
+_TALLIES: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+"""Each layer's tally since the last step: one float64 row on the layer's device (adding to it
+never waits for the device; the step reads every row at once)."""
+_LAYERS: weakref.WeakKeyDictionary[nn.Module, list[tuple[str, nn.Module]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each model's MoE layers, found once (not by walking its modules every step)."""
 
 
 def _in_backward() -> bool:
@@ -64,21 +59,26 @@ def record(
     `kept` routes not dropped, `aux` the gate's auxiliary loss (None without one)."""
     if not layer.training or _in_backward():
         return
-    counts = counts.detach().to("cpu", torch.float64).reshape(-1)
-    tally = _TALLIES.get(layer)
-    if tally is None or tally.counts.numel() != counts.numel():
-        tally = _TALLIES[layer] = _Tally(torch.zeros_like(counts))
-    tally.counts += counts
-    tally.kept += float(kept)
-    tally.forwards += 1
+    counts = counts.detach().reshape(-1)
+    row = _TALLIES.get(layer)
+    if row is None or row.numel() != counts.numel() + _STATS:
+        row = _TALLIES[layer] = counts.new_zeros(counts.numel() + _STATS, dtype=torch.float64)
+    row[: counts.numel()] += counts
+    row[-4] += kept
+    row[-2] += 1
     if aux is not None:
-        tally.aux += float(aux.detach())
-        tally.aux_forwards += 1
+        row[-3] += aux.detach().reshape(())
+        row[-1] += 1
 
 
 def _layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The MoE layers of `module` that keep tallies, with their module names, in order."""
-    return [(name or "model", m) for name, m in module.named_modules() if _is_moe_layer(m)]
+    found = _LAYERS.get(module)
+    if found is None:
+        found = _LAYERS[module] = [
+            (name or "model", m) for name, m in module.named_modules() if _is_moe_layer(m)
+        ]
+    return found
 
 
 def _is_moe_layer(m: nn.Module) -> bool:
@@ -97,28 +97,19 @@ def step_figures(module: nn.Module, group: comm.ProcessGroup | None) -> dict[str
         return {}
     rows = []
     for _, layer in layers:
-        tally = _TALLIES.pop(layer, None)
-        experts = _num_experts(layer)
-        if tally is None:
-            tally = _Tally(torch.zeros(experts, dtype=torch.float64))
-        rows.append(
-            torch.cat(
-                [
-                    tally.counts,
-                    torch.tensor(
-                        [tally.kept, tally.aux, tally.forwards, tally.aux_forwards],
-                        dtype=torch.float64,
-                    ),
-                ]
-            )
-        )
+        row = _TALLIES.pop(layer, None)
+        if row is None:
+            device = next(layer.parameters()).device
+            row = torch.zeros(_num_experts(layer) + _STATS, dtype=torch.float64, device=device)
+        rows.append(row)
     flat = torch.cat(rows)
     comm.all_reduce(flat, group=group, tag="moe_stats")
+    flat = flat.cpu()  # the step's one read of the tallies
     out, at = {}, 0
     for (name, _), row in zip(layers, rows, strict=True):
         part = flat[at : at + row.numel()]
         at += row.numel()
-        out[name] = _figures(part[:-4], *part[-4:].tolist())
+        out[name] = _figures(part[:-_STATS], *part[-_STATS:].tolist())
     return out
 
 
