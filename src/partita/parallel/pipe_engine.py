@@ -613,18 +613,17 @@ def _merge_stages(
     on the other stages. Names, dtypes and shapes go first as objects, then the tensors one by
     one through `device` (NCCL sends device tensors only), so no stage holds more than its
     own."""
-    metas = comm.all_gather_object([(n, str(t.dtype), tuple(t.shape)) for n, t in mine.items()],
-                                   group=group)  # fmt: skip
-    ranks = comm.all_gather_object(rank, group=group)
+    meta = [(n, str(t.dtype), tuple(t.shape)) for n, t in mine.items()]
+    stages = comm.all_gather_object((rank, meta), group=group)
     if rank != 0:
         for tensor in mine.values():
             p2p.send(tensor.to(device), 0, tag="save16")
         return None
     merged = dict(mine)
-    for source, meta in zip(ranks, metas, strict=True):
+    for source, listed in stages:
         if source == 0:
             continue
-        for name, dtype, shape in meta:
+        for name, dtype, shape in listed:
             kind = getattr(torch, dtype.removeprefix("torch."))
             value = p2p.recv(torch.empty(shape, dtype=kind, device=device), source, tag="save16")
             merged.setdefault(name, value.cpu())
