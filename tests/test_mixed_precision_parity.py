@@ -3,7 +3,7 @@
 The reference (`mixed_precision_workers.reference_run16`, torch only) keeps a 16-bit copy of the
 model for forward and backward and fp32 master weights stepped by fused ``torch.optim.AdamW``;
 fp16 adds DeepSpeed's loss scaling (`RefScaler`). It mirrors what partita does, read from
-src/partita/engine/, precision/ and zero/ (grad_buckets, sharded_grads, stage3/grads,
+src/partita/engine/, precision/ and zero/ (reduction, sharded_grads, stage3/grads,
 shard_step):
 
 - the fp32 loss is divided by the accumulation steps, then multiplied by the loss scale before

@@ -21,7 +21,7 @@ from partita.optim import OptimConfigError, build_optimizer, build_scheduler
 from partita.optim.optimizers import check_optimizer_config
 from partita.optim.schedulers import check_scheduler_config
 from partita.precision import DynamicLossScaler, LossScaler, PrecisionPolicy, StaticLossScaler
-from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.reduction import ReduceScaling
 from partita.zero.shard_step import TensorParallelNorm
 from partita.zero.sharded import Sharded
 from partita.zero.stage0 import DataParallel

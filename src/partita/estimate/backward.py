@@ -93,7 +93,7 @@ def pool_peak(buffers: Sequence[int], keep: int = POOL_KEEP, in_flight: int = MA
 
 def _bucket_starts(order: Sequence[int], bucket_numel: int) -> list[tuple[int, int]]:
     """(parameters before it, elements) of each bucket, cut from the end of `order` as
-    ``partita.zero.grad_buckets`` cuts them (`plan_buckets` walked in reverse order)."""
+    ``partita.zero.sharded_grads`` cuts them (`plan_buckets` walked in reverse order)."""
     from partita.partition import plan_buckets
 
     out, seen = [], 0

@@ -17,7 +17,7 @@ from partita.offload.placement import Placement
 from partita.partition import FlatLayout, plan_buckets, segment_views
 from partita.platform.accelerator import pin_if
 from partita.precision import PrecisionPolicy
-from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.reduction import ReduceScaling
 from partita.zero.released_grads import ensure_grad, held_bytes
 from partita.zero.shard_step import (
     COPY_SLICE_NUMEL,

@@ -11,9 +11,11 @@ pair up even if gradients arrive in another order; a complete bucket waits for i
 (Not ZeRO-3's *unit*, `partita.zero.stage3.unit.ShardedUnit`: parameters gathered together.)
 
 Stage 1 keeps full gradients in one buffer per bucket (``.grad`` are views into it: [Note:
-bucket buffers and gradient views] in `partita.zero.grad_buckets`) until the step, and reduces only during the boundary backward. Stage 0 does the same with an all-reduce
+bucket buffers and gradient views] in `partita.zero.reduction`) until the step, and reduces
+only during the boundary backward. Stage 0 does the same with an all-reduce
 (``collective="all_reduce"``): the sum lands in the bucket's buffer itself, so ``.grad`` holds
-the reduced gradient with no copy out; its layouts have no padding (one rank, `stage0_layout`). Stage 2 copies each
+the reduced gradient with no copy out; its layouts have no padding (one rank,
+`stage0_layout`). Stage 2 copies each
 gradient into its bucket's transient buffer as soon as it is ready and frees ``.grad``; at most
 `max_in_flight` buckets are alive at once, so full gradients never exist beyond that working
 set. Stage 1's buffers and both stages' fp32 gradient shards exist from the first backward after
@@ -28,10 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from partita import comm
-from partita.offload.host_adds import HostAdds
 from partita.partition import FlatLayout, Segment, plan_buckets
-from partita.zero.buffer_pool import BufferPool
-from partita.zero.grad_buckets import ReduceScaling
+from partita.zero.reduction import Collective, GradReducer, ReduceScaling
 
 MAX_IN_FLIGHT = 2
 """Reduce-scatters in flight by default; the pool keeps one free buffer more than that
@@ -58,17 +58,14 @@ class GradBucket:
     """True when `buffer` is a parameter's own gradient taken over without a copy (stage 2, a
     bucket of one parameter that fills its segment): it is dropped after the reduction instead of
     going back to the pool."""
-    sent: torch.Tensor | None = None
-    """What the reduce-scatter reads: the buffer itself or a converted copy of it."""
-    output: torch.Tensor | None = None
-    handle: comm.Work | None = None
     held: bool = False
     """Reduced only by `flush_held` (see `ShardedGradients.hold`), not in each backward."""
 
 
 @dataclass
 class ShardedGradients:
-    """Owns gradient buffers and reduce-scatters for the groups of a ZeRO-1/2 strategy."""
+    """Owns the gradient buckets of a ZeRO 0-2 strategy's groups: counts each bucket's
+    arrivals and hands complete buckets, in order, to one `GradReducer`."""
 
     layouts: list[FlatLayout]
     params: list[list[torch.nn.Parameter]]
@@ -88,7 +85,7 @@ class ShardedGradients:
     group_of: list[comm.ProcessGroup | None] | None = None
     """Each parameter group's own process group, where it differs from `group` (expert
     groups: [Note: expert parallelism] in `partita.comm.dims`); None: `group` for all."""
-    collective: str = "reduce_scatter"
+    collective: Collective = "reduce_scatter"
     """"reduce_scatter" (stages 1-2: each rank's chunk goes into its gradient shard) or
     "all_reduce" (stage 0, `persistent`: the whole sum stays in the bucket's buffer)."""
     buckets: list[GradBucket] = field(init=False, default_factory=list)
@@ -99,9 +96,10 @@ class ShardedGradients:
         self._bucket_of: dict[torch.nn.Parameter, tuple[GradBucket, int]] = {}
         self._build_buckets()
         self._next = 0
-        self._in_flight: list[GradBucket] = []
-        self._host_adds = HostAdds()  # into offloaded shard gradients, applied as copies land
-        self._pool = BufferPool(keep=self.max_in_flight + 1)
+        self.reducer = GradReducer(
+            self.scaling, self.reduce_dtype, self.collective, self.max_in_flight,
+            pool_keep=self.max_in_flight + 1, replicas=self.replicas,
+        )  # fmt: skip
         hooks = [
             p.register_post_accumulate_grad_hook(self._on_ready) for g in self.params for p in g
         ]
@@ -150,9 +148,7 @@ class ShardedGradients:
         for bucket in self.buckets:
             if bucket.held:
                 self._launch(bucket)
-        while self._in_flight:
-            self._retire(self._in_flight.pop(0))
-        self._host_adds.drain()
+        self.reducer.finish()
 
     @property
     def persistent_bytes(self) -> int:
@@ -165,7 +161,7 @@ class ShardedGradients:
     def pool_held_bytes(self) -> int:
         """Bytes of stage 2's pooled reduce buffers now, lent out or free (none between
         steps)."""
-        return self._pool.held_bytes
+        return self.reducer.pool.held_bytes
 
     @property
     def persistent_held_bytes(self) -> int:
@@ -245,8 +241,9 @@ class ShardedGradients:
         )
 
     def _new_buffer(self, bucket: GradBucket, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._pool.acquire(bucket.segment.padded_numel, dtype, bucket.params[0].device)
-        self.peak_transient_bytes = self._pool.peak_bytes
+        pool = self.reducer.pool
+        buf = pool.acquire(bucket.segment.padded_numel, dtype, bucket.params[0].device)
+        self.peak_transient_bytes = pool.peak_bytes
         return buf
 
     def _launch_ready(self) -> None:
@@ -261,71 +258,34 @@ class ShardedGradients:
         seg = bucket.segment
         if seg.padded_numel == 0:
             return
-        while len(self._in_flight) >= self.max_in_flight:
-            self._retire(self._in_flight.pop(0))
+        self.reducer.make_room(seg.padded_numel)  # before a buffer for zeros comes from the pool
+        release = None
         if self.persistent:
             data = self._materialize(bucket)  # no gradient reached it: its zeros are reduced
         else:
             if bucket.buffer is None:  # no gradient arrived (unused parameters): reduce zeros
                 bucket.buffer = self._new_buffer(bucket, bucket.params[0].dtype)
             data = bucket.buffer
-        if self.collective == "all_reduce":  # in place: the buffer is the gradients' home
-            bucket.sent = data if data.dtype == self.reduce_dtype else data.to(self.reduce_dtype)
-            if self.scaling.before != 1.0:
-                bucket.sent.mul_(self.scaling.before)
-            group = self._group(bucket.group)
-            bucket.handle = comm.all_reduce(bucket.sent, group=group, async_op=True, tag="grad")
-            self._in_flight.append(bucket)
-            return
-        if data.dtype != self.reduce_dtype or self.scaling.before != 1.0:
-            data = data.to(self.reduce_dtype, copy=True).mul_(self.scaling.before)
-        bucket.sent = data
-        bucket.output = torch.empty(seg.chunk_numel, dtype=self.reduce_dtype, device=data.device)
-        bucket.handle = comm.reduce_scatter(
-            bucket.output, data, group=self._group(bucket.group), async_op=True, tag="grad"
-        )
-        self._in_flight.append(bucket)
+            release = None if bucket.adopted else data  # an adopted gradient is just dropped
+            bucket.buffer, bucket.adopted = None, False
+        deliver = None if self.collective == "all_reduce" else self._into_shard(bucket)
+        self.reducer.launch(data, self._group(bucket.group), deliver, release)
+
+    def _into_shard(self, bucket: GradBucket) -> Callable[[torch.Tensor], None]:
+        """Where `bucket`'s reduced chunk goes: added into its group's fp32 gradient shard (a
+        host copy under optimizer offload), made when the reduction ends."""
+        seg = bucket.segment
+
+        def deliver(chunk: torch.Tensor) -> None:
+            assert self.shard_grad is not None  # reduce-scatter: every group has a shard
+            shard = self.shard_grad(bucket.group)
+            self.reducer.add(shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel], chunk)
+
+        return deliver
 
     def _group(self, index: int) -> comm.ProcessGroup | None:
         """The process group parameter group `index` reduces over."""
         return self.group if self.group_of is None else self.group_of[index]
-
-    def _retire(self, bucket: GradBucket) -> None:
-        if bucket.handle is not None:
-            bucket.handle.wait()
-        if self.collective == "all_reduce":
-            self._retire_in_place(bucket)
-            return
-        out = bucket.output
-        assert out is not None
-        if self.replicas is not None:
-            # Each replica reduced its own ranks' gradients: the sum over replicas makes the
-            # sum over the whole data-parallel world, scaled below by its size.
-            comm.all_reduce(out, group=self.replicas, tag="grad")
-        if self.scaling.after != 1.0:
-            out.mul_(self.scaling.after)
-        seg = bucket.segment
-        assert self.shard_grad is not None  # reduce-scatter: every group has a shard
-        shard = self.shard_grad(bucket.group)
-        dst = shard[seg.shard_offset : seg.shard_offset + seg.chunk_numel]
-        self._host_adds.add(dst, out)  # a host copy under optimizer offload
-        if not self.persistent:  # stage 1 keeps its full gradients until the step
-            if bucket.buffer is not None and not bucket.adopted:
-                self._pool.release(bucket.buffer)
-            bucket.buffer = None
-        bucket.sent = bucket.output = bucket.handle = None
-        bucket.adopted = False
-
-    def _retire_in_place(self, bucket: GradBucket) -> None:
-        """An all-reduced bucket: the sum (converted back when it was sent in another dtype)
-        in its buffer, scaled."""
-        buffer = bucket.buffer
-        assert buffer is not None and bucket.sent is not None
-        if bucket.sent is not buffer:
-            buffer.copy_(bucket.sent)
-        if self.scaling.after != 1.0:
-            buffer.mul_(self.scaling.after)
-        bucket.sent = bucket.handle = None
 
     def materialize(self) -> None:
         """Stage 0-1: makes every released full-gradient buffer (zeroed): the step reads every
@@ -340,9 +300,7 @@ class ShardedGradients:
         for bucket in self.buckets[self._next :]:
             bucket.pending = 0
         self._launch_ready()
-        while self._in_flight:
-            self._retire(self._in_flight.pop(0))
-        self._host_adds.drain()
+        self.reducer.finish()
         self.armed = False
 
     def release(self) -> None:
@@ -353,7 +311,7 @@ class ShardedGradients:
                 p.grad = None
             if self.persistent:
                 bucket.buffer, bucket.views = None, []
-        self._pool.drop_free()
+        self.reducer.pool.drop_free()
 
     def remove_hooks(self) -> None:
         """Detaches the gradient hooks."""

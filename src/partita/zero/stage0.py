@@ -15,8 +15,8 @@ import torch
 
 from partita import comm
 from partita.precision import PrecisionPolicy
-from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.master import MasterWeights
+from partita.zero.reduction import ReduceScaling
 from partita.zero.shard_step import TensorParallelNorm, sum_of_squares, tensor_norms
 from partita.zero.sharded_grads import ShardedGradients, stage0_layout
 from partita.zero.state_access import ParamSlot, ParamStates

@@ -37,8 +37,8 @@ from partita.offload.placement import OffloadPlacement
 from partita.optim.cpu_adam import CPUAdam, CPUAdamW, Slice
 from partita.partition import plan_buckets
 from partita.precision import PrecisionPolicy
-from partita.zero.grad_buckets import ReduceScaling
 from partita.zero.init import full_value, hand_back
+from partita.zero.reduction import ReduceScaling
 from partita.zero.released_grads import ensure_grad, held_bytes, release_grads
 from partita.zero.shard_step import HostStep, TensorParallelNorm, host_step, sharded_step
 from partita.zero.stage3.gather import (
