@@ -18,6 +18,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "initialize": ("partita.api", "initialize"),
     "init_inference": ("partita.inference", "init_inference"),
     "tp_model_init": ("partita.engine.tensor_parallel", "tp_model_init"),
+    "pipeline_from_hf": ("partita.parallel.hf_pipe", "pipeline_from_hf"),
     "init_distributed": ("partita.comm", "init_distributed"),
     "add_config_arguments": ("partita.api", "add_config_arguments"),
     "DeepSpeedEngine": ("partita.engine", "Engine"),
