@@ -45,6 +45,18 @@ each tensor rank seeded apart: against one process drawing the data-parallel ran
 DROPOUT_RERUN = ("gpt2", 2, 3)
 DROPOUT_RECOMPUTE = ("gpt2", 2, 1)
 """With Transformers' gradient checkpointing: the recomputation draws the forward's masks."""
+SEQUENCE = [
+    ("llama", 2, 0),
+    ("llama", 2, 3),
+    ("llama", 4, 1),
+    ("gpt2", 2, 2),
+    ("gpt2", 4, 3),
+]
+"""With ``tensor_parallel.sequence_parallel`` ([Note: sequence-parallel norms] in
+`partita.parallel.tp_sequence`): the stream between the blocks split by sequence."""
+SEQUENCE_DROPOUT = [("gpt2", 2, 1), ("llama", 2, 3)]
+"""Sequence parallelism with dropout: GPT-2's residual-branch dropouts on sequence slices."""
+SEQUENCE_RECOMPUTE = ("gpt2", 2, 1)
 NORM_RTOL = 1e-5
 """Clipped gradient norms of the dropout runs: the fp32 reference itself moves by up to 4e-6 from
 a float64 run with the same masks by step 3 (AdamW at lr 1e-2 amplifies rounding), so norms get
@@ -79,6 +91,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {**_train(DROPOUT_RERUN), "dropout": True},
         {**_train(DROPOUT_RECOMPUTE), "dropout": True, "recompute": True},
         *[{"case": "refusal", "what": what} for what in REFUSALS],
+        *[{**_train(c), "sequence": True} for c in SEQUENCE],
+        *[{**_train(c), "sequence": True, "dropout": True} for c in SEQUENCE_DROPOUT],
+        {**_train(SEQUENCE_RECOMPUTE), "sequence": True, "dropout": True, "recompute": True},
+        {**_train(SEQUENCE[0]), "sequence": True},  # again: bitwise
+        {"case": "odd_length"},
     ]
     per_case = iter(run_distributed_grid(tp_grid, WORLD, cases, timeout=300))
     return {
@@ -88,6 +105,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "dropout_rerun": next(per_case),
         "dropout_recompute": next(per_case),
         "refusals": {what: next(per_case) for what in REFUSALS},
+        "sequence": {c: next(per_case) for c in SEQUENCE},
+        "sequence_dropout": {c: next(per_case) for c in SEQUENCE_DROPOUT},
+        "sequence_recompute": next(per_case),
+        "sequence_rerun": next(per_case),
+        "odd_length": next(per_case),
     }
 
 
@@ -342,3 +364,110 @@ def test_sdpa_dropout_on_split_heads_is_refused_by_name() -> None:
     q = torch.randn(1, 2, 3, 4)
     with region, pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn: .*eager"):
         nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("case", SEQUENCE, ids=lambda c: f"{c[0]}-tp{c[1]}-stage{c[2]}")
+def test_sequence_parallel_matches_one_process(
+    results: dict[str, Any], case: tuple[str, int, int]
+) -> None:
+    """The norms and residual adds on 1/tp of the sequence, the norms' gradients summed over
+    the tensor ranks: the one-process losses and clipped norms on the whole batch."""
+    kind, tp, _ = case
+    ref = _reference(kind, WORLD // tp)
+    for run in results["sequence"][case]:
+        assert_losses(run["losses"], ref["losses"])
+        assert_losses(run["norms"], ref["norms"])
+
+
+@pytest.mark.parametrize("case", SEQUENCE_DROPOUT, ids=lambda c: f"{c[0]}-tp{c[1]}-stage{c[2]}")
+def test_sequence_parallel_dropout_keeps_this_ranks_rows_of_the_mask(
+    results: dict[str, Any], case: tuple[str, int, int]
+) -> None:
+    _assert_dropout_parity(results["sequence_dropout"][case], case[0], case[1])
+
+
+def test_sequence_parallel_with_activation_checkpointing(results: dict[str, Any]) -> None:
+    kind, tp, _ = SEQUENCE_RECOMPUTE
+    _assert_dropout_parity(results["sequence_recompute"], kind, tp)
+
+
+def test_sequence_parallel_rerun_is_bitwise(results: dict[str, Any]) -> None:
+    for first, again in zip(results["sequence"][SEQUENCE[0]], results["sequence_rerun"],
+                            strict=True):  # fmt: skip
+        assert first["losses"] == again["losses"] and first["norms"] == again["norms"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_sequence_parallel_collectives_move_what_the_plan_says(
+    results: dict[str, Any], kind: str
+) -> None:
+    """Per block: forward an all-gather of the input and a reduce-scatter of the row-parallel
+    output, backward their adjoints (a reduce-scatter and an all-gather); each is counted with
+    the whole micro-batch's activation (an all-gather and a reduce-scatter together move on
+    the wire what one all-reduce moves). Once per step: the first layer's cut (its backward
+    all-gathers) and the final norm's join (an all-gather forward). The replicated parameters
+    used on slices (norm weights and biases, row-parallel biases) all-reduce their gradients;
+    Llama's vocabulary-parallel head as in plain tensor parallelism."""
+    act = MICRO * SEQ * 32 * 4
+    layers, hidden_bytes = 2, 32 * 4
+    blocks = layers * 2 * 4 * act
+    if kind == "llama":
+        head = act + MICRO * SEQ * (4 + 2 * 8)
+        replicated = (2 * layers + 1) * hidden_bytes  # two RMSNorm weights a layer, the last
+        case: tuple[str, int, int] = ("llama", 2, 0)
+    else:
+        head = 0
+        replicated = (6 * layers + 2) * hidden_bytes  # ln_1, ln_2 (w, b), two c_proj biases
+        case = ("gpt2", 2, 2)
+    for run in results["sequence"][case]:
+        assert run["tp_bytes"] == [blocks + 2 * act + head + replicated] * STEPS
+
+
+def test_sequence_length_not_dividing_is_refused_by_value(results: dict[str, Any]) -> None:
+    for message in results["odd_length"]:
+        assert "sequence_parallel: sequence length 7 does not divide by" in message, message
+
+
+def test_sequence_parallel_refuses_models_it_cannot_cut() -> None:
+    """Checked from the module tree alone: a dropout on the stream outside the blocks, and a
+    model with no final norm after its layers."""
+    from torch import nn
+
+    from partita.parallel.tp_sequence import plan_sequence_parallel
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp, self.drop = Block(), nn.Dropout(0.1)
+
+    class Model(nn.Module):
+        def __init__(self, norm: bool) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            if norm:
+                self.norm = nn.LayerNorm(4)
+
+    styles = {
+        f"layers.{i}.mlp.{n}": s
+        for i in (0, 1)
+        for n, s in (("up", "colwise"), ("down", "rowwise"))
+    }
+    with pytest.raises(ValueError, match=r"Model\.layers\.0\.drop is a dropout \(p=0\.1\)"):
+        plan_sequence_parallel(Model(norm=True), styles)
+    plain = Model(norm=False)
+    for layer in plain.layers:
+        layer.drop.p = 0.0
+    with pytest.raises(ValueError, match="Model has no final norm after layers"):
+        plan_sequence_parallel(plain, styles)
+    plain.norm = nn.LayerNorm(4)
+    plan = plan_sequence_parallel(plain, styles)
+    assert (plan.layers, plan.blocks, plan.norm) == (
+        "layers",
+        ("layers.0.mlp", "layers.1.mlp"),
+        "norm",
+    )

@@ -100,14 +100,17 @@ def dropout_reference(kind: str, dp: int) -> dict[str, list[float]]:
     return {"losses": losses, "norms": norms}
 
 
-def _config(tp: int, stage: int) -> dict[str, Any]:
+def _config(tp: int, stage: int, sequence: bool = False) -> dict[str, Any]:
+    section: dict[str, Any] = {"autotp_size": tp}
+    if sequence:
+        section["sequence_parallel"] = True
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage},
-        "tensor_parallel": {"autotp_size": tp},
+        "tensor_parallel": section,
     }
 
 
@@ -126,18 +129,20 @@ def train(
     folder: str | None = None,
     dropout: bool = False,
     recompute: bool = False,
+    sequence: bool = False,
 ) -> dict[str, Any]:
     """Trains `model_kind` at tensor size `tp` and ZeRO `stage` (``via`` "tp_model_init": the size
     comes from `partita.tp_model_init` and the config has no tensor_parallel section); with a
     `folder`, then checkpoints and reloads at tensor degree 1 (`reload_whole`). `dropout`: with
     `DROPOUT`'s rates, seeded per tensor rank (see `SEED`); `recompute`: with Transformers'
-    gradient checkpointing (torch's checkpoint per block)."""
+    gradient checkpointing (torch's checkpoint per block); `sequence`: with
+    ``tensor_parallel.sequence_parallel``."""
     world = dist.get_world_size()
     dp = world // tp
     model = build_model(model_kind, dropout=dropout)
     if recompute:
         model.gradient_checkpointing_enable({"use_reentrant": False})
-    config = _config(tp, stage)
+    config = _config(tp, stage, sequence)
     if via == "tp_model_init":
         del config["tensor_parallel"]
         model = partita.tp_model_init(model, tp_size=tp, dtype=torch.float32)
@@ -217,8 +222,27 @@ def refusal(what: str) -> str:
     return "accepted"
 
 
+def odd_length() -> str:
+    """With ``tensor_parallel.sequence_parallel`` at tp 2, a batch of odd length: the error of
+    the forward, raised before its first collective (then a whole step at the even length still
+    runs on every rank)."""
+    engine = partita.initialize(model=build_model("llama"), config=_config(2, 1, True))[0]
+    ids = batches(engine.dims.dp_world_size)[0][:MICRO]
+    try:
+        engine(input_ids=ids[:, :-1], labels=ids[:, :-1])
+        message = "accepted"
+    except ValueError as error:
+        message = str(error)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.destroy()
+    return message
+
+
 def tp_grid(case: str, **kwargs: Any) -> Any:
-    """One case of the grid: "train" or "refusal" (their functions' arguments)."""
+    """One case of the grid: "train", "refusal" or "odd_length" (their functions' arguments)."""
     if case == "train":
         return train(**kwargs)
+    if case == "odd_length":
+        return odd_length()
     return refusal(**kwargs)

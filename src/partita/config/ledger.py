@@ -348,6 +348,7 @@ LEDGER: dict[str, Entry] = {
         "model where it is and the engine places it"
     ),
     "tensor_parallel.vocab_parallel_lm_head": _read(_TENSOR),
+    "tensor_parallel.sequence_parallel": _read(_TENSOR),
     "tensor_parallel.vocab_parallel_ce_backend": _refused("the Liger cross-entropy", "liger"),
     "tensor_parallel.tensor_parallel.tp_grain_size": _refused(
         "uneven splits (every split is even, or refused by name)", 64

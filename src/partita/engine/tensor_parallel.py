@@ -46,6 +46,9 @@ class _InitArgs:
 
 _RECORDED: list[_InitArgs] = []
 _VOCAB_LOSS: list[bool] = []
+_SEQUENCE: list[bool] = []
+"""Whether the job's config asks for sequence parallelism between the blocks
+(``tensor_parallel.sequence_parallel``; read and used as `_VOCAB_LOSS` is)."""
 """Whether the job's config lets a vocabulary-split head feed a vocabulary-parallel loss (read by
 `check_tensor_parallel`, used by `parallelize_model`; `api.initialize` passes neither the config)."""
 
@@ -131,6 +134,7 @@ def check_tensor_parallel(
     section = config.tensor_parallel
     # None (unset) or true: on where the head is split by vocabulary; false: gathered logits.
     _VOCAB_LOSS[:] = [section.vocab_parallel_lm_head is not False]
+    _SEQUENCE[:] = [bool(section.sequence_parallel)]
     if not _RECORDED and max(section.autotp_size, 1) != tp:  # the raw read missed the file
         raise config_error(KEY, f"{section.autotp_size}: read as {tp} before validation")
     inner = section.tensor_parallel.tp_size
@@ -161,7 +165,7 @@ def check_tensor_parallel(
     from partita.parallel.tensor import check_tensor_parallel as check_model
 
     try:
-        check_model(model, tp, world)
+        check_model(model, tp, world, bool(section.sequence_parallel))
     except (PlanError, ValueError) as error:
         raise config_error(KEY, f"{tp}: {error}") from None
 
@@ -238,7 +242,8 @@ def parallelize_model(model: Any, dims: comm.ParallelDims) -> None:
     from partita.parallel.tensor import parallelize
     from partita.parallel.vocab_loss import install_causal_lm_loss
 
-    split = parallelize(model, dims.tp_group, dims.tp_ranks, dims.tp_rank)
+    sequence = bool(_SEQUENCE and _SEQUENCE[0])
+    split = parallelize(model, dims.tp_group, dims.tp_ranks, dims.tp_rank, sequence)
     if not (_VOCAB_LOSS[0] if _VOCAB_LOSS else True):
         return
     for name, style in split.replaced.items():
@@ -251,3 +256,4 @@ def clear_recorded() -> None:
     several in one process)."""
     _RECORDED.clear()
     _VOCAB_LOSS.clear()
+    _SEQUENCE.clear()

@@ -44,6 +44,12 @@ from partita.comm.process_group import ProcessGroup
 from partita.inference.plan import PlanError, ShardPlan, build_plan
 from partita.inference.shard import take_slice
 from partita.parallel.tp_dropout import has_dropout, install_split_dropout, sync_generators
+from partita.parallel.tp_sequence import (
+    SequencePlan,
+    install_sequence_parallel,
+    plan_sequence_parallel,
+    reduce_scatter_sequence,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -205,11 +211,20 @@ class ColumnParallelLinear(_SplitLinear):
         super().__init__(weight, bias, place, transposed)
         self.gather_output = gather_output
         self.shared = shared
+        self.gathered_input = False
+        """Sequence parallelism: the input comes from an all-gather along the sequence whose
+        backward reduce-scatters the input gradient, so no copy is taken here ([Note:
+        sequence-parallel norms] in `partita.parallel.tp_sequence`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with `gather_output`)."""
         group = self.place.group
-        copied = self.shared.copy(x, group) if self.shared else copy_to_tensor_region(x, group)
+        if self.gathered_input:
+            copied = x
+        elif self.shared:
+            copied = self.shared.copy(x, group)
+        else:
+            copied = copy_to_tensor_region(x, group)
         y = _matmul(copied, self.weight, self.transposed)
         if self.bias is not None:
             y = y + self.bias
@@ -225,9 +240,19 @@ class RowParallelLinear(_SplitLinear):
     """A linear holding this rank's input features; the partial outputs are summed over the
     tensor group and the (replicated) bias added once (see [Note: tensor-parallel training])."""
 
+    sequence_parallel = False
+    """Sequence parallelism: the partial outputs are reduce-scattered along the sequence, each
+    rank keeping its slice of the sum ([Note: sequence-parallel norms] in
+    `partita.parallel.tp_sequence`)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole output, identical on every rank of the group."""
-        y = reduce_from_tensor_region(_matmul(x, self.weight, self.transposed), self.place.group)
+        """The whole output, identical on every rank of the group (with `sequence_parallel`,
+        this rank's sequence slice of it)."""
+        partial = _matmul(x, self.weight, self.transposed)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.place.group, self.place.size)
+        else:
+            y = reduce_from_tensor_region(partial, self.place.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -239,10 +264,12 @@ class TensorParallelModel:
     replaced: dict[str, str]
 
 
-def check_tensor_parallel(model: nn.Module, tp_size: int, world_size: int) -> ShardPlan:
-    """Raises, naming the value, unless `model` splits over `tp_size` ranks for training and
-    `tp_size` divides `world_size`; reads shapes only (no collective: every rank raises alike).
-    Returns tensor rank 0's plan."""
+def check_tensor_parallel(
+    model: nn.Module, tp_size: int, world_size: int, sequence_parallel: bool = False
+) -> ShardPlan:
+    """Raises, naming the value, unless `model` splits over `tp_size` ranks for training (with
+    `sequence_parallel`, the stream between its blocks too) and `tp_size` divides `world_size`;
+    reads shapes only (no collective: every rank raises alike). Returns tensor rank 0's plan."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tensor_parallel.autotp_size: {tp_size!r} must be a positive integer")
     if world_size % tp_size:
@@ -269,6 +296,8 @@ def check_tensor_parallel(model: nn.Module, tp_size: int, world_size: int) -> Sh
             f"{next(iter(plan.vocab))}: vocabulary size {plan.vocab_size} does not split evenly "
             f"over tensor_parallel.autotp_size {tp_size}"
         )
+    if sequence_parallel:
+        plan_sequence_parallel(model, plan.styles)
     return plan
 
 
@@ -421,15 +450,24 @@ def _dropout_columns(
 
 
 def parallelize(
-    model: nn.Module, group: ProcessGroup | None, ranks: tuple[int, ...], rank: int
+    model: nn.Module,
+    group: ProcessGroup | None,
+    ranks: tuple[int, ...],
+    rank: int,
+    sequence_parallel: bool = False,
 ) -> TensorParallelModel:
     """Splits `model` in place over the tensor group `group` (global `ranks`, in tensor-rank
     order; this process is tensor rank `rank`): column- and row-parallel linears replace the
-    planned ones, attention modules get this rank's head counts. Collective over `group`
-    (every rank of it calls it); `check_tensor_parallel` first, so bad shapes raise before."""
+    planned ones, attention modules get this rank's head counts; with `sequence_parallel`, the
+    stream between the blocks is split by sequence ([Note: sequence-parallel norms] in
+    `partita.parallel.tp_sequence`). Collective over `group` (every rank of it calls it);
+    `check_tensor_parallel` first, so bad shapes raise before."""
     size = len(ranks)
-    check_tensor_parallel(model, size, size)
+    check_tensor_parallel(model, size, size, sequence_parallel)
     plan = build_plan(model, size, rank)
+    sequence: SequencePlan | None = None
+    if sequence_parallel:
+        sequence = plan_sequence_parallel(model, plan.styles)
     place = _Place(group, size, rank)
     _broadcast_model(model, place, ranks)
     replaced: dict[str, str] = {}
@@ -450,5 +488,7 @@ def parallelize(
     if dropout:
         sync_generators(place.group, ranks[0], next(iter(model.parameters())).device)
         rows = [name for name, style in replaced.items() if style == "rowwise"]
-        install_split_dropout(model, columns, rows, size, rank)
+        install_split_dropout(model, columns, rows, size, rank, sequence=sequence is not None)
+    if sequence is not None:
+        install_sequence_parallel(model, sequence, place.group, size, rank)
     return TensorParallelModel(plan, replaced)

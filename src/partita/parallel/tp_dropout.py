@@ -91,10 +91,13 @@ def sync_generators(group: ProcessGroup | None, src: int, device: torch.device) 
 
 @dataclass(frozen=True)
 class _Split:
-    """This rank's columns (`ranges`) of a last dimension `width` wide."""
+    """This rank's columns (`ranges`) of a last dimension `width` wide; or, `sequence`, this
+    rank's slice of the sequence (dim 1: a row-parallel output under sequence parallelism,
+    [Note: sequence-parallel norms] in `partita.parallel.tp_sequence`)."""
 
-    ranges: tuple[tuple[int, int], ...]
-    width: int
+    ranges: tuple[tuple[int, int], ...] = ()
+    width: int = 0
+    sequence: bool = False
 
 
 class _Region(TorchFunctionMode):
@@ -142,6 +145,9 @@ class _Region(TorchFunctionMode):
             return 1, ((self.rank * h, (self.rank + 1) * h),), h * self.size
         split = self.split
         assert split is not None
+        if split.sequence:
+            n = x.shape[1]
+            return 1, ((self.rank * n, (self.rank + 1) * n),), n * self.size
         if x.shape[-1] == sum(b - a for a, b in split.ranges):
             return x.dim() - 1, split.ranges, split.width
         raise ValueError(
@@ -172,10 +178,12 @@ def install_split_dropout(
     rows: list[str],
     size: int,
     rank: int,
+    sequence: bool = False,
 ) -> list[str]:
     """Installs a `_Region` on each parent module of the column-parallel linears `columns`
     (name -> this rank's output ranges and the whole width); `rows` are the row-parallel
-    linears. Returns the parents' names. See [Note: dropout under tensor parallelism]."""
+    linears, whose outputs are replicated, or with `sequence` split by sequence. Returns the
+    parents' names. See [Note: dropout under tensor parallelism]."""
     config = getattr(model, "config", None)
     heads = int(getattr(config, "num_attention_heads", 0) or 0) // size
     regions: dict[str, _Region] = {}
@@ -187,10 +195,11 @@ def install_split_dropout(
     for name, (ranges, width) in columns.items():
         region = regions[name.rpartition(".")[0]]
         model.get_submodule(name).register_forward_hook(_set_split(region, _Split(ranges, width)))
+    after_rows = _Split(sequence=True) if sequence else None
     for name in rows:
         region_of = regions.get(name.rpartition(".")[0])
         if region_of is not None:
-            model.get_submodule(name).register_forward_hook(_set_split(region_of, None))
+            model.get_submodule(name).register_forward_hook(_set_split(region_of, after_rows))
     return sorted(regions)
 
 

@@ -58,6 +58,12 @@ class TensorParallelConfig(Section):
         description="Vocabulary-parallel loss for an untied head split by vocabulary (the "
         "logits never gathered whole); None or true: on, false: the logits are gathered.",
     )
+    sequence_parallel: Bool = Field(
+        default=False,
+        description="Megatron's sequence parallelism between the blocks: norms, residual adds "
+        "and dropouts there on 1/autotp_size of the sequence (reduce-scatter and all-gather "
+        "instead of all-reduce); the sequence length must divide by autotp_size.",
+    )
     vocab_parallel_ce_backend: str = Field(
         default="torch", description="Cross-entropy kernel of the vocabulary-parallel head."
     )
