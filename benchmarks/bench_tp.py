@@ -47,6 +47,7 @@ else:  # python benchmarks/bench_tp.py: this folder is sys.path[0]
 WORLD, TP = 4, 2
 IMPLS: dict[str, str] = {
     "partita": "partita AutoTP tp 2 x ZeRO-1 dp 2",
+    "partita-sp": "partita AutoTP tp 2 x ZeRO-1 dp 2, sequence_parallel",
     "deepspeed": "DeepSpeed AutoTP tp 2 x ZeRO-1 dp 2",
     "fsdp2-tp": "FSDP2 + parallelize_module (tp 2 x dp 2) + AdamW(fused=True)",
 }
@@ -92,10 +93,14 @@ def build_llama(args: argparse.Namespace) -> torch.nn.Module:
 
 def setup_engine(args: argparse.Namespace, model: torch.nn.Module) -> Any:
     """partita or DeepSpeed with the shared AutoTP config; returns the step function."""
-    lib = importlib.import_module("partita" if args.worker == "partita" else "deepspeed")
+    ours = args.worker.startswith("partita")
+    lib = importlib.import_module("partita" if ours else "deepspeed")
     # The batch sizes are left to each library's arithmetic (DeepSpeed's AutoTP counts every
     # rank, tensor ranks included; partita does the same).
-    config = common.ds_config(args.micro_batch, 1, tensor_parallel={"autotp_size": TP})
+    section: dict[str, Any] = {"autotp_size": TP}
+    if args.worker == "partita-sp":  # the stream between the blocks split by sequence
+        section["sequence_parallel"] = True
+    config = common.ds_config(args.micro_batch, 1, tensor_parallel=section)
     engine, _, _, _ = lib.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -171,8 +176,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     BYTES.install()  # before either library binds torch.distributed's functions
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if args.worker in ("partita", "deepspeed"):
-        importlib.import_module(args.worker)
+    if args.worker in ("partita", "partita-sp", "deepspeed"):
+        importlib.import_module("deepspeed" if args.worker == "deepspeed" else "partita")
     baseline = common.peak_rss_mb()
     model = build_llama(args)
     params = common.count_params(model)
