@@ -11,6 +11,7 @@ and frozen stacked expert weights in a checkpoint, refused by name. One spawn ru
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_moe_workers import CKPT_STEPS, EXPERTS, SAVE_AT, grid, reference
 from models import assert_losses
@@ -126,3 +127,35 @@ def test_models_partita_cannot_split_are_refused_by_name() -> None:
         expert_parallel(gpt_oss, 2, ep_rank=0)
     with pytest.raises(ValueError, match="LlamaForCausalLM has no base_model_ep_plan"):
         expert_parallel(tf.LlamaForCausalLM(tf.LlamaConfig(**small)), 2, ep_rank=0)
+
+
+def test_grouped_expert_matmuls_are_the_per_expert_loop_bitwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: grouped expert matmuls]: rows in arrival order (not sorted by expert), one local
+    expert with no rows; the grouped path's output and gradients (rows, both stacked weights)
+    equal the per-expert loop's bit for bit."""
+    from types import SimpleNamespace
+
+    from partita.moe import hf_experts
+
+    assert hf_experts.grouped_mm_supported(torch.zeros(1))  # the CPU path is the grouped one
+    experts, hidden, inner = 4, 16, 8
+    which = torch.tensor([2, 0, 3, 0, 2, 2, 3, 0, 2, 3, 0])  # expert 1: no rows
+    results = []
+    for grouped in (True, False):
+        gen = torch.Generator().manual_seed(0)
+        module = SimpleNamespace(
+            gate_up_proj=torch.randn(experts, 2 * inner, hidden, generator=gen).requires_grad_(),
+            down_proj=torch.randn(experts, hidden, inner, generator=gen).requires_grad_(),
+            act_fn=torch.nn.functional.silu,
+        )
+        x = torch.randn(len(which), hidden, generator=gen).requires_grad_()
+        grad = torch.randn(len(which), hidden, generator=gen)
+        monkeypatch.setattr(hf_experts, "grouped_mm_supported", lambda t, g=grouped: g)
+        out = hf_experts._local_experts(module, x, which)
+        out.backward(grad)
+        results.append((out, x.grad, module.gate_up_proj.grad, module.down_proj.grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    assert torch.count_nonzero(results[0][2][1]) == 0  # the idle expert: no gradient

@@ -8,7 +8,7 @@ forward takes the layer's tokens with their router's top-k choices; the config's
 each such module's stacked weights along the expert dimension, rank r of an expert-parallel
 group of ep ranks keeping experts [r E/ep, (r+1) E/ep), and replaces its forward with a dropless
 dispatch: each route (token, choice) is sent to the rank holding its expert by one all-to-all
-with uneven chunks, the local experts run on what arrives (one matmul pair per expert), the
+with uneven chunks, the local experts run on what arrives (grouped matmuls), the
 results come back by the reverse all-to-all and are weighted and summed per token in expert
 order, as the model's own loop sums them. The router, attention and everything else stay
 replicated and train as dense parameters. The model is changed in place and keeps its module
@@ -197,7 +197,11 @@ def _dispatch_forward(
 
 
 def _local_experts(module: Any, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
-    """Each row of `x` through its local expert `which[row]` (the model's own expert math)."""
+    """Each row of `x` through its local expert `which[row]` (the model's own expert math):
+    one grouped matmul per projection where torch has one for these tensors, else one matmul
+    pair per expert ([Note: grouped expert matmuls])."""
+    if grouped_mm_supported(x):
+        return _grouped_experts(module, x, which)
     out = x.new_zeros(x.shape)
     for j in range(module.gate_up_proj.shape[0]):
         rows = torch.nonzero(which == j).squeeze(-1)
@@ -207,6 +211,38 @@ def _local_experts(module: Any, x: torch.Tensor, which: torch.Tensor) -> torch.T
         h = nn.functional.linear(module.act_fn(gate) * up, module.down_proj[j])
         out = out.index_copy(0, rows, h.to(out.dtype))
     return out
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul runs for `x`: on the CPU (any float dtype), on CUDA for
+    bf16 on compute capability 9.0 and newer (what its kernel requires)."""
+    if not hasattr(nn.functional, "grouped_mm") or not x.is_floating_point():
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return False
+
+
+def _grouped_experts(module: Any, x: torch.Tensor, which: torch.Tensor) -> torch.Tensor:
+    """[Note: grouped expert matmuls]
+    The rows arriving from the all-to-all are grouped by expert only within each source rank,
+    so they are sorted by expert (stably) first; ``grouped_mm`` then multiplies each expert's
+    run of rows by that expert's matrix, given the runs' ends, and the results go back to the
+    rows' places. Row by row this is the per-expert loop's arithmetic (on the CPU the results
+    are bitwise the same, forward and backward: tests/test_hf_moe.py), in two kernel calls
+    instead of two per expert, and an expert with no rows costs nothing."""
+    experts = module.gate_up_proj.shape[0]
+    order = torch.argsort(which, stable=True)
+    ends = torch.cumsum(torch.bincount(which, minlength=experts), 0).to(torch.int32)
+    rows = x[order]
+    gate_up = nn.functional.grouped_mm(rows, module.gate_up_proj.transpose(-2, -1), offs=ends)
+    gate, up = gate_up.chunk(2, dim=-1)
+    h = nn.functional.grouped_mm(
+        module.act_fn(gate) * up, module.down_proj.transpose(-2, -1), offs=ends
+    )
+    return x.new_zeros(x.shape).index_copy(0, order, h.to(x.dtype))
 
 
 __all__ = [
