@@ -14,6 +14,8 @@ from torch import nn
 import partita
 from models import SEQ, VOCAB, Block
 from partita.parallel.pipe_module import LayerSpec, PipelineModule, TiedLayerSpec, set_random_seed
+from partita.parallel.tensor import copy_to_tensor_region, reduce_from_tensor_region
+from partita.parallel.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
 DIM = 32
 BLOCKS = 4
@@ -31,8 +33,35 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
-def layer_specs(tied: bool) -> list[Any]:
-    """The model as DeepSpeed's pipeline scripts write it."""
+class TensorBlock(nn.Module):
+    """`Block` split over a tensor group as Megatron splits an MLP: ``fc1`` by its output
+    features (column-parallel), ``fc2`` by its input features (row-parallel, its bias whole);
+    built from a whole `Block` made here, so that seeding gives the one-process weights."""
+
+    def __init__(self, dim: int, group: Any, size: int, rank: int) -> None:
+        super().__init__()
+        whole = Block(dim)
+        h = whole.fc1.out_features // size
+        cut = slice(rank * h, (rank + 1) * h)
+        self.group = group
+        self.norm = whole.norm
+        self.fc1_weight = nn.Parameter(whole.fc1.weight.detach()[cut].clone())
+        self.fc1_bias = nn.Parameter(whole.fc1.bias.detach()[cut].clone())
+        self.fc2_weight = nn.Parameter(whole.fc2.weight.detach()[:, cut].clone())
+        self.fc2_bias = whole.fc2.bias
+        for p in (self.fc1_weight, self.fc1_bias, self.fc2_weight):
+            p.tensor_model_parallel = True  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = copy_to_tensor_region(self.norm(x), self.group)
+        h = nn.functional.gelu(nn.functional.linear(y, self.fc1_weight, self.fc1_bias))
+        out = reduce_from_tensor_region(nn.functional.linear(h, self.fc2_weight), self.group)
+        return x + out + self.fc2_bias
+
+
+def layer_specs(tied: bool, tensor: tuple[Any, int, int] | None = None) -> list[Any]:
+    """The model as DeepSpeed's pipeline scripts write it; with `tensor` (group, size, rank),
+    its blocks split over that tensor group (`TensorBlock`)."""
     first = (
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM)
         if tied
@@ -43,7 +72,10 @@ def layer_specs(tied: bool) -> list[Any]:
         if tied
         else LayerSpec(nn.Linear, DIM, VOCAB, bias=False)
     )
-    blocks = [LayerSpec(Block, DIM) for _ in range(BLOCKS)]
+    if tensor is None:
+        blocks = [LayerSpec(Block, DIM) for _ in range(BLOCKS)]
+    else:
+        blocks = [LayerSpec(TensorBlock, DIM, *tensor) for _ in range(BLOCKS)]
     return [first, *blocks, LayerSpec(nn.LayerNorm, DIM), last]
 
 
@@ -169,9 +201,15 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
     """Trains the pipeline module for ``case["steps"]`` batches; returns every step's loss as
     `train_batch` returned it on this rank, with this rank's stage and layer range."""
     torch.manual_seed(0)
+    tensor, topology = None, None
+    if case.get("tp", 1) > 1:  # a model axis: the blocks split over the grid's slices
+        topology = PipeModelDataParallelTopology(case["stages"], case["tp"], case["dp"])
+        grid = PipelineParallelGrid(topology)
+        tensor = (grid.get_slice_parallel_group(), case["tp"], grid.get_slice_parallel_rank())
     module = PipelineModule(
-        layer_specs(case["tied"]),
-        num_stages=case["stages"],
+        layer_specs(case["tied"], tensor),
+        num_stages=None if topology else case["stages"],
+        topology=topology,
         loss_fn=lm_loss,
         seed_layers=True,
         base_seed=BASE_SEED,
@@ -310,6 +348,45 @@ def reshard(case: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def tensor_layers(case: dict[str, Any]) -> dict[str, Any]:
+    """pp 2 x tp 2: trains two steps, saves the weights per layer and slice, loads them into a
+    freshly built (differently seeded) module: the evaluation loss before and after, and the
+    file names. Checkpoints of the engine are refused with a model axis: the message."""
+    from partita import comm
+
+    topology = PipeModelDataParallelTopology(2, 2, 1)
+    grid = PipelineParallelGrid(topology)
+    tensor = (grid.get_slice_parallel_group(), 2, grid.get_slice_parallel_rank())
+
+    def build(seed: int) -> Any:
+        module = PipelineModule(layer_specs(True, tensor), topology=topology, loss_fn=lm_loss,
+                                seed_layers=True, base_seed=seed)  # fmt: skip
+        return module, partita.initialize(model=module, config=config(2, 4))[0]
+
+    module, engine = build(BASE_SEED)
+    for step in micro_batches(2, 2, 4, 1):
+        engine.train_batch(iter(step[0]))
+    try:
+        engine.save_checkpoint(case["dir"])
+        refused = "accepted"
+    except NotImplementedError as error:
+        refused = str(error)
+    module.save_state_dict(case["dir"])
+    comm.barrier()
+    evaluation = micro_batches(1, 2, 4, 1, seed=2)[0][0]
+    out = {"trained": float(engine.eval_batch(iter(evaluation))), "refused": refused}
+    engine.destroy()
+    other, engine = build(7)
+    out["fresh"] = float(engine.eval_batch(iter(evaluation)))
+    engine.destroy()
+    other.load_state_dir(case["dir"])
+    engine = partita.initialize(model=other, config=config(2, 4))[0]
+    out["loaded"] = float(engine.eval_batch(iter(evaluation)))
+    out["files"] = sorted(os.listdir(case["dir"]))
+    engine.destroy()
+    return out
+
+
 RESUME_LOADS = [(2, 1), (4, 0), (1, 1)]
 """(pipeline stages, ZeRO stage) of the engines that load the pp 2 x dp 2 checkpoint."""
 
@@ -385,6 +462,8 @@ def pipe_grid(kind: str, case: dict[str, Any]) -> Any:
         return resume(case)
     if kind == "save16":
         return save16(case)
+    if kind == "tensor_layers":
+        return tensor_layers(case)
     return pipe_train(case) if kind == "train" else bad_input(case)
 
 

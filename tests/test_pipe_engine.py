@@ -65,6 +65,10 @@ FOUR = [
     {"tied": True, "stages": 2, "dp": 2, "stage": 2, "inf_step": 1, **BASE},
     {"tied": False, "stages": 2, "dp": 2, "stage": 3, **BASE},  # ZeRO 3 in the stages
     {"tied": True, "stages": 2, "dp": 2, "stage": 3, "clip": 0.05, **BASE},
+    # A model (tensor) axis: pp 2 x tp 2, the blocks split over the grid's slices.
+    {"tied": False, "stages": 2, "dp": 1, "tp": 2, **BASE},
+    {"tied": True, "stages": 2, "dp": 1, "tp": 2, "stage": 1, "clip": 0.05, **BASE},
+    {"tied": True, "stages": 2, "dp": 1, "tp": 2, "stage": 3, "clip": 0.05, **BASE},
 ]
 BAD_TWO = [
     {"stages": 2, "stage": 2, "schedule": "interleaved_1f1b"},  # ZeRO 2: partita's 1F1B only
@@ -107,6 +111,8 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]
     saved = str(tmp_path_factory.mktemp("pipe_checkpoint"))
     cases.append({"kind": "resume", "case": {**BASE, "dir": saved}})
     cases.append({"kind": "save16", "case": {**SAVE16, "dir": str(tmp_path_factory.mktemp("s16"))}})
+    where = str(tmp_path_factory.mktemp("pipe_tensor_layers"))
+    cases.append({"kind": "tensor_layers", "case": {"dir": where}})
     return run_distributed_grid(pipe_grid, 4, cases, timeout=300)
 
 
@@ -136,6 +142,20 @@ def test_two_stages_match_one_process(two: dict[str, Any], index: int) -> None:
 @pytest.mark.parametrize("index", [0, 1, 2, 3, 5, 6, 7, 8, 10, 11])
 def test_four_ranks_match_one_process(four: list[list[dict[str, Any]]], index: int) -> None:
     _assert_parity(four[index], FOUR[index])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("index", [12, 13, 14])
+def test_pipeline_with_a_tensor_axis_matches_one_process(
+    four: list[list[dict[str, Any]]], index: int
+) -> None:
+    """``PipeModelDataParallelTopology(2, 2, 1)``: each stage's blocks split over its two
+    slices (Megatron's column- and row-parallel MLP); the norm and clipping over the pipe and
+    slice ranks count a parameter the slices hold whole once. The one-process losses, with
+    ZeRO 0, 1 and 3 in the stages and the tied head."""
+    assert FOUR[index]["tp"] == 2
+    _assert_parity(four[index], FOUR[index])
+    assert [r["stage"] for r in four[index]] == [0, 0, 1, 1]
 
 
 def test_reruns_are_bitwise(two: dict[str, Any], four: list[list[dict[str, Any]]]) -> None:
@@ -343,7 +363,7 @@ def test_save_16bit_model_merges_every_stage_into_one_file(
     each bitwise what its stage holds (gathered) after training."""
     from safetensors.torch import load_file
 
-    per_rank = four[-1]  # the save16 case, one result per rank
+    per_rank = four[-2]  # the save16 case, one result per rank
     saved = load_file(f"{per_rank[0]['dir']}/model.safetensors")
     stages = {r["stage"]: r["state"] for r in per_rank if r["dp_rank"] == 0}
     assert sorted(stages) == [0, 1]
@@ -358,3 +378,16 @@ def test_save_16bit_model_merges_every_stage_into_one_file(
     assert tied and all(n in stages[0] and n in stages[1] for n in tied)
     layers = {int(n.split(".")[0]) for n in saved if n[0].isdigit()}
     assert layers == set(range(min(layers), max(layers) + 1))  # no stage's layers missing
+
+
+def test_pipeline_with_a_tensor_axis_saves_its_layers_per_slice(
+    four: list[list[dict[str, Any]]],
+) -> None:
+    """pp 2 x tp 2: ``save_state_dict`` writes one file per layer and tensor slice (DeepSpeed's
+    ``layer_XX-model_YY`` names), and a freshly seeded module loading them evaluates as the
+    trained one did; the engine's own checkpoints are refused by name with a model axis."""
+    for result in four[-1]:
+        assert result["loaded"] == result["trained"] != result["fresh"]
+        assert "tensor slices" in result["refused"] and "save_state_dict" in result["refused"]
+        blocks = [f"layer_{i:02d}-model_{m:02d}.safetensors" for i in range(1, 5) for m in (0, 1)]
+        assert set(blocks) <= set(result["files"]), result["files"]

@@ -498,15 +498,18 @@ class ParallelDims:
                 f"{where}_world_size()={size} and {prefix}_rank()={rank}, but its group "
                 f"{list(ranks)} does not agree"
             )
-        # Pipeline stages would hold further pieces of the model, which the norm would miss;
-        # partita's engine has none, so the two groups must cover the job.
-        if set(ranks) & set(self.dp_ranks) != {self.rank} or size * self.dp_world_size != (
-            self.world_size
+        # The tensor, data-parallel and (a pipeline grid's) pipe groups must cover the job,
+        # or the norm would miss pieces of the model.
+        stages = getattr(mpu, "get_pipe_parallel_world_size", None)
+        pipes = int(stages()) if callable(stages) else 1
+        if (
+            set(ranks) & set(self.dp_ranks) != {self.rank}
+            or size * self.dp_world_size * (pipes) != self.world_size
         ):
             raise ValueError(
                 f"{where}_group() {list(ranks)} and the data-parallel group "
-                f"{list(self.dp_ranks)} must cross in this rank only and cover the "
-                f"{self.world_size} ranks (partita's engine has no pipeline stages)"
+                f"{list(self.dp_ranks)} must cross in this rank only and, with {pipes} "
+                f"pipeline stage(s), cover the {self.world_size} ranks"
             )
         return dataclasses.replace(self, tp_group=group, tp_ranks=ranks)
 

@@ -25,6 +25,10 @@ engine's) plus an executor of `partita.parallel.pipe_schedule` instructions:
   the pipeline's stages too: the strategy's tensor-parallel norm hook
   (`partita.zero.shard_step.TensorParallelNorm`) is pointed at the pipe group, with the copies
   of tied weights after the first counted zero times, so every stage takes the same decision.
+  With a model (tensor) axis (``PipeModelDataParallelTopology``, the user's layers split over
+  the grid's slice group as Megatron's are) the norm sums over the pipe and slice ranks of one
+  data-parallel index, a parameter without ``tensor_model_parallel`` counted on slice 0 only;
+  the data-parallel group, over which ZeRO shards, is the ranks of one stage and slice.
 
 The config's ``pipeline.schedule`` may hand the batch to one of torch's interleaved schedules
 instead (``interleaved_1f1b``, ``zero_bubble``, with ``PipelineModule(virtual_stages=v)``; see
@@ -35,11 +39,10 @@ ZeRO stages 2 and 3 (which DeepSpeed refuses with pipelines) reduce-scatter insi
 backward, so full gradients never pile up over the micro-batches (stage 3 also gathers each
 stage's parameters unit by unit); the buckets or units holding tied weights are held back
 (``hold_gradients``) until ``ReduceTiedGrads`` has summed their gradients over the stages, and
-``ReduceGrads`` then reduces just those. Refused: stages 2-3 with torch's schedules, and a
-topology with a model (tensor) axis over more than one rank. Engine checkpoints hold every
-stage, each stage's group writing its own files ([Note: pipeline stage checkpoints] in
-`partita.checkpoint.stages`), and load at any pipeline degree; the module's weights also save
-and load per layer (`PipelineModule.save_state_dict` / ``load_state_dir``).
+``ReduceGrads`` then reduces just those. Refused: stages 2-3 with torch's schedules. Engine
+checkpoints hold every stage, each stage's group writing its own files ([Note: pipeline stage
+checkpoints] in `partita.checkpoint.stages`), and load at any pipeline degree; the module's
+weights also save and load per layer (`PipelineModule.save_state_dict` / ``load_state_dir``).
 """
 
 from __future__ import annotations
@@ -135,9 +138,20 @@ class PipelineEngine(Engine):
             raise NotImplementedError(
                 f"the {type(self.strategy).__name__} strategy cannot run in a pipeline stage"
             )
-        norm = TensorParallelNorm(
-            self.grid.get_pipe_parallel_group(), False, tuple(module.replicated_tied_parameters())
-        )
+        skipped = list(module.replicated_tied_parameters())
+        group: comm.ProcessGroup | None = self.grid.get_pipe_parallel_group()
+        if self.grid.get_slice_parallel_world_size() > 1:
+            # Tensor slices too ([Note: pipeline engine]): the squares sum over every rank of
+            # this data-parallel index, and a parameter the slices hold whole counts on slice 0.
+            group = self.grid.get_model_parallel_group()
+            if self.grid.get_slice_parallel_rank() != 0:
+                skipped += [
+                    p
+                    for p in module.parameters()
+                    if not getattr(p, "tensor_model_parallel", False)
+                    and not getattr(p, "model_parallel", False)
+                ]
+        norm = TensorParallelNorm(group, False, tuple({id(p): p for p in skipped}.values()))
         self.strategy.tensor = norm.bind(self.strategy.state.layout)
 
     # --- DeepSpeed's queries -----------------------------------------------------------------
@@ -170,6 +184,27 @@ class PipelineEngine(Engine):
         """``(stage, stages)``: every stage's data-parallel group writes its own shard files
         of one checkpoint, loadable at any other pipeline degree."""
         return self.stage_id, self.num_stages
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
+        """`Engine.save_checkpoint` (every stage's files, one manifest); refused with a model
+        (tensor) axis, before any collective."""
+        self._refuse_sliced_checkpoints("save_checkpoint")
+        return super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, Any]:
+        """`Engine.load_checkpoint` at any pipeline degree; refused with a model (tensor)
+        axis, before any collective."""
+        self._refuse_sliced_checkpoints("load_checkpoint")
+        return super().load_checkpoint(*args, **kwargs)
+
+    def _refuse_sliced_checkpoints(self, what: str) -> None:
+        slices = self.grid.get_slice_parallel_world_size()
+        if slices > 1:
+            raise NotImplementedError(
+                f"{what}() of a pipeline whose stages are split over {slices} tensor slices "
+                "(a PipeModelDataParallelTopology model axis) is not supported by partita yet; "
+                "the module's weights save per layer with PipelineModule.save_state_dict"
+            )
 
     def pipeline_tied_copies(self) -> list[torch.Tensor]:
         """Tied parameters an earlier stage saves (their values and state are this stage's
@@ -550,11 +585,6 @@ def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> No
             f"{stage} with pipeline.schedule {module.schedule!r} is not supported yet (torch's "
             "schedules run every micro-batch's backward in one call); use stage 0-1 or the "
             "'1f1b' schedule",
-        )
-    if module.mpu().get_slice_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "PipelineModule with a model (tensor) axis over more than one rank is not "
-            "supported yet: use PipeDataParallelTopology"
         )
     try:
         check_schedule(

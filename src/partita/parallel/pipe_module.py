@@ -244,9 +244,11 @@ def _check_tied_specs(layers: Sequence[Any]) -> None:
             )
 
 
-def layer_file(directory: str, layer_idx: int) -> str:
-    """Where `PipelineModule.save_state_dict` puts layer `layer_idx`'s weights."""
-    return os.path.join(directory, f"layer_{layer_idx:02d}.safetensors")
+def layer_file(directory: str, layer_idx: int, tensor_slice: int | None = None) -> str:
+    """Where `PipelineModule.save_state_dict` puts layer `layer_idx`'s weights; with a model
+    (tensor) axis, those of slice `tensor_slice` (DeepSpeed's ``layer_03-model_01`` naming)."""
+    part = "" if tensor_slice is None else f"-model_{tensor_slice:02d}"
+    return os.path.join(directory, f"layer_{layer_idx:02d}{part}.safetensors")
 
 
 def set_random_seed(seed: int) -> None:
@@ -580,9 +582,11 @@ class PipelineModule(nn.Module):
         self, save_dir: str, checkpoint_engine: Any = None, exclude_frozen_params: bool = False
     ) -> None:
         """Writes this stage's weights, one safetensors file per layer named by its global
-        index (``layer_03.safetensors``), so they load at any pipeline degree
-        (`load_state_dir`). Data-parallel rank 0 of each stage writes; each file is written
-        to a temporary name and renamed. Every rank may call it; none waits for the others."""
+        index (``layer_03.safetensors``; with a model axis one file per tensor slice,
+        ``layer_03-model_01.safetensors``), so they load at any pipeline degree
+        (`load_state_dir`; the same number of slices). Data-parallel rank 0 of each stage (and
+        slice) writes; each file is written to a temporary name and renamed. Every rank may
+        call it; none waits for the others."""
         del checkpoint_engine  # DeepSpeed's signature; partita writes safetensors itself
         from safetensors.torch import save_file
 
@@ -596,7 +600,7 @@ class PipelineModule(nn.Module):
                 for k, v in module.state_dict().items()
                 if not (exclude_frozen_params and k in frozen)
             }
-            path = layer_file(save_dir, idx)
+            path = layer_file(save_dir, idx, self._tensor_slice())
             save_file(state, path + ".tmp")
             os.replace(path + ".tmp", path)
 
@@ -611,7 +615,7 @@ class PipelineModule(nn.Module):
         from safetensors.torch import load_file
 
         for idx, module in self._layer_modules():
-            path = layer_file(load_dir, idx)
+            path = layer_file(load_dir, idx, self._tensor_slice())
             if not os.path.exists(path):
                 raise FileNotFoundError(
                     f"rank {self.global_rank}: no weights for layer {idx}: {path}"
@@ -619,6 +623,12 @@ class PipelineModule(nn.Module):
             # Read to host memory; load_state_dict copies onto the layer's device.
             module.load_state_dict(load_file(path), strict=strict)
         self._synchronize_tied_weights()
+
+    def _tensor_slice(self) -> int | None:
+        """This rank's tensor slice when the topology has a model axis over several ranks."""
+        if self._grid.get_slice_parallel_world_size() == 1:
+            return None
+        return self._grid.get_slice_parallel_rank()
 
     # --- queries -----------------------------------------------------------------------------
     def partitions(self) -> list[int]:
