@@ -130,10 +130,13 @@ def loader_batches(
     return [[shares[r][s * gas : (s + 1) * gas] for r in range(dp)] for s in range(case["steps"])]
 
 
-def reference(case: dict[str, Any], batches: list[Any] | None = None) -> tuple[list[float], float]:
+def reference(
+    case: dict[str, Any], batches: list[Any] | None = None, logits: list[Any] | None = None
+) -> tuple[list[float], float]:
     """One process, the same layers (seeded per layer as ``seed_layers`` does), the same
     micro-batches, torch's AdamW: per-step losses (mean over every micro-batch), and the loss
-    of the evaluation batch after training."""
+    of the evaluation batch after training; `logits`, when given, gets each data-parallel
+    rank's last evaluation micro-batch's outputs."""
     specs = layer_specs(case["tied"])
     funcs: list[Any] = []
     tied: dict[str, nn.Module] = {}
@@ -182,6 +185,8 @@ def reference(case: dict[str, Any], batches: list[Any] | None = None) -> tuple[l
                 for f in funcs:
                     x = f(x)
                 total += lm_loss(x, targets)
+            if logits is not None:
+                logits.append(x)
     return losses, float(total / (gas * dp))
 
 
@@ -246,9 +251,13 @@ def pipe_train(case: dict[str, Any]) -> dict[str, Any]:
     dp_rank = engine.grid.get_data_parallel_rank()
     evaluation = micro_batches(1, case["micro"], case["gas"], case["dp"], seed=2)[0][dp_rank]
     evaluated = float(engine.eval_batch(iter(evaluation)))
+    # The outputs of the last evaluation micro-batch, on the last stage (None elsewhere).
+    _, last_logits = engine.eval_batch(iter(evaluation), return_logits=True)
     out = {
         "losses": losses,
         "eval": evaluated,
+        "logits": last_logits,
+        "dp_rank": dp_rank,
         "stage": engine.stage_id,
         "parts": module.partitions(),
         "layers": sorted(int(k.split(".")[0]) for k in module.state_dict() if k[0].isdigit()),

@@ -348,26 +348,25 @@ class PipelineEngine(Engine):
         bcast_loss: bool,
         num_micro_batches: int | None,
     ) -> Any:
-        """`eval_batch` on torch's schedule: the loss only, averaged as `eval_batch` does."""
+        """`eval_batch` on torch's schedule: the loss averaged as `eval_batch` does, with
+        `return_logits` and the last micro-batch's outputs (the last stage's; None
+        elsewhere)."""
         asked = num_micro_batches or self.micro_batches
-        if (
-            return_logits
-            or not compute_loss
-            or reduce_output is None
-            or asked != self.micro_batches
-        ):
+        if not compute_loss or reduce_output is None or asked != self.micro_batches:
             raise NotImplementedError(
-                f"eval_batch() with pipeline.schedule {self.module.schedule!r} returns the "
-                "averaged loss of gradient_accumulation_steps micro-batches only (no logits, "
-                "no other micro-batch count, reduce_output 'avg')"
+                f"eval_batch() with pipeline.schedule {self.module.schedule!r} computes the "
+                "averaged loss of gradient_accumulation_steps micro-batches only (no other "
+                "micro-batch count, reduce_output 'avg')"
             )
         saved = self.data_iterator
         self.module.eval()
         self.set_dataiterator(data_iter)
-        total = self._torch().eval_batch(self._next_batch)
+        total, logits = self._torch().eval_batch(self._next_batch)
         self.data_iterator = saved
         output = self._dp_mean(total / asked) if total is not None else None
-        return self._bcast_from_last(output, 1)[0] if bcast_loss else output
+        if bcast_loss:
+            output = self._bcast_from_last(output, 1)[0]
+        return (output, logits) if return_logits else output
 
     def _reduce_outputs(self, outputs: list[Any], reduce: str | None, micro: int) -> Any:
         if reduce is None:

@@ -138,18 +138,21 @@ class TorchSchedule:
         engine.strategy.end_backward()
         return self._loss_sum()
 
-    def eval_batch(self, read: Callable[[], Any]) -> torch.Tensor | None:
+    def eval_batch(self, read: Callable[[], Any]) -> tuple[torch.Tensor | None, Any]:
         """Forward passes over one batch of micro-batches without gradients (torch's
-        ``eval``); the sum of their plain losses on the last stage (None elsewhere)."""
+        ``eval``); on the last stage the sum of their plain losses and the outputs of the last
+        micro-batch (None and None elsewhere)."""
         args, kwargs = self._inputs(read)
         self._enter("eval")
         self._evaluating = True
         try:
             with torch.no_grad():
-                self.schedule.eval(*args, **kwargs)
+                merged = self.schedule.eval(*args, **kwargs)
         finally:
             self._evaluating = False
-        return self._loss_sum()
+        if not self.engine.is_last_stage():
+            return None, None
+        return self._loss_sum(), _last_micro_batch(merged, self.engine.micro_batches)
 
     def _inputs(self, read: Callable[[], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The batch's micro-batches read (first and last stage) and joined as the schedule's
@@ -170,6 +173,14 @@ class TorchSchedule:
             return None
         real = self.losses[-self.engine.micro_batches :]  # after the metadata pass's, if any
         return torch.stack(real).sum()
+
+
+def _last_micro_batch(merged: Any, micro_batches: int) -> Any:
+    """The last micro-batch's part of torch's merged outputs (micro-batches joined along dim
+    0), a tensor or a tuple of them."""
+    if torch.is_tensor(merged):
+        return merged.chunk(micro_batches)[-1]
+    return tuple(t.chunk(micro_batches)[-1] for t in merged)
 
 
 def _reads(engine: PipelineEngine) -> bool:
