@@ -61,8 +61,21 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
-class Block(nn.Module):
+EXPERTS = 4
+"""Experts per MoE layer of `TinyLlama(moe_ep=...)`."""
+
+
+class ExpertMLP(nn.Module):
     def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 2 * DIM), nn.Linear(2 * DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, moe_ep: int | None = None) -> None:
         super().__init__()
         self.norm1, self.norm2 = RMSNorm(DIM), RMSNorm(DIM)
         self.q = nn.Linear(DIM, HEADS * HEAD_DIM, bias=False)
@@ -73,6 +86,12 @@ class Block(nn.Module):
         self.up = nn.Linear(DIM, 2 * DIM, bias=False)
         self.down = nn.Linear(2 * DIM, DIM, bias=False)
         self.attn: DistributedAttention | None = None  # plain attention until set
+        self.moe: nn.Module | None = None
+        if moe_ep is not None:  # DeepSpeed-MoE in place of the MLP: top-1, nothing dropped
+            from partita.moe.layer import MoE
+
+            self.moe = MoE(DIM, ExpertMLP(), num_experts=EXPERTS, ep_size=moe_ep, k=1,
+                           drop_tokens=False)  # fmt: skip
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -83,6 +102,8 @@ class Block(nn.Module):
         ctx = self.attn(q, k, v, 0) if self.attn is not None else local_attention(q, k, v)
         x = x + self.o(ctx.reshape(b, s, HEADS * HEAD_DIM))
         h = self.norm2(x)
+        if self.moe is not None:
+            return x + self.moe(h)[0]
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
@@ -91,12 +112,12 @@ class TinyLlama(nn.Module):
     and returns its share of the mean cross-entropy of the whole micro-batch; under sequence
     parallelism its value is the whole micro-batch's loss on every rank of the group."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, moe_ep: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.sp_group: Any = None
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(Block(moe_ep) for _ in range(LAYERS))
         self.norm = RMSNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.to(dtype)
@@ -145,11 +166,16 @@ def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def reference(
-    steps: int, batch: int, dtype: torch.dtype, clip: float = 0.0, sgd: bool = False
+    steps: int,
+    batch: int,
+    dtype: torch.dtype,
+    clip: float = 0.0,
+    sgd: bool = False,
+    moe: bool = False,
 ) -> dict[str, Any]:
     """One process, whole sequences, torch's fused AdamW (what the config's AdamW runs), or
-    SGD at `SGD_LR` (which shows any scaling of the gradient)."""
-    model = TinyLlama(dtype=dtype)
+    SGD at `SGD_LR` (which shows any scaling of the gradient); `moe`: every expert here."""
+    model = TinyLlama(dtype=dtype, moe_ep=1 if moe else None)
     opt: torch.optim.Optimizer = (
         torch.optim.SGD(model.parameters(), lr=SGD_LR)
         if sgd
@@ -231,13 +257,14 @@ def train(
     gas: int = 1,
     sgd: bool = False,
     loss_style: str = "share",
+    moe_ep: int | None = None,
 ) -> dict[str, Any]:
     """`steps` engine steps; the losses averaged over the data-parallel ranks (each rank's
     loss is its micro-batch's), the final weights, and this rank's groups. The model gets its
     sequence group from the engine (``engine.get_sequence_parallel_group()``). With `mpu`
     the groups come from a `SequenceMpu` and the config leaves ``sequence_parallel_size``
-    out."""
-    model = TinyLlama(dtype=getattr(torch, dtype))
+    out. `moe_ep`: MoE layers with their experts split over `moe_ep` ranks."""
+    model = TinyLlama(dtype=getattr(torch, dtype), moe_ep=moe_ep)
     cfg = config(sp, stage, clip, gas, sgd)
     unit = None
     if mpu:

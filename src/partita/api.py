@@ -153,7 +153,8 @@ def _plan_job(model: Any, source: Any, mpu: Any, dims: comm.ParallelDims | None)
     engine_tensor.check_tensor_parallel(cfg, model, tp, _job_world(), sp, mpu)
     cfg = engine_tensor.with_autotp(cfg, tp)  # tp_model_init's size, as DeepSpeed merges it
     engine_experts.apply_autoep(model, cfg, rank)  # Hugging Face experts split in place
-    ep = engine_experts.expert_parallel_size(model, cfg, _world_size(dims), mpu, sp)
+    holders = _job_world() if sp > 1 else _world_size(dims)  # ranks holding dense parameters
+    ep = engine_experts.expert_parallel_size(model, cfg, holders, mpu)
     return _Job(cfg, sp, tp, ep, shard)
 
 

@@ -184,12 +184,16 @@ class ParallelDims:
         and the expert-data-parallel groups across them ([Note: expert parallelism]).
         `check_expert_parallel_size` first, so a bad size raises before any collective;
         collective over the world (every rank makes every group, in the same order)."""
-        check_expert_parallel_size(ep_size, self.dp_world_size)
-        if self.dp_group is not None or self.hybrid or self.seq_dp_ranks:
+        # Under sequence parallelism every rank holds the dense parameters (the
+        # sequence-data-parallel group is the world), and the experts split over it as over
+        # plain data parallelism: a token goes to its expert wherever its sequence slice is.
+        sequence = bool(self.seq_dp_ranks)
+        check_expert_parallel_size(ep_size, len(self.grad_ranks))
+        if (self.dp_group is not None and not sequence) or self.hybrid:
             raise ValueError(
                 f"expert parallelism (ep_size {ep_size}) is supported by partita over plain "
-                "data parallelism only, not yet with tensor parallelism, an mpu, sequence "
-                "parallelism or zero_optimization.mics_shard_size"
+                "data parallelism or sequence parallelism only, not yet with tensor "
+                "parallelism, an mpu or zero_optimization.mics_shard_size"
             )
         world, rank = self.world_size, self.rank
         ep = edp = None

@@ -19,12 +19,11 @@ from partita.moe.layer import expert_parameters, moe_layers
 from partita.zero.strategy import ExpertFamily
 
 
-def expert_parallel_size(
-    model: Any, config: DeepSpeedConfig, world: int, mpu: Any, sequence_parallel: int
-) -> int | None:
+def expert_parallel_size(model: Any, config: DeepSpeedConfig, world: int, mpu: Any) -> int | None:
     """The job's expert-parallel size (None: `model` has no MoE layer), checked against the
-    data-parallel `world` and what partita composes experts with, naming the values; no
-    collective runs, so every rank raises alike."""
+    ranks holding the dense parameters, `world` (under sequence parallelism every rank: the
+    experts split over them as over data-parallel ranks), and what partita composes experts
+    with, naming the values; no collective runs, so every rank raises alike."""
     layers = moe_layers(model) if isinstance(model, torch.nn.Module) else []
     if not layers:
         return None
@@ -38,7 +37,6 @@ def expert_parallel_size(
     check_expert_parallel_size(ep, world)
     for what, on in (
         ("an mpu (model parallelism)", mpu is not None),
-        ("sequence_parallel_size > 1", sequence_parallel > 1),
         ("zero_optimization.mics_shard_size", config.zero_optimization.mics_shard_size != -1),
     ):
         if on:
