@@ -202,9 +202,14 @@ RULES = [
         "fp16.fp16_master_weights_and_grads",
         "got stage 0",
     ),
-    (  # ZeRO++'s weight options change stage 3's gathers: refused below it
-        {"zero_optimization": {"stage": 2, "zero_quantized_weights": True}},
+    (  # qwZ changes stage 3's gathers and stages 1-2's all-gather: refused at stage 0
+        {"zero_optimization": {"stage": 0, "zero_quantized_weights": True}},
         "zero_optimization.zero_quantized_weights",
+        "applies to zero_optimization.stage 1-3 only",
+    ),
+    (  # the frozen weights' option changes stage 3's gathers only
+        {"zero_optimization": {"stage": 2, "zero_quantized_nontrainable_weights": True}},
+        "zero_optimization.zero_quantized_nontrainable_weights",
         "applies to zero_optimization.stage 3 only",
     ),
     (

@@ -96,7 +96,9 @@ def test_estimate_prices_a_ds_config_as_its_flags(
     assert _printed(capsys.readouterr().out) == _expected()
     path.write_text(json.dumps({"zero_optimization": zero | {"stage": 2}}))
     assert estimate_main([*MACHINES, "--ds_config", str(path)]) == 2
-    assert "zero_optimization.zero_quantized_weights is stage 3 only" in capsys.readouterr().err
+    assert "zero_optimization.zero_quantized_weights is priced at stage 3 only" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(

@@ -297,8 +297,54 @@ def refusal(zero: dict[str, Any]) -> str:
     return "no error"
 
 
+def sharded_all_gather(stage: int, quantized: bool, bf16: bool = False) -> dict[str, Any]:
+    """Stage 1 or 2 (`quantized`: with ``zero_quantized_weights``): per step the global mean
+    loss and the bytes of the weights' all-gather after the step, counted and from the
+    groups' layouts (exact: world x chunk x element size per segment; quantized: world x the
+    packed chunk)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make_model(kind="gpt2")
+    cfg = config(zero_quantized_weights=quantized) | ({"bf16": {"enabled": True}} if bf16 else {})
+    cfg["zero_optimization"] = {"stage": stage, "zero_quantized_weights": quantized}
+    engine, _, _, _ = partita.initialize(model=model, model_parameters=model.parameters(),
+                                         config=cfg)  # fmt: skip
+    block = DEFAULT_BLOCK_SIZE if quantized else None
+    expected = sum(
+        payload_bytes(seg.chunk_numel, world, block, g.flat_param.element_size())
+        for g in engine.strategy.groups
+        for seg in g.layout.segments
+        if seg.padded_numel
+    )
+    losses, counted = [], []
+    for batch in global_batches(STEPS, GAS * world):
+        before = dict(COUNTERS.total_group_bytes)
+        step_loss = torch.zeros(())
+        for m in range(GAS):
+            loss = engine(*rank_micro_batch(batch, rank, world, 1, m))
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.detach().float() / GAS
+        comm.all_reduce(step_loss, tag="test")
+        losses.append(step_loss.item() / world)
+        counted.append(sum(_bytes_since(before, TRAINING).values()))
+    replicas_equal = _replicas_equal(engine)
+    engine.destroy()
+    return {"losses": losses, "counted": counted, "expected": expected, "equal": replicas_equal}
+
+
+def _replicas_equal(engine: Any) -> bool:
+    """Whether every rank holds the same module weights (the dequantized all-gather gives
+    every replica, this rank's own chunk included, the same values)."""
+    flat = torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
+    first = flat.clone()
+    comm.broadcast(first, src=0, tag="test")
+    return bool(torch.equal(first, flat))
+
+
 def zeropp_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid: "train", "grads" or "refusal"."""
+    """One case of the grid: "train", "grads", "sharded" or "refusal"."""
     if kind == "grads":
         return reduced_grads(**kwargs)
+    if kind == "sharded":
+        return sharded_all_gather(**kwargs)
     return train(**kwargs) if kind == "train" else refusal(**kwargs)

@@ -93,7 +93,6 @@ def _hybrid_shard(cfg: DeepSpeedConfig) -> list[Problem]:
 
 _ZEROPP_STAGE3: tuple[tuple[str, str, str], ...] = (
     ("zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", "use 1"),
-    ("zero_quantized_weights", "ZeRO++ quantized weight all-gather (qwZ)", "use false"),
     ("zero_quantized_nontrainable_weights", "ZeRO++ quantized frozen weights", "use false"),
     ("zero_quantized_gradients", "ZeRO++ quantized gradient reduce-scatter (qgZ)", "use false"),
     ("zero_quantized_gradients_error_feedback", "qgZ's error feedback", "use false"),
@@ -101,9 +100,10 @@ _ZEROPP_STAGE3: tuple[tuple[str, str, str], ...] = (
 
 
 def _zeropp_stage(cfg: DeepSpeedConfig) -> list[Problem]:
-    """ZeRO++'s options change stage 3's parameter gathers and gradient reduce-scatters;
-    below stage 3 DeepSpeed ignores the keys silently. A config asking for them there expects
-    fewer bytes it would not get, so partita says so, naming the key."""
+    """ZeRO++'s options change stage 3's parameter gathers and gradient reduce-scatters
+    (qwZ also stages 1-2's all-gather of the updated weights); where they do nothing DeepSpeed
+    ignores the keys silently. A config asking for them there expects fewer bytes it would not
+    get, so partita says so, naming the key."""
     zero = cfg.zero_optimization
     if zero.stage == 3:
         if zero.zero_quantized_gradients_error_feedback and not zero.zero_quantized_gradients:
@@ -111,6 +111,14 @@ def _zeropp_stage(cfg: DeepSpeedConfig) -> list[Problem]:
             return [Problem(key, "true needs zero_optimization.zero_quantized_gradients true")]
         return []
     problems = []
+    if zero.stage == 0 and zero.zero_quantized_weights is True:  # stages 1-2: the all-gather
+        problems.append(
+            Problem(
+                "zero_optimization.zero_quantized_weights",
+                "ZeRO++ quantized weight all-gather (qwZ) applies to zero_optimization.stage "
+                "1-3 only (stage 0 gathers no weights); use false or stage 1-3",
+            )
+        )
     for key, feature, instead in _ZEROPP_STAGE3:
         value = getattr(zero, key)
         if value is True or (type(value) is int and value > 1):

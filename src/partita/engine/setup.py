@@ -26,6 +26,7 @@ from partita.zero.shard_step import TensorParallelNorm
 from partita.zero.sharded import Sharded
 from partita.zero.stage0 import DataParallel
 from partita.zero.stage3 import FullySharded, Stage3Settings
+from partita.zero.stage3.gather import DEFAULT_BLOCK_SIZE
 from partita.zero.stage3.nvme import optimizer_pipeline
 from partita.zero.strategy import OptimizerFactory, ParamGroups, Strategy
 
@@ -429,6 +430,7 @@ def strategy(
             placement=offload_placement(config).optimizer,
             sub_group_numel=int(zero.sub_group_size), tensor=tensor,
             replicas=replicas, experts=experts,
+            quantize_block=DEFAULT_BLOCK_SIZE if zero.zero_quantized_weights else None,
         )  # fmt: skip
     raise config_error(
         "zero_optimization.stage", f"{zero.stage} is not available in this version of partita"

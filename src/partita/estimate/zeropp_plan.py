@@ -112,8 +112,9 @@ def config_options(path: str) -> dict[str, Any]:
     on = [k for k, v in raw.items() if v is True or (k == KEYS[4] and v > 1)]
     if on and zero.get("stage", 0) != 3:
         raise EstimateError(
-            f"--ds_config {path!r}: zero_optimization.{on[0]} is stage 3 only "
-            f"(stage {zero.get('stage', 0)})"
+            f"--ds_config {path!r}: zero_optimization.{on[0]} is priced at stage 3 only "
+            f"(stage {zero.get('stage', 0)}; the estimate does not price qwZ's all-gather at "
+            "stages 1-2 yet)"
         )
     return raw
 

@@ -6,9 +6,21 @@ shards after the step writes straight into the module. Each rank keeps an fp32 m
 its shard and an fp32 gradient shard, and an ordinary `torch.optim` optimizer steps one flat
 shard tensor per group (per-group hyperparameters carry over unchanged). Gradients exist from
 the first backward after a step until the step is over ([Note: released gradients]).
+
+[Note: quantized all-gather of stages 1-2]
+With ``zero_quantized_weights`` (ZeRO++'s qwZ, which DeepSpeed applies to stage 3 only) the
+all-gather of the updated weights after each step moves every rank's chunk as int8 blocks with
+an fp32 scale each (`partita.zero.stage3.gather.gather_segment`, [Note: ZeRO++ gathers]): a
+quarter of fp32's bytes, half of bf16's, on the one collective of stages 1-2 that carries
+weights. Every rank, this one included, takes the dequantized values, so the replicas'
+weights stay equal; the fp32 master shards and the optimizer state never see them, so the
+error does not accumulate across steps (each step quantizes the exact masters afresh). Gathers
+for anything else (after loading a checkpoint, `refresh_params`) stay exact.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -27,6 +39,7 @@ from partita.zero.shard_step import (
     sharded_step,
 )
 from partita.zero.sharded_grads import ShardedGradients
+from partita.zero.stage3.gather import TRAINING, gather_segment
 from partita.zero.state_access import ParamSlot, ParamStates
 from partita.zero.strategy import (
     ExpertFamily,
@@ -102,9 +115,13 @@ class ShardedGroup:
         """Bytes of the fp32 gradient shard while it exists."""
         return self.master.numel() * self.master.element_size()
 
-    def all_gather_params(self, handles: list[comm.Work], cast: bool = True) -> None:
+    def all_gather_params(
+        self, handles: list[Any], cast: bool = True, block: int | None = None
+    ) -> None:
         """Casts the updated master shard into the flat parameters (unless the step did:
-        ``cast=False``) and starts the all-gathers."""
+        ``cast=False``) and starts the all-gathers: exact, or with `block` as int8 blocks of
+        that many elements dequantized on arrival, into every rank's copy alike (qwZ, [Note:
+        quantized all-gather of stages 1-2])."""
         with torch.no_grad():
             for seg in range(len(self.layout.segments)):
                 v = segment_views(self.flat_param, self.master, self.layout, seg, self.rank)
@@ -113,6 +130,12 @@ class ShardedGroup:
                 own = self._own_chunk(v.full)
                 if cast:
                     own.copy_(v.shard)
+                if block is not None:  # packed at once: the dequantized rows overwrite `own`
+                    world = self.layout.world_size
+                    handles.append(
+                        gather_segment(v.full, own, self.process_group, world, block, TRAINING)
+                    )
+                    continue
                 # In place: the input is this rank's chunk of the output (gloo and NCCL allow it).
                 handle = comm.all_gather(
                     v.full, own, group=self.process_group, async_op=True, tag="param"
@@ -144,8 +167,12 @@ class Sharded:
         tensor: TensorParallelNorm | None = None,
         replicas: comm.ProcessGroup | None = None,
         experts: ExpertFamily | None = None,
+        quantize_block: int | None = None,
     ) -> None:
         self.stage = stage
+        self.quantize_block = quantize_block
+        """qwZ: the step's all-gather moves int8 blocks of this many elements ([Note:
+        quantized all-gather of stages 1-2]); None: exact."""
         group_of = expert_group_of(groups, group, experts)
         dtype = policy.master_dtype
         self.groups = [
@@ -215,7 +242,7 @@ class Sharded:
         )  # fmt: skip
         if not outcome.applied:
             return outcome
-        self._all_gather(cast=run is None)
+        self._all_gather(cast=run is None, block=self.quantize_block)
         return outcome
 
     def zero_grad(self) -> None:
@@ -248,10 +275,10 @@ class Sharded:
         """All-gathers the master shards into the module's parameters (after loading state)."""
         self._all_gather(cast=True)
 
-    def _all_gather(self, cast: bool) -> None:
-        handles: list[comm.Work] = []
+    def _all_gather(self, cast: bool, block: int | None = None) -> None:
+        handles: list[Any] = []
         for g in self.groups:
-            g.all_gather_params(handles, cast)
+            g.all_gather_params(handles, cast, block)
         for h in handles:
             h.wait()
 

@@ -294,7 +294,9 @@ class ZeroConfig(Section):
         default=1, description="ZeRO++ hpZ: ranks in the secondary parameter partition group."
     )
     zero_quantized_weights: Bool = Field(
-        default=False, description="ZeRO++ qwZ: quantize weights for the all-gather."
+        default=False,
+        description="ZeRO++ qwZ: int8 blocks for the weights' all-gather (stage 3's gathers; "
+        "stages 1-2's all-gather of the updated weights after the step).",
     )
     zero_quantized_nontrainable_weights: Bool = Field(
         default=False, description="Store frozen weights quantized (ZeRO++)."
