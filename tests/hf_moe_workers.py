@@ -46,15 +46,18 @@ def batches(world: int, steps: int = STEPS) -> list[torch.Tensor]:
 
 
 def reference(
-    world: int, sgd: bool = False, kind: str = "mixtral", steps: int = STEPS
+    world: int, sgd: bool = False, kind: str = "mixtral", steps: int = STEPS, freeze: bool = False
 ) -> list[float]:
     """One process, every expert, torch's AdamW (or SGD with clipping) on the whole batch:
-    the per-step losses."""
+    the per-step losses; `freeze` as `_engine`'s."""
     model = mixtral(kind)
+    if freeze:
+        model.model.layers[0].mlp.experts.down_proj.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
     opt: torch.optim.Optimizer = (
-        torch.optim.SGD(model.parameters(), lr=SGD_LR)
+        torch.optim.SGD(params, lr=SGD_LR)
         if sgd
-        else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        else torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     )
     losses = []
     for ids in batches(world, steps):
@@ -163,12 +166,52 @@ def resumed(folder: str, save: tuple[int, int], loads: list[tuple[int, int]]) ->
         engine.load_checkpoint(folder, tag="mid")
         out["loaded"].append(_steps(engine, todo[SAVE_AT:]))
         engine.destroy()
+    out["frozen"] = _frozen_round_trip(folder, save, loads, todo)
+    return out
+
+
+def _frozen_round_trip(
+    folder: str, save: tuple[int, int], loads: list[tuple[int, int]], todo: list[torch.Tensor]
+) -> dict[str, Any]:
+    """With the first layer's stacked ``down_proj`` frozen: trained SAVE_AT steps at `save`,
+    saved, trained on; each load layout of `loads` starts from that weight scrambled, loads the
+    checkpoint and trains the remaining steps. The losses, and whether each load gave back the
+    frozen rows this rank holds (against the saving run's whole weight)."""
+    import partita
+    from partita import comm
+
+    def frozen(engine: Any) -> torch.Tensor:
+        return engine.module.model.layers[0].mlp.experts.down_proj
+
+    def held(engine: Any) -> torch.Tensor:  # this rank's rows (stage 3: gathered first)
+        with partita.zero.GatheredParameters([frozen(engine)]):
+            return frozen(engine).detach().clone()
+
     engine = _engine(*save, freeze=True)
-    try:
-        engine.save_checkpoint(folder, tag="frozen")
-    except Exception as error:  # the message is the result
-        out["frozen"] = f"{type(error).__name__}: {error}"
+    first = _steps(engine, todo[:SAVE_AT])
+    engine.save_checkpoint(folder, tag="frozen")
+    ep = save[0]
+    whole = comm.all_gather_object(held(engine))
+    group = comm.get_rank() - comm.get_rank() % ep  # this rank's expert-parallel group
+    full = torch.cat(whole[group : group + ep])  # every expert's rows, in expert order
+    out: dict[str, Any] = {"saved": first + _steps(engine, todo[SAVE_AT:]), "loaded": []}
     engine.destroy()
+    for load_ep, stage in loads:
+        engine = _engine(load_ep, stage, freeze=True)
+        scramble = partita.zero.GatheredParameters([frozen(engine)], modifier_rank=0)
+        with scramble, torch.no_grad():  # not the saved values: the load must bring them back
+            frozen(engine).mul_(-3.0)
+        engine.load_checkpoint(folder, tag="frozen")
+        mine = held(engine)
+        per = full.shape[0] // load_ep
+        at = (comm.get_rank() % load_ep) * per
+        out["loaded"].append(
+            {
+                "losses": _steps(engine, todo[SAVE_AT:]),
+                "rows": bool(torch.equal(mine, full[at : at + per])),
+            }
+        )
+        engine.destroy()
     return out
 
 

@@ -33,8 +33,11 @@ in `partita.moe.hf_experts`). Those rows are one contiguous block of the flatten
 starting at element ``r * numel(local)``. A checkpoint therefore records the full tensor (its
 shape [E, ...], the one-process model's) and every range a rank writes shifted by that offset
 (`stacked_rows`), so the usual resharding by range loads it at any ep, world size and stage,
-and into a model holding every expert. Only trained stacked weights are supported: a frozen
-one is written whole by one rank, which cannot hold the other ranks' rows (refused by name).
+and into a model holding every expert. A frozen stacked weight (experts a LoRA run leaves
+as they are) is a module tensor, but no rank holds it whole: each expert-parallel group's writer
+stores its rows under their own key (`rows_key`: ``module::<name>@rows<first>+<count>``), and a
+reader joins every file's rows into the whole tensor (`join_rows`), of which a loading rank
+keeps its own rows.
 """
 
 from __future__ import annotations
@@ -94,6 +97,41 @@ def stacked_rows(module: torch.nn.Module) -> dict[str, StackedRows]:
                 shard.ep_rank * p.numel(), full, shard.ep_rank
             )
     return out
+
+
+ROWS = "@rows"
+"""Marks the key of a block of rows of a stacked expert weight ([Note: stacked expert rows])."""
+
+
+def rows_key(name: str, tensor: torch.Tensor, offset: int) -> str:
+    """The key of `tensor`, this rank's rows of stacked weight `name` starting at flat element
+    `offset` of the whole: ``name@rows<first>+<count>``."""
+    per_row = max(tensor[0].numel(), 1) if tensor.dim() else 1
+    return f"{name}{ROWS}{offset // per_row}+{tensor.shape[0]}"
+
+
+def parse_rows_key(key: str) -> tuple[str, int, int] | None:
+    """(name, first row, row count) of a `rows_key`; None for any other key."""
+    name, marker, rows = key.rpartition(ROWS)
+    if not marker:
+        return None
+    first, _, count = rows.partition("+")
+    return name, int(first), int(count)
+
+
+def join_rows(
+    blocks: Iterable[tuple[int, torch.Tensor]], shape: list[int], where: str
+) -> torch.Tensor:
+    """The whole stacked weight of `shape` from its blocks of rows (first row, rows); raises
+    `CheckpointError` naming `where` unless they cover every row exactly once."""
+    from partita.checkpoint.manifest import CheckpointError
+
+    parts = sorted(blocks, key=lambda b: b[0])
+    covered = [row for first, t in parts for row in range(first, first + t.shape[0])]
+    if covered != list(range(shape[0])):
+        raise CheckpointError(f"{where}: the saved rows {covered} do not cover the {shape[0]} "
+                              "rows of the stacked weight once each")  # fmt: skip
+    return torch.cat([t for _, t in parts]).reshape(shape)
 
 
 def ep_place(dims: ParallelDims) -> tuple[int, int]:
@@ -180,11 +218,15 @@ def writers(module: torch.nn.Module, dims: ParallelDims) -> dict[str, int]:
 
 
 __all__ = [
+    "ROWS",
     "ExpertTensor",
     "StackedRows",
     "ep_place",
     "every_expert",
     "global_names",
+    "join_rows",
+    "parse_rows_key",
+    "rows_key",
     "stacked_rows",
     "table",
     "writers",

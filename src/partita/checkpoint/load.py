@@ -235,12 +235,14 @@ def _load_trainable(
 
 
 def _load_module_tensor(src: StateSource, e: Entry, info: dict) -> None:
+    numel = e.tensor.numel()
     if info["kind"] == "trainable":  # trained when saved, frozen now: its master weight
-        numel = e.tensor.numel()
-        value = src.read(e.name, "param", [(0, numel)])
+        value = src.read(e.name, "param", [(e.offset, numel)])
         assert value is not None
     else:
         value = src.read_module(e.name)
+        if e.full_shape is not None:  # this rank's rows of a stacked expert weight
+            value = value.reshape(-1)[e.offset : e.offset + numel]
     set_module_value(e, value.to(e.tensor.device))
 
 

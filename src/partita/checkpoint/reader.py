@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from partita.checkpoint.digest import digest_mismatch, expected_digest, file_digest
+from partita.checkpoint.experts import join_rows, parse_rows_key
 from partita.checkpoint.manifest import (
     MANIFEST_NAME,
     MODULE_PREFIX,
@@ -218,8 +219,13 @@ class PartitaSource(StateSource):
         """(dtype name or None for any, shape) the manifest implies for tensor `key` of
         `fname`; None when the manifest does not describe such a tensor."""
         if key.startswith(MODULE_PREFIX):
-            info = self.tensors.get(key[len(MODULE_PREFIX) :])
-            return None if info is None else (info.get("dtype"), list(info["shape"]))
+            stored = key[len(MODULE_PREFIX) :]
+            rows = parse_rows_key(stored)  # a block of a stacked expert weight's rows
+            info = self.tensors.get(stored if rows is None else rows[0])
+            if info is None:
+                return None
+            shape = list(info["shape"])
+            return info.get("dtype"), shape if rows is None else [rows[2], *shape[1:]]
         what, _, name = key.partition("::")
         ranges = self.meta["files"][fname]["ranges"].get(name)
         if ranges is None:
@@ -264,10 +270,18 @@ class PartitaSource(StateSource):
         `partita.checkpoint.experts`)."""
         key = MODULE_PREFIX + name
         files = sorted(self.meta["files"].items(), key=lambda item: item[1]["rank"] != 0)
+        blocks = []
         for fname, _ in files:
             handle = self._file(fname)
             if key in self._keys[fname]:
                 return handle.get_tensor(key)
+            for stored in self._keys[fname]:
+                rows = parse_rows_key(stored[len(MODULE_PREFIX) :])
+                if stored.startswith(MODULE_PREFIX) and rows is not None and rows[0] == name:
+                    blocks.append((rows[1], handle.get_tensor(stored)))
+        if blocks:  # a frozen stacked expert weight: every group's rows ([Note: stacked expert
+            # rows] in `partita.checkpoint.experts`)
+            return join_rows(blocks, list(self.tensors[name]["shape"]), f"{self.folder}: {name}")
         raise CheckpointError(f"{self.folder}: no saved tensor {name!r} in any file")
 
     def verify(self, rank: int, world: int) -> None:

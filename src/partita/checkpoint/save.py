@@ -330,7 +330,11 @@ def _shard_tensors(
         elif e.kind == "buffer" or (e.kind == "frozen" and not exclude_frozen):
             value = full_module_value(e)  # collective for stage-3 frozen parameters
             if rank == mine.get(e.name, 0):
-                key = MODULE_PREFIX + e.name
+                # Stacked expert rows: this group's rows only ([Note: stacked expert rows]).
+                stored = (
+                    e.name if e.full_shape is None else experts.rows_key(e.name, value, e.offset)
+                )
+                key = MODULE_PREFIX + stored
                 specs.append((key, value.dtype, tuple(value.shape)))
                 producers[key] = functools.partial(lambda v: v, value)
     return specs, producers, ranges

@@ -102,12 +102,6 @@ def inventory(engine: CheckpointSubject) -> list[Entry]:
         if rows is None:
             entries.append(Entry(name, t, kind))
             continue
-        if kind != "trainable":
-            raise CheckpointError(
-                f"{name}: a frozen stacked expert weight split by partita.moe.expert_parallel "
-                "cannot be checkpointed yet (each rank holds other experts' rows); train it, "
-                "or save without expert_parallel"
-            )
         entries.append(Entry(name, t, kind, offset=rows.offset, full_shape=rows.shape))
     return entries
 

@@ -153,7 +153,9 @@ def _plan(
     Each unit holding expert parameters is cut in two, the experts' part named
     ``<unit>/experts`` ([Note: experts at stage 3])."""
     leaves = declared_leaves(model, zero.leaf_module)
-    own = frozenset() if experts is None else experts.params
+    # Frozen expert parameters too: they differ across expert-parallel ranks, so they must be
+    # cut over the expert-data-parallel group with the trained ones, never over every rank.
+    own = frozenset() if experts is None else experts.all_params
     units, persistent = plan_units(model, blocks, zero.param_persistence_threshold, leaves, own)
     blocks += [parent for _, parent, _ in leaf_groups(model, leaves)]
     if not own:
