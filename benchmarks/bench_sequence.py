@@ -33,7 +33,8 @@ SDPA's flash kernel blocks of 64). From ``--start_len`` the length doubles while
 the gap is bisected down to ``--resolution`` (or one multiple). A job that fails (out of memory,
 a crash, ``--job_timeout``) counts as not fitting, with its reason recorded.
 
-**Step time** at a shared length (``--shared_len``, default: the longest length both fit): ``--warmup`` untimed then ``--steps`` timed steps per job,
+**Step time** at a shared length (``--shared_len``, default: the longest length both fit;
+``--timing_only`` skips the search): ``--warmup`` untimed then ``--steps`` timed steps per job,
 ``--rounds`` interleaved jobs. **All-to-all bytes** per layer and step, each rank, counted by
 wrapping ``torch.distributed``'s functions before either library is imported (as
 ``bench_hybrid.py`` does), in the forward and in the backward (which under activation
@@ -41,7 +42,9 @@ checkpointing recomputes the forward: 2x), against the model's 4 x B x S x H / s
 (query, key, value and the output, each all-to-all's full input) x 4 bytes. Example::
 
     .venv/bin/python benchmarks/bench_sequence.py            # ~20 min on 2 cores
-    .venv/bin/python benchmarks/bench_sequence.py --quick    # smoke run, ~3 min
+    .venv/bin/python benchmarks/bench_sequence.py --quick    # smoke run, ~4 min
+    .venv/bin/python benchmarks/bench_sequence.py --timing_only --shared_len 6144 --rounds 2
+    .venv/bin/python benchmarks/bench_sequence.py --from_json RUN.json   # its tables again
 
 Writes ``benchmarks/results/sequence_<stem>.md`` and ``.json``.
 """
