@@ -228,6 +228,30 @@ def refused(section: dict[str, Any]) -> str:
     return ""
 
 
+def consolidated(ep: int, stage: int) -> dict[str, Any]:
+    """Two steps at `ep` and ZeRO `stage` (the first layer's stacked ``down_proj`` frozen,
+    saved too), then the engine's consolidated 16-bit state dict loaded strictly into a model
+    holding every expert, on rank 0: its loss on a batch every rank also runs through the
+    engine, and the engine's."""
+    from partita import comm
+
+    engine = _engine(ep, stage, freeze=True)
+    _steps(engine, batches(comm.get_world_size(), 2))
+    ids = batches(1, 3)[2]  # the same sequences on every rank
+    with torch.no_grad():
+        distributed = engine(input_ids=ids, labels=ids).loss.item()
+    state = engine.consolidated_16bit_state_dict()
+    engine.destroy()
+    if state is None:
+        return {"distributed": distributed}
+    whole = mixtral()
+    whole.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        loss = whole(input_ids=ids, labels=ids).loss.item()
+    experts = whole.model.layers[0].mlp.experts
+    return {"distributed": distributed, "whole": loss, "rows": experts.down_proj.shape[0]}
+
+
 def grid(cases: list[dict[str, Any]]) -> list[Any]:
     """Every case in one set of processes (``{"refused": section}``: `refused`)."""
     out: list[Any] = []
@@ -236,6 +260,8 @@ def grid(cases: list[dict[str, Any]]) -> list[Any]:
             out.append(refused(c["refused"]))
         elif "resumed" in c:
             out.append(resumed(**c["resumed"]))
+        elif "consolidated" in c:
+            out.append(consolidated(**c["consolidated"]))
         else:
             out.append(train(**c))
     return out

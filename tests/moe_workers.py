@@ -279,9 +279,36 @@ def capacity_reference(world: int, k: int) -> list[list[float]]:
     return out
 
 
+def consolidated(ep: int, stage: int) -> dict[str, Any]:
+    """Two steps at `ep` and ZeRO `stage`, then `consolidated_16bit_state_dict` loaded strictly
+    into `Net(ep=1)` (every expert) on rank 0: its loss on a batch every rank also runs
+    through the engine, and the engine's."""
+    torch.manual_seed(SEED)
+    model = Net(ep, 1)
+    engine, _, _, _ = partita.initialize(model=model, config=config(stage, 0.0, False))
+    rank, world = engine.dims.rank, engine.dims.world_size
+    for batch in data(2, world):
+        engine.backward(engine(*batch[rank]))
+        engine.step()
+    x, y = data(1, world)[0][0]  # the same batch on every rank
+    engine.eval()
+    with torch.no_grad():
+        distributed = engine(x, y).item()
+    state = engine.consolidated_16bit_state_dict()
+    engine.destroy()
+    if state is None:
+        return {"distributed": distributed}
+    whole = Net(1, 1)
+    whole.load_state_dict(state, strict=True)
+    whole.eval()
+    with torch.no_grad():
+        loss = whole(x, y).item()
+    return {"distributed": distributed, "whole": loss, "experts": len(state)}
+
+
 def moe_grid(kind: str, **kwargs: Any) -> Any:
-    """One case of the grid: ``train`` or ``refusal``."""
-    return {"train": train, "refusal": refusal}[kind](**kwargs)
+    """One case of the grid: ``train``, ``refusal`` or ``consolidated``."""
+    return {"train": train, "refusal": refusal, "consolidated": consolidated}[kind](**kwargs)
 
 
 class Reference(nn.Module):

@@ -26,6 +26,9 @@ AUTOEP = [{"ep": 2, "stage": 2, "autoep": True}]
 BAD = [{"refused": {"enabled": True, "autoep_size": 3}}, {"refused": {"comm_backend": "x"}}]
 
 
+SAVE16 = [(2, 1), (4, 3)]
+"""`consolidated_16bit_state_dict` (what save_16bit_model and Hugging Face's save write) at
+(ep, stage)."""
 RESUMED = [((2, 1), [(2, 1), (4, 3), (1, 2)]), ((4, 3), [(2, 0), (1, 3)])]
 """Checkpoints: saved at (ep, stage), loaded at each (ep, stage) listed (ep 1: every expert on
 every rank, no expert parallelism)."""
@@ -42,7 +45,8 @@ def results(folders: list[str]) -> list[list[dict]]:
         {"resumed": {"folder": f, "save": save, "loads": loads}}
         for f, (save, loads) in zip(folders, RESUMED, strict=True)
     ]
-    return run_distributed(grid, WORLD, CASES + AUTOEP + BAD + resumed, timeout=300)
+    consolidated = [{"consolidated": {"ep": ep, "stage": stage}} for ep, stage in SAVE16]
+    return run_distributed(grid, WORLD, CASES + AUTOEP + BAD + resumed + consolidated, timeout=300)
 
 
 @pytest.mark.parity
@@ -171,3 +175,20 @@ def test_grouped_expert_matmuls_are_the_per_expert_loop_bitwise(
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
     assert torch.count_nonzero(results[0][2][1]) == 0  # the idle expert: no gradient
+
+
+@pytest.mark.parametrize(
+    "index", range(len(SAVE16)), ids=lambda i: f"ep{SAVE16[i][0]}-z{SAVE16[i][1]}"
+)
+def test_16bit_state_dict_holds_every_expert(results: list[list[dict]], index: int) -> None:
+    """[Note: experts in the 16-bit model] in `partita.zero.save16`: the consolidated state
+    dict of expert-parallel training (a frozen stacked weight among its experts) loads strictly
+    into a model holding every expert, whose loss on a batch is the engine's."""
+    got = results[0][len(CASES + AUTOEP + BAD) + len(RESUMED) + index]
+    assert got["rows"] == EXPERTS
+    assert abs(got["whole"] - got["distributed"]) <= 1e-5 * got["distributed"]
+    for rank in results[1:]:  # the same batch everywhere: every rank's engine loss agrees
+        assert (
+            rank[len(CASES + AUTOEP + BAD) + len(RESUMED) + index]["distributed"]
+            == got["distributed"]
+        )

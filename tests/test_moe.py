@@ -33,18 +33,22 @@ EXTRA = {
     "capacity_ep4_stage3": {"kind": "train", "ep": 4, "stage": 3, "k": 2, "drop": True},
 }
 REFUSALS = ["experts_not_divisible", "k_too_large", "ep_not_dividing", "stage3_zeropp"]
+SAVE16 = [(2, 0), (4, 3)]
+"""`consolidated_16bit_state_dict` at (ep, stage)."""
 
 
 @pytest.fixture(scope="module")
 def results() -> dict:
     refusals = [{"kind": "refusal", "what": what} for what in REFUSALS]
-    cases = [*TRAIN, RERUN, *EXTRA.values(), *refusals]
+    save16 = [{"kind": "consolidated", "ep": ep, "stage": stage} for ep, stage in SAVE16]
+    cases = [*TRAIN, RERUN, *EXTRA.values(), *refusals, *save16]
     per_case = iter(run_distributed_grid(moe_grid, WORLD, cases, timeout=300))
     return {
         "train": {(c["ep"], c["stage"]): next(per_case) for c in TRAIN},
         "rerun": next(per_case),
         "extra": {name: next(per_case) for name in EXTRA},
         "refusals": {what: next(per_case) for what in REFUSALS},
+        "save16": {key: next(per_case) for key in SAVE16},
     }
 
 
@@ -161,3 +165,14 @@ def test_all_to_all_bytes_are_the_dispatch_buffers(results: dict) -> None:
         for got in per_rank:
             for sent, buffer in got["all_to_all"]:
                 assert sent == 4 * buffer > 0, (key, sent, buffer)
+
+
+@pytest.mark.parametrize("key", SAVE16, ids=lambda k: f"ep{k[0]}-z{k[1]}")
+def test_16bit_state_dict_holds_every_expert_under_its_global_index(
+    results: dict, key: tuple[int, int]
+) -> None:
+    """[Note: experts in the 16-bit model] in `partita.zero.save16`: each rank's local
+    ``deepspeed_experts.<i>`` under its global index; the state dict loads strictly into the
+    model holding every expert, whose loss on a batch is the engine's."""
+    got = results["save16"][key][0]
+    assert abs(got["whole"] - got["distributed"]) <= 1e-5 * got["distributed"]

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from partita import comm
+from partita.comm import p2p
 from partita.zero.gather import GatheredParameters
 
 
@@ -53,13 +54,88 @@ def consolidated_16bit_state_dict(
             if rank == collector:
                 for name, p in batch:
                     out[name] = p.detach().to("cpu").contiguous().clone()
+    experts = _every_expert(engine, exclude_frozen_parameters, collector)
     if rank != collector:
         return None
+    assert experts is not None
+    out = _with_every_expert(out, experts, engine)
     persistent = set(engine.module.state_dict(keep_vars=True))
     for name, buf in engine.module.named_buffers():
         if name in persistent:
             out[name] = buf.detach().to("cpu").contiguous().clone()
     return out
+
+
+def _expert_params(engine: Any, exclude_frozen: bool) -> list[tuple[str, torch.Tensor]]:
+    """This rank's expert parameters (DeepSpeed-MoE experts and Hugging Face stacked expert
+    weights), by local name, in module order: the same names on every expert-parallel rank."""
+    from partita.checkpoint.experts import global_names, stacked_rows
+
+    local = set(global_names(engine.module, engine.dims)) | set(stacked_rows(engine.module))
+    return [
+        (n, p)
+        for n, p in engine.module.named_parameters()
+        if n in local and (p.requires_grad or not exclude_frozen)
+    ]
+
+
+def _every_expert(
+    engine: Any, exclude_frozen: bool, collector: int
+) -> list[dict[str, torch.Tensor]] | None:
+    """[Note: experts in the 16-bit model]
+    Under expert parallelism a rank holds only its experts (DeepSpeed-MoE's local
+    ``deepspeed_experts.<i>``, a Hugging Face weight's rows), so the collector's own state dict
+    has only its expert-parallel group's first share. Every other rank of the collector's
+    expert-parallel group sends its expert tensors (stage 3: each gathered over its
+    expert-data-parallel group first, a collective every rank joins) in module order; the
+    collector gets one dict per expert-parallel rank, in rank order (None elsewhere)."""
+    dims = engine.dims
+    if dims.ep_world_size == 1:
+        return [] if dims.rank == collector else None
+    params = _expert_params(engine, exclude_frozen)
+    mine = dims.rank in dims.ep_ranks and collector in dims.ep_ranks  # the collector's group
+    received: list[dict[str, torch.Tensor]] = [{} for _ in dims.ep_ranks] if mine else []
+    device = params[0][1].device if params else torch.device("cpu")
+    for name, p in params:
+        with GatheredParameters([p]):
+            if not mine:
+                continue
+            value = p.detach().contiguous()
+            if dims.rank == collector:
+                for j, peer in enumerate(dims.ep_ranks):
+                    if peer == collector:
+                        received[j][name] = value.to("cpu").clone()
+                    else:
+                        buf = torch.empty_like(value, device=device)
+                        received[j][name] = p2p.recv(buf, peer, tag="save16").to("cpu")
+            else:
+                p2p.send(value.to(device), collector, tag="save16")
+    return received if dims.rank == collector else None
+
+
+def _with_every_expert(
+    out: dict[str, torch.Tensor], experts: list[dict[str, torch.Tensor]], engine: Any
+) -> dict[str, torch.Tensor]:
+    """`out` with its expert tensors replaced by every expert-parallel rank's: DeepSpeed-MoE
+    experts under their global index, Hugging Face stacked weights joined row-wise in rank order
+    (the names a model holding every expert gives them)."""
+    if not experts:
+        return out
+    from partita.checkpoint.experts import ExpertTensor, global_names, stacked_rows
+
+    names = global_names(engine.module, engine.dims)
+    stacked = set(stacked_rows(engine.module))
+    merged = {n: t for n, t in out.items() if n not in names and n not in stacked}
+    for name in experts[0]:
+        if name in stacked:
+            merged[name] = torch.cat([per_rank[name] for per_rank in experts])
+            continue
+        e = names[name]
+        local = e.of // len(experts)
+        for j, per_rank in enumerate(experts):  # rank j's expert i is global j * local + i
+            index = j * local + e.index % local
+            merged[ExpertTensor(e.prefix, index, e.key, e.of).name] = per_rank[name]
+    return merged
 
 
 def save_16bit_model(
