@@ -105,4 +105,4 @@ def test_inconsistent_tensor_groups_are_refused(ranks: list[dict[str, Any]]) -> 
         liar, same = info["refused"]
         assert "mpu.get_tensor_model_parallel_world_size()=4" in liar, liar
         assert f"rank {rank}: mpu.get_tensor_model_parallel_group()" in same, same
-        assert "no pipeline stages" in same, same
+        assert "must cross in this rank only" in same and "cover the 4 ranks" in same, same

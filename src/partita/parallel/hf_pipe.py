@@ -33,18 +33,6 @@ _EMBED = "embed"
 """The tied key of an input embedding shared with the head."""
 
 
-class HFEmbedding(nn.Module):
-    """The plan's first entry: token ids -> hidden states (the model's embedding module)."""
-
-    def __init__(self, embed: nn.Module) -> None:
-        super().__init__()
-        self.embed = embed
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embeds the token ids."""
-        return self.embed(input_ids)
-
-
 class HFDecoderLayer(nn.Module):
     """One decoder layer of the plan's module list, with what the base model's forward gives
     every layer made here from the hidden states ([Note: Hugging Face pipeline plans])."""
@@ -82,25 +70,22 @@ class HFDecoderLayer(nn.Module):
         return make(self._config, hidden, None, None, position_ids=positions)
 
 
-class HFHidden(nn.Module):
-    """A plan entry from hidden states to hidden states (the final norm)."""
+class HFEntry(nn.Module):
+    """A plan entry that runs as the model runs it, on one tensor: the embedding (token ids ->
+    hidden states), the final norm, the head (hidden states -> logits)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Applies the module."""
-        return self.module(hidden)
+        return self.module(x)
 
 
-class HFHead(HFHidden):
-    """The head of the model's ``_pp_plan``: hidden states -> logits."""
-
-
-def tied_logits(shared: HFEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+def tied_logits(shared: HFEntry, hidden: torch.Tensor) -> torch.Tensor:
     """A head tied to the input embedding: hidden states times the embedding matrix."""
-    weight: torch.Tensor = shared.embed.weight  # type: ignore[assignment]
+    weight: torch.Tensor = shared.module.weight  # type: ignore[assignment]
     return nn.functional.linear(hidden, weight)
 
 
@@ -156,9 +141,9 @@ def hf_pipeline_layers(model: nn.Module) -> list[Any]:
     head = getattr(model, head_name)
     tied = getattr(head, "weight", None) is getattr(embed, "weight", 0)
     first: Any = (
-        TiedLayerSpec(_EMBED, HFEmbedding, embed, tied_weight_attr="embed.weight")
+        TiedLayerSpec(_EMBED, HFEntry, embed, tied_weight_attr="module.weight")
         if tied
-        else HFEmbedding(embed)
+        else HFEntry(embed)
     )
     out: list[Any] = [first]
     for key, (inputs, _) in entries[1:]:
@@ -171,15 +156,15 @@ def hf_pipeline_layers(model: nn.Module) -> list[Any]:
         if isinstance(module, nn.ModuleList):
             out += [HFDecoderLayer(layer, base, i) for i, layer in enumerate(module)]
         else:
-            out.append(HFHidden(module))
+            out.append(HFEntry(module))
     if tied:
         out.append(
             TiedLayerSpec(
-                _EMBED, HFEmbedding, embed, forward_fn=tied_logits, tied_weight_attr="embed.weight"
+                _EMBED, HFEntry, embed, forward_fn=tied_logits, tied_weight_attr="module.weight"
             )
         )
     else:
-        out.append(HFHead(head))
+        out.append(HFEntry(head))
     return out
 
 
