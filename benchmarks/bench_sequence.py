@@ -56,6 +56,7 @@ import importlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -327,10 +328,15 @@ class PhaseBytes:
 
 
 def _error_exit(args: argparse.Namespace, rank: int, exc: BaseException) -> None:
+    """End this rank at once on an error (the other ranks may wait in a collective it will
+    never join: torchrun ends them when it sees the exit status), its traceback on stderr."""
+    traceback.print_exception(exc)
     if rank == 0:
         error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         Path(args.result_file).write_text(json.dumps({"error": error}))
-    common.exit_worker()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -472,8 +478,11 @@ def launch_capped(
         if stopped:
             return {"error": stopped, "stopped": True, "load": load}
         if proc.returncode != 0 or not result_file.exists():
-            tail = log.read_text()[-3000:]
-            return {"error": f"exited {proc.returncode}: {tail}", "load": load}
+            text = log.read_text()
+            first = next(
+                (ln for ln in text.splitlines() if re.match(r"\w+(Error|Exception): ", ln)), ""
+            )
+            return {"error": f"exited {proc.returncode}: {first}\n{text[-3000:]}", "load": load}
         return {**json.loads(result_file.read_text()), "load": load}
 
 
