@@ -351,32 +351,14 @@ def worker(args: argparse.Namespace) -> None:
     )
     import torch.distributed as dist
     import transformers  # noqa: F401  (in the baseline, as the script imports it)
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader  # noqa: F401  (in the baseline too)
 
     baseline = vm_status_mb("VmRSS")
     if args.base_dir:  # for the orchestrator's watch of the cap
         Path(args.base_dir, f"{os.getpid()}.base").write_text(str(baseline))
     ds.init_distributed(dist_backend="gloo")
     try:
-        patch_tiled_mlp(ulysses)
-        model = build_llama(args)
-        params = common.count_params(model)  # before ZeRO 3 empties the parameters
-        model.gradient_checkpointing_enable()
-        mpu = ulysses.UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation="sdpa",
-            sequence_parallel_size=args.sp, micro_batch_size=1, seq_length=args.seq_len,
-            seq_length_is_variable=True,
-        )  # fmt: skip
-        config = common.ds_config(1, args.stage)
-        engine, optimizer, _, _ = ds.initialize(
-            model=model, model_parameters=model.parameters(), config=config, mpu=mpu
-        )
-        group = mpu.get_sequence_parallel_group()
-        loader = ulysses.UlyssesSPDataLoaderAdapter(
-            DataLoader(samples(args, args.warmup + args.steps, rank), batch_size=1),
-            sp_rank=mpu.get_sequence_parallel_rank(), sp_group=group,
-            sp_world_size=mpu.get_sequence_parallel_world_size(), device=engine.device,
-        )  # fmt: skip
+        engine, optimizer, group, loader, params = _alst_setup(args, ds, ulysses, rank)
     except Exception as exc:
         _error_exit(args, rank, exc)
         return
@@ -417,6 +399,34 @@ def worker(args: argparse.Namespace) -> None:
         result["peak_rss_mb"] = result.pop("vm_hwm_mb")  # VmHWM: this process's own mm only
         Path(args.result_file).write_text(json.dumps(result))
     common.exit_worker()
+
+
+def _alst_setup(args: argparse.Namespace, ds: Any, ulysses: Any, rank: int) -> tuple[Any, ...]:
+    """The ALST recipe as DeepSpeed's docs write it: the tiled MLP, the model with gradient
+    checkpointing, `register_with_transformers`, `initialize` with its mpu, the data-loader
+    adapter. Returns (engine, optimizer, sequence group, loader, parameter count)."""
+    from torch.utils.data import DataLoader
+
+    patch_tiled_mlp(ulysses)
+    model = build_llama(args)
+    params = common.count_params(model)  # before ZeRO 3 empties the parameters
+    model.gradient_checkpointing_enable()
+    mpu = ulysses.UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa",
+        sequence_parallel_size=args.sp, micro_batch_size=1, seq_length=args.seq_len,
+        seq_length_is_variable=True,
+    )  # fmt: skip
+    config = common.ds_config(1, args.stage)
+    engine, optimizer, _, _ = ds.initialize(
+        model=model, model_parameters=model.parameters(), config=config, mpu=mpu
+    )
+    group = mpu.get_sequence_parallel_group()
+    loader = ulysses.UlyssesSPDataLoaderAdapter(
+        DataLoader(samples(args, args.warmup + args.steps, rank), batch_size=1),
+        sp_rank=mpu.get_sequence_parallel_rank(), sp_group=group,
+        sp_world_size=mpu.get_sequence_parallel_world_size(), device=engine.device,
+    )  # fmt: skip
+    return engine, optimizer, group, loader, params
 
 
 # --- orchestrator ----------------------------------------------------------------------------
