@@ -37,37 +37,65 @@ class HFDecoderLayer(nn.Module):
     """One decoder layer of the plan's module list, with what the base model's forward gives
     every layer made here from the hidden states ([Note: Hugging Face pipeline plans])."""
 
-    def __init__(self, layer: nn.Module, base: nn.Module, index: int) -> None:
+    def __init__(
+        self, layer: nn.Module, base: nn.Module, index: int, shared: _PerBatch | None = None
+    ) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = getattr(base, "rotary_emb", None)
-        self.index = index
-        # Not a submodule: the base model's config, read to build the mask.
-        self._config = base.config
+        kinds = getattr(base.config, "layer_types", None)
+        self.sliding = kinds is not None and kinds[index] == "sliding_attention"
+        # Not a submodule: what the stage's decoder layers share for one batch shape.
+        self._shared = shared if shared is not None else _PerBatch(base.config)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Runs the layer on `hidden` (batch, sequence, hidden) at positions 0..S-1."""
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        kwargs: dict[str, Any] = {"attention_mask": self._mask(hidden, positions)}
-        kwargs["position_ids"] = positions
-        if self.rotary is not None:
-            kwargs["position_embeddings"] = self.rotary(hidden, position_ids=positions)
+        positions, mask, rotary = self._shared.inputs(hidden, self.sliding, self.rotary)
+        kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": positions}
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary
         out = self.layer(hidden, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    def _mask(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
-        """The layer's causal mask (sliding-window where the config says so), as the base
-        model's forward makes it; None where the attention kernel masks by itself."""
-        from transformers import masking_utils
 
-        kinds = getattr(self._config, "layer_types", None)
-        sliding = kinds is not None and kinds[self.index] == "sliding_attention"
-        make = (
-            masking_utils.create_sliding_window_causal_mask
-            if sliding
-            else masking_utils.create_causal_mask
-        )
-        return make(self._config, hidden, None, None, position_ids=positions)
+class _PerBatch:
+    """What the base model's forward computes once for all its layers (positions, the causal
+    or sliding-window mask, the rotary embeddings), made here once per batch shape and handed
+    to every decoder layer of the pipeline that asks for the same shape: recomputed per layer,
+    an eager model's [S, S] mask would be built once per layer and micro-batch."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self._key: tuple[Any, ...] | None = None
+        self._made: dict[Any, Any] = {}
+
+    def inputs(
+        self, hidden: torch.Tensor, sliding: bool, rotary: nn.Module | None
+    ) -> tuple[torch.Tensor, Any, Any]:
+        """(position ids, mask, rotary embeddings or None) for `hidden`'s shape."""
+        # Tensors made under inference mode cannot join a later training graph: keyed apart.
+        inference = torch.is_inference_mode_enabled()
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, inference)
+        if key != self._key:
+            self._key, self._made = key, {}
+        if "positions" not in self._made:
+            self._made["positions"] = torch.arange(hidden.shape[1], device=hidden.device)[None]
+        positions = self._made["positions"]
+        if sliding not in self._made:
+            from transformers import masking_utils
+
+            make = (
+                masking_utils.create_sliding_window_causal_mask
+                if sliding
+                else masking_utils.create_causal_mask
+            )
+            self._made[sliding] = make(self.config, hidden, None, None, position_ids=positions)
+        if rotary is None:
+            return positions, self._made[sliding], None
+        if "rotary" not in self._made:
+            with torch.no_grad():  # cos and sin of positions: no parameters, no gradient
+                self._made["rotary"] = rotary(hidden, position_ids=positions)
+        return positions, self._made[sliding], self._made["rotary"]
 
 
 class HFEntry(nn.Module):
@@ -154,7 +182,8 @@ def hf_pipeline_layers(model: nn.Module) -> list[Any]:
                 "pipelines entries of hidden states only"
             )
         if isinstance(module, nn.ModuleList):
-            out += [HFDecoderLayer(layer, base, i) for i, layer in enumerate(module)]
+            shared = _PerBatch(base.config)
+            out += [HFDecoderLayer(layer, base, i, shared) for i, layer in enumerate(module)]
         else:
             out.append(HFEntry(module))
     if tied:

@@ -49,16 +49,16 @@ def consolidated_16bit_state_dict(
     model (see `partita.comm.ParallelDims`)."""
     rank = engine.dims.rank
     out: dict[str, torch.Tensor] = {}
+    exchange = _ExpertExchange(engine, collector)
     for batch in _param_batches(engine, exclude_frozen_parameters):
         with GatheredParameters([p for _, p in batch]):
             if rank == collector:
                 for name, p in batch:
                     out[name] = p.detach().to("cpu").contiguous().clone()
-    experts = _every_expert(engine, exclude_frozen_parameters, collector)
+            exchange.add(batch)  # while the unit is gathered: no second gather
     if rank != collector:
         return None
-    assert experts is not None
-    out = _with_every_expert(out, experts, engine)
+    out = _with_every_expert(out, exchange.received, engine)
     persistent = set(engine.module.state_dict(keep_vars=True))
     for name, buf in engine.module.named_buffers():
         if name in persistent:
@@ -66,51 +66,43 @@ def consolidated_16bit_state_dict(
     return out
 
 
-def _expert_params(engine: Any, exclude_frozen: bool) -> list[tuple[str, torch.Tensor]]:
-    """This rank's expert parameters (DeepSpeed-MoE experts and Hugging Face stacked expert
-    weights), by local name, in module order: the same names on every expert-parallel rank."""
-    from partita.checkpoint.experts import global_names, stacked_rows
-
-    local = set(global_names(engine.module, engine.dims)) | set(stacked_rows(engine.module))
-    return [
-        (n, p)
-        for n, p in engine.module.named_parameters()
-        if n in local and (p.requires_grad or not exclude_frozen)
-    ]
-
-
-def _every_expert(
-    engine: Any, exclude_frozen: bool, collector: int
-) -> list[dict[str, torch.Tensor]] | None:
+class _ExpertExchange:
     """[Note: experts in the 16-bit model]
     Under expert parallelism a rank holds only its experts (DeepSpeed-MoE's local
-    ``deepspeed_experts.<i>``, a Hugging Face weight's rows), so the collector's own state dict
-    has only its expert-parallel group's first share. Every other rank of the collector's
-    expert-parallel group sends its expert tensors (stage 3: each gathered over its
-    expert-data-parallel group first, a collective every rank joins) in module order; the
-    collector gets one dict per expert-parallel rank, in rank order (None elsewhere)."""
-    dims = engine.dims
-    if dims.ep_world_size == 1:
-        return [] if dims.rank == collector else None
-    params = _expert_params(engine, exclude_frozen)
-    mine = dims.rank in dims.ep_ranks and collector in dims.ep_ranks  # the collector's group
-    received: list[dict[str, torch.Tensor]] = [{} for _ in dims.ep_ranks] if mine else []
-    device = params[0][1].device if params else torch.device("cpu")
-    for name, p in params:
-        with GatheredParameters([p]):
-            if not mine:
+    ``deepspeed_experts.<i>``, a Hugging Face weight's rows), so the collector's own values
+    are only its expert-parallel group's first share. While each unit is gathered for the
+    state dict, every other rank of the collector's expert-parallel group sends it the unit's
+    expert tensors (the same local names, in the same order, on every one of them); `received`
+    holds one dict per expert-parallel rank, in rank order (empty without experts)."""
+
+    def __init__(self, engine: Any, collector: int) -> None:
+        from partita.checkpoint.experts import global_names, stacked_rows
+
+        dims = engine.dims
+        self.collector, self.rank = collector, dims.rank
+        self.peers = dims.ep_ranks if collector in dims.ep_ranks else ()
+        self.names: set[str] = set()
+        if dims.ep_world_size > 1 and self.rank in self.peers:
+            self.names = set(global_names(engine.module, dims)) | set(stacked_rows(engine.module))
+        self.received: list[dict[str, torch.Tensor]] = (
+            [{} for _ in self.peers] if self.names and self.rank == collector else []
+        )
+
+    def add(self, batch: list[tuple[str, torch.Tensor]]) -> None:
+        """Sends (a peer) or receives (the collector) the expert tensors of a gathered batch."""
+        for name, p in batch:
+            if name not in self.names:
                 continue
             value = p.detach().contiguous()
-            if dims.rank == collector:
-                for j, peer in enumerate(dims.ep_ranks):
-                    if peer == collector:
-                        received[j][name] = value.to("cpu").clone()
-                    else:
-                        buf = torch.empty_like(value, device=device)
-                        received[j][name] = p2p.recv(buf, peer, tag="save16").to("cpu")
-            else:
-                p2p.send(value.to(device), collector, tag="save16")
-    return received if dims.rank == collector else None
+            if self.rank != self.collector:
+                p2p.send(value, self.collector, tag="save16")
+                continue
+            for j, peer in enumerate(self.peers):
+                if peer == self.collector:
+                    self.received[j][name] = value.to("cpu").clone()
+                else:
+                    got = p2p.recv(torch.empty_like(value), peer, tag="save16")
+                    self.received[j][name] = got.to("cpu")
 
 
 def _with_every_expert(
