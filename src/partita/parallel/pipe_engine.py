@@ -39,7 +39,9 @@ ZeRO stages 2 and 3 (which DeepSpeed refuses with pipelines) reduce-scatter insi
 backward, so full gradients never pile up over the micro-batches (stage 3 also gathers each
 stage's parameters unit by unit); the buckets or units holding tied weights are held back
 (``hold_gradients``) until ``ReduceTiedGrads`` has summed their gradients over the stages, and
-``ReduceGrads`` then reduces just those. Refused: stages 2-3 with torch's schedules. Engine
+``ReduceGrads`` then reduces just those. Under torch's schedules, which own the backward calls,
+every bucket or unit is held and reduced once after the schedule (as torch's pipelining does
+with FSDP2). Engine
 checkpoints hold every stage, each stage's group writing its own files ([Note: pipeline stage
 checkpoints] in `partita.checkpoint.stages`), and load at any pipeline degree; the module's
 weights also save and load per layer (`PipelineModule.save_state_dict` / ``load_state_dir``).
@@ -124,10 +126,13 @@ class PipelineEngine(Engine):
         self._point_norm_at_pipeline(module)
         # ZeRO 2-3 reduce inside every backward; the tied weights' gradients must first be
         # summed over the stages, so they wait in held buckets ([Note: pipeline engine]).
+        # Under torch's schedules every gradient waits (it owns the backward calls).
         self._held = self.zero_optimization_stage() >= 2 and self.num_stages > 1
         if self._held:
-            tied = [w for w, _ in module.get_tied_weights_and_groups()]
-            self.strategy.hold_gradients(tied)  # type: ignore[attr-defined]
+            held = [w for w, _ in module.get_tied_weights_and_groups()]
+            if module.schedule != "1f1b":
+                held = [p for p in module.parameters() if p.requires_grad]
+            self.strategy.hold_gradients(held)  # type: ignore[attr-defined]
 
     def _point_norm_at_pipeline(self, module: PipelineModule) -> None:
         """Makes the strategy's gradient norm sum over the pipeline's stages, counting each
@@ -577,14 +582,6 @@ class PipelineEngine(Engine):
 def check_pipeline_config(config: DeepSpeedConfig, module: PipelineModule) -> None:
     """Raises for what the pipeline engine cannot run (the same on every rank: configs are
     checked equal first, and every rank holds the same topology)."""
-    stage = int(config.zero_optimization.stage)
-    if stage >= 2 and module.schedule != "1f1b":
-        raise config_error(
-            "zero_optimization.stage",
-            f"{stage} with pipeline.schedule {module.schedule!r} is not supported yet (torch's "
-            "schedules run every micro-batch's backward in one call); use stage 0-1 or the "
-            "'1f1b' schedule",
-        )
     try:
         check_schedule(
             module.schedule,

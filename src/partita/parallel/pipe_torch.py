@@ -17,9 +17,12 @@ work). torch schedules, partita does the rest, as for its own executor
 - the loss function torch calls is the module's, divided by the micro-batch count and times
   the loss scale, as partita's executor back-propagates it (``scale_grads=False``: torch does
   not rescale the gradients afterwards);
-- the strategy's reduction stays disarmed during the schedule (gradients accumulate); then the
-  tied gradients are summed over stages, the data-parallel reduction runs, and the engine
-  steps, exactly as after partita's own schedule.
+- the strategy's reduction stays disarmed during the schedule (gradients accumulate; at ZeRO
+  2-3 every bucket or unit is held, so nothing is reduced mid-schedule); the zero-bubble weight
+  step assigns ``.grad`` without firing autograd's hooks, so after the schedule those gradients
+  are handed to the strategy (`Strategy.absorb_grads`); then the tied gradients are summed over
+  stages, the data-parallel reduction runs, and the engine steps, exactly as after partita's
+  own schedule.
 """
 
 from __future__ import annotations
@@ -135,6 +138,8 @@ class TorchSchedule:
         self._enter("train")
         engine.strategy.begin_backward(False)  # reduced after the schedule
         self.schedule.step(*args, **kwargs, return_outputs=False)
+        # The zero-bubble weight step assigns ``.grad`` itself, which fires no hook.
+        engine.strategy.absorb_grads([p for p in self.pipe.parameters() if p.requires_grad])
         engine.strategy.end_backward()
         return self._loss_sum()
 

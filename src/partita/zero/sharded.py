@@ -217,6 +217,10 @@ class Sharded:
         """Finishes this backward's reduce-scatters."""
         self.grads.end_backward()
 
+    def absorb_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Gradients autograd did not accumulate join their buckets (see `Strategy`)."""
+        self.grads.absorb(params)
+
     def hold_gradients(self, params: list[torch.Tensor]) -> None:
         """Stage 2 in a pipeline: `params`' gradients wait for `flush_held` (see
         `ShardedGradients.hold`)."""

@@ -201,6 +201,14 @@ class ShardedGradients:
         if bucket.pending == 0:
             self._launch_ready()
 
+    def absorb(self, params: list[torch.nn.Parameter]) -> None:
+        """Runs the arrival hook for each of `params` holding a gradient autograd did not
+        accumulate (see `partita.zero.strategy.Strategy.absorb_grads`): stage 1 copies it
+        into its bucket view, stage 2 into its bucket buffer."""
+        for p in params:
+            if p.grad is not None and p in self._bucket_of:
+                self._on_ready(p)
+
     @staticmethod
     def _keep_view(p: torch.Tensor, bucket: GradBucket, j: int) -> None:
         """Reinstates the gradient view if something replaced ``.grad`` (e.g. zero_grad), making

@@ -96,6 +96,10 @@ class DataParallel:
         """Waits for every bucket's all-reduce (launching stragglers first), if armed."""
         self.grads.end_backward()
 
+    def absorb_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Gradients autograd did not accumulate join their buckets (see `Strategy`)."""
+        self.grads.absorb(params)
+
     def _stepped_params(self) -> list[torch.nn.Parameter]:
         """The tensors the optimizer steps, with this step's gradients in their `.grad` (zeros
         for a parameter no backward reached)."""

@@ -54,6 +54,13 @@ class Strategy(Protocol):
         """Called after every backward: completes whatever reduction `begin_backward` armed."""
         ...
 
+    def absorb_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Takes in gradients written to ``.grad`` outside autograd's accumulation, which fires
+        no hook (torch's zero-bubble weight step assigns them), as the hook would have; call
+        before `end_backward`. Parameters it does not train, or without a gradient, are
+        skipped."""
+        ...
+
     def step(self, clip: float, loss_scale: float) -> StepOutcome:
         """Unscale, overflow check, clip, optimizer step, weights back to the module."""
         ...

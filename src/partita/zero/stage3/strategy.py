@@ -477,6 +477,13 @@ class FullySharded:
             self.reducer.reduce(unit)
         self.reducer.finish()
 
+    def absorb_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Gradients autograd did not accumulate join their units' buffers (see
+        `partita.zero.strategy.Strategy.absorb_grads`)."""
+        for p in params:
+            if p.grad is not None and p in self._where:
+                self._on_grad(p)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         unit, i = self._where[p]  # type: ignore[index]
         if p.grad is not None:
