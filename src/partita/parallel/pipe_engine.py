@@ -126,11 +126,13 @@ class PipelineEngine(Engine):
         self._point_norm_at_pipeline(module)
         # ZeRO 2-3 reduce inside every backward; the tied weights' gradients must first be
         # summed over the stages, so they wait in held buckets ([Note: pipeline engine]).
-        # Under torch's schedules every gradient waits (it owns the backward calls).
-        self._held = self.zero_optimization_stage() >= 2 and self.num_stages > 1
+        # Under torch's schedules every gradient waits (they own the backward calls), at any
+        # pipeline degree.
+        torch_schedule = module.schedule != "1f1b"
+        self._held = self.zero_optimization_stage() >= 2 and (self.num_stages > 1 or torch_schedule)
         if self._held:
             held = [w for w, _ in module.get_tied_weights_and_groups()]
-            if module.schedule != "1f1b":
+            if torch_schedule:
                 held = [p for p in module.parameters() if p.requires_grad]
             self.strategy.hold_gradients(held)  # type: ignore[attr-defined]
 

@@ -75,6 +75,11 @@ def check_schedule(name: str, stages: int, virtual: int, micro_batches: int) -> 
             f"pipeline.schedule: '1f1b' runs one chunk per stage, the module has "
             f"virtual_stages={virtual}; use 'interleaved_1f1b' or 'zero_bubble'"
         )
+    if name != "1f1b" and stages < 2:
+        raise ValueError(
+            f"pipeline.schedule: {name!r} needs at least 2 pipeline stages (torch's schedules "
+            f"fail with num_stages={stages}); use '1f1b'"
+        )
     if name != "1f1b":
         rounds = max(1, micro_batches // stages)
         if micro_batches % rounds or micro_batches < stages:
