@@ -57,6 +57,9 @@ SEQUENCE = [
 SEQUENCE_DROPOUT = [("gpt2", 2, 1), ("llama", 2, 3)]
 """Sequence parallelism with dropout: GPT-2's residual-branch dropouts on sequence slices."""
 SEQUENCE_RECOMPUTE = ("gpt2", 2, 1)
+SEQUENCE_REENTRANT = ("llama", 2, 1)
+"""Sequence parallelism under torch's reentrant checkpoint: the replicated gradients are made
+and summed inside the recomputation's own backward."""
 NORM_RTOL = 1e-5
 """Clipped gradient norms of the dropout runs: the fp32 reference itself moves by up to 4e-6 from
 a float64 run with the same masks by step 3 (AdamW at lr 1e-2 amplifies rounding), so norms get
@@ -95,6 +98,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         *[{**_train(c), "sequence": True, "dropout": True} for c in SEQUENCE_DROPOUT],
         {**_train(SEQUENCE_RECOMPUTE), "sequence": True, "dropout": True, "recompute": True},
         {**_train(SEQUENCE[0]), "sequence": True},  # again: bitwise
+        {**_train(SEQUENCE_REENTRANT), "sequence": True, "recompute": "reentrant"},
         {"case": "odd_length"},
     ]
     per_case = iter(run_distributed_grid(tp_grid, WORLD, cases, timeout=300))
@@ -109,6 +113,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "sequence_dropout": {c: next(per_case) for c in SEQUENCE_DROPOUT},
         "sequence_recompute": next(per_case),
         "sequence_rerun": next(per_case),
+        "sequence_reentrant": next(per_case),
         "odd_length": next(per_case),
     }
 
@@ -406,8 +411,9 @@ def test_sequence_parallel_collectives_move_what_the_plan_says(
     the whole micro-batch's activation (an all-gather and a reduce-scatter together move on
     the wire what one all-reduce moves). Once per step: the first layer's cut (its backward
     all-gathers) and the final norm's join (an all-gather forward). The replicated parameters
-    used on slices (norm weights and biases, row-parallel biases) all-reduce their gradients;
-    Llama's vocabulary-parallel head as in plain tensor parallelism."""
+    used on slices (norm weights and biases, row-parallel biases) all-reduce their gradients
+    (flattened per decoder layer and for the final norm: the same bytes as one all-reduce per
+    parameter); Llama's vocabulary-parallel head as in plain tensor parallelism."""
     act = MICRO * SEQ * 32 * 4
     layers, hidden_bytes = 2, 32 * 4
     blocks = layers * 2 * 4 * act
@@ -421,6 +427,57 @@ def test_sequence_parallel_collectives_move_what_the_plan_says(
         case = ("gpt2", 2, 2)
     for run in results["sequence"][case]:
         assert run["tp_bytes"] == [blocks + 2 * act + head + replicated] * STEPS
+
+
+LAYERS = 2
+"""Decoder layers of both tiny models (`tp_training_workers.build_model`)."""
+
+
+def _sequence_collectives(kind: str) -> int:
+    """Tensor collectives of one forward and backward with sequence parallelism, any kind
+    counted once (see the test below)."""
+    stream = LAYERS * 2 * 4 + 2
+    head = 3 if kind == "llama" else 0
+    buckets = LAYERS + 1
+    return stream + head + buckets
+
+
+@pytest.mark.parametrize("case", SEQUENCE, ids=lambda c: f"{c[0]}-tp{c[1]}-stage{c[2]}")
+def test_sequence_parallel_sums_replicated_gradients_once_per_bucket(
+    results: dict[str, Any], case: tuple[str, int, int]
+) -> None:
+    """The replicated parameters used on slices (Llama: two RMSNorm weights a layer and the
+    final norm's, 2 * 2 + 1 = 5; GPT-2: ln_1's and ln_2's weights and biases and the two c_proj
+    biases a layer, ln_f's weight and bias, 6 * 2 + 2 = 14) have their gradients summed over the
+    tensor group in one flattened all-reduce per bucket, a bucket being each decoder layer and
+    the final norm ([Note: batched sums of the sliced parameters' gradients]): 2 + 1 = 3 per
+    forward and backward, at every ZeRO stage and tensor size, not one per parameter. Counted
+    among all the tensor collectives of a forward and backward (`_sequence_collectives`): per
+    block the four of `test_sequence_parallel_collectives_move_what_the_plan_says`, the cut's
+    and the final join's all-gathers, Llama's vocabulary-parallel loss (two all-reduces
+    forward) and its head input's gradient (one backward); GPT-2's tied head is not split and
+    moves nothing. (On gloo with more than two ranks the all-gathers and reduce-scatters run,
+    and are counted, as all-reduces: hence all kinds together.)"""
+    kind, _, _ = case
+    per_parameter = 2 * LAYERS + 1 if kind == "llama" else 6 * LAYERS + 2
+    assert per_parameter > LAYERS + 1
+    for run in results["sequence"][case]:
+        assert run["tp_calls"] == [_sequence_collectives(kind)] * STEPS
+
+
+def test_sequence_parallel_with_reentrant_checkpointing(results: dict[str, Any]) -> None:
+    """Under torch's reentrant checkpoint each layer's replicated gradients are made and
+    summed inside the recomputation's backward, and reach ZeRO once per backward: the
+    one-process losses and clipped norms; the collectives of a run without checkpointing (one
+    sum per bucket still) and the recomputed blocks' forward ones (an all-gather of the input
+    and a reduce-scatter of the output a block)."""
+    kind, tp, _ = SEQUENCE_REENTRANT
+    ref = _reference(kind, WORLD // tp)
+    recomputed = LAYERS * 2 * 2
+    for run in results["sequence_reentrant"]:
+        assert_losses(run["losses"], ref["losses"])
+        assert_losses(run["norms"], ref["norms"])
+        assert run["tp_calls"] == [_sequence_collectives(kind) + recomputed] * STEPS
 
 
 def test_sequence_length_not_dividing_is_refused_by_value(results: dict[str, Any]) -> None:

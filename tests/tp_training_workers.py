@@ -121,6 +121,12 @@ def _mean_over_dp(value: float, dims: Any) -> float:
     return float(t) / dims.dp_world_size
 
 
+def _tp_calls() -> int:
+    """Tensor-parallel collectives issued so far, of any kind (on gloo with more than two
+    ranks, reduce-scatters and all-gathers run, and are counted, as all-reduces)."""
+    return sum(n for (_, tag), n in COUNTERS.total_calls.items() if tag == "tp")
+
+
 def train(
     model_kind: str,
     tp: int,
@@ -128,20 +134,21 @@ def train(
     via: str = "config",
     folder: str | None = None,
     dropout: bool = False,
-    recompute: bool = False,
+    recompute: bool | str = False,
     sequence: bool = False,
 ) -> dict[str, Any]:
     """Trains `model_kind` at tensor size `tp` and ZeRO `stage` (``via`` "tp_model_init": the size
     comes from `partita.tp_model_init` and the config has no tensor_parallel section); with a
     `folder`, then checkpoints and reloads at tensor degree 1 (`reload_whole`). `dropout`: with
     `DROPOUT`'s rates, seeded per tensor rank (see `SEED`); `recompute`: with Transformers'
-    gradient checkpointing (torch's checkpoint per block); `sequence`: with
+    gradient checkpointing (torch's checkpoint per block; "reentrant": its reentrant form);
+    `sequence`: with
     ``tensor_parallel.sequence_parallel``."""
     world = dist.get_world_size()
     dp = world // tp
     model = build_model(model_kind, dropout=dropout)
     if recompute:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.gradient_checkpointing_enable({"use_reentrant": recompute == "reentrant"})
     config = _config(tp, stage, sequence)
     if via == "tp_model_init":
         del config["tensor_parallel"]
@@ -150,13 +157,15 @@ def train(
         torch.manual_seed(SEED + dist.get_rank() % tp)
     engine = partita.initialize(model=model, config=config)[0]
     dims = engine.dims
-    losses, norms, tp_bytes = [], [], []
+    losses, norms, tp_bytes, tp_calls = [], [], [], []
     for ids in batches(dp):
         local = ids[dims.dp_rank * MICRO : (dims.dp_rank + 1) * MICRO]
         before = COUNTERS.bytes(tag="tp")
+        calls = _tp_calls()
         loss = engine(input_ids=local, labels=local).loss
         engine.backward(loss)
         tp_bytes.append(COUNTERS.bytes(tag="tp") - before)
+        tp_calls.append(_tp_calls() - calls)
         engine.step()
         losses.append(_mean_over_dp(float(loss), dims))
         norms.append(float(engine.get_global_grad_norm()))
@@ -167,6 +176,7 @@ def train(
         "losses": losses,
         "norms": norms,
         "tp_bytes": tp_bytes,
+        "tp_calls": tp_calls,
         "dims": (
             engine.get_tensor_parallel_rank(),
             engine.get_tensor_parallel_world_size(),
