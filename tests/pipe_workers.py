@@ -401,11 +401,18 @@ RESUME_LOADS = [(2, 1), (4, 0), (1, 1)]
 
 
 def _resume_run(
-    case: dict[str, Any], stages: int, zero: int, seed: int, start: int, save: bool
+    case: dict[str, Any],
+    stages: int,
+    zero: int,
+    seed: int,
+    start: int,
+    save: bool,
+    saved: dict[str, torch.Tensor] | None = None,
 ) -> list[float]:
     """The tied model at `stages` stages over the 4 ranks (dp = 4 / stages), the same 16
     sequences per step whatever dp is; from step `start` on, after loading the checkpoint
-    when `start` > 0, saving it after step 2 when `save`."""
+    when `start` > 0, saving it after step 2 when `save` (and then copying this stage's
+    module weights into `saved`, by their names in the whole model)."""
     micro = case["micro"]
     flat = [
         [mb for rank in step for mb in rank]
@@ -424,6 +431,9 @@ def _resume_run(
         losses.append(float(engine.train_batch(iter(step[r * gas : (r + 1) * gas]))))
         if save and i == 1:
             engine.save_checkpoint(case["dir"], tag="two")
+            for name, value in module.state_dict().items():
+                if saved is not None:
+                    saved[name] = value.detach().clone()
     engine.destroy()
     return losses
 
@@ -432,7 +442,9 @@ def resume(case: dict[str, Any]) -> dict[Any, Any]:
     """Engine checkpoints of a pipeline: trained at pp 2 x dp 2 (ZeRO 1, tied embedding),
     saved after step 2; freshly built, differently seeded modules load it at each of
     `RESUME_LOADS` and train the remaining steps. Every run's losses."""
-    out: dict[Any, Any] = {"whole": _resume_run(case, 2, 1, BASE_SEED, 0, True)}
+    saved: dict[str, torch.Tensor] = {}
+    out: dict[Any, Any] = {"whole": _resume_run(case, 2, 1, BASE_SEED, 0, True, saved)}
+    out["saved"], out["dir"] = saved, case["dir"]
     out["files"] = sorted(os.listdir(os.path.join(case["dir"], "two")))
     for stages, zero in RESUME_LOADS:
         out[(stages, zero)] = _resume_run(case, stages, zero, 7, 2, False)

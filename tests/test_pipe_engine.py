@@ -11,13 +11,16 @@ set-ups fail on every rank naming what is wrong. One spawn per world size."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from models import LOSS_RTOL, Block
+from partita.checkpoint.export import export_checkpoint
 from partita.parallel.pipe_module import (
     LayerSpec,
     TiedLayerSpec,
@@ -293,6 +296,27 @@ def test_engine_checkpoint_of_every_stage_resumes_and_loads_at_other_degrees(
             for load in RESUME_LOADS[1:]:
                 for g, w in zip(got[load], want[2:], strict=True):
                     assert abs(g - w) <= LOSS_RTOL * abs(w), (load, got[load], want)
+
+
+def test_pipeline_checkpoint_exports_the_whole_model(
+    four: list[list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """`partita export` of the pp 2 x dp 2 checkpoint: one Hugging Face safetensors layout
+    holding every stage's weights (the tied embedding once), named as in the whole
+    `PipelineModule`, equal to what the stages' modules held when it was saved."""
+    per_rank = four[len(FOUR) + 1]
+    where = Path(per_rank[0]["dir"])
+    export_checkpoint(str(where), str(tmp_path), tag="two")
+    exported: dict[str, torch.Tensor] = {}
+    for f in tmp_path.glob("*.safetensors"):
+        exported.update(load_file(str(f)))
+    held: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        held.update(result["saved"])
+    assert sorted(exported) == sorted(held)
+    assert any(name.startswith("tied_modules.") for name in exported)
+    for name, value in held.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_zero2_and_3_in_stages_shard_optimizer_state_and_skip_overflow_everywhere(
