@@ -132,8 +132,27 @@ FOUR = [
         "stage": 3,
         **BASE,
     },
+    # pp 4 under zero-bubble (one chunk per rank), then again: bitwise.
+    {
+        "tied": True,
+        "stages": 4,
+        "dp": 1,
+        "schedule": "zero_bubble",
+        "stage": 2,
+        "clip": 0.05,
+        **BASE,
+    },
+    {
+        "tied": True,
+        "stages": 4,
+        "dp": 1,
+        "schedule": "zero_bubble",
+        "stage": 2,
+        "clip": 0.05,
+        **BASE,
+    },
 ]
-TORCH_ZERO23_FOUR = [15, 16, 17]
+TORCH_ZERO23_FOUR = [15, 16, 17, 18]
 BAD_TWO = [
     {"stages": 3},  # does not divide 2 ranks
     {"stages": 2, "layers": [LayerSpec(nn.Linear, 4, 4)]},  # fewer layers than stages
@@ -250,6 +269,7 @@ def test_reruns_are_bitwise(two: dict[str, Any], four: list[list[dict[str, Any]]
     assert [r["losses"] for r in two["train"][3]] == [r["losses"] for r in two["train"][0]]
     assert [r["losses"] for r in two["train"][7]] == [r["losses"] for r in two["train"][5]]
     assert [r["losses"] for r in four[4]] == [r["losses"] for r in four[2]]
+    assert [r["losses"] for r in four[19]] == [r["losses"] for r in four[18]]  # zero-bubble
 
 
 def test_overflow_on_one_stage_skips_the_step_on_every_stage(two: dict[str, Any]) -> None:
