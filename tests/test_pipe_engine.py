@@ -161,6 +161,7 @@ BAD_TWO = [
     {"stages": 2, "schedule": "zero_bubble", "gas": 1},  # fewer micro-batches than stages
     {"stages": 2, "virtual": 4},  # 7 layers cannot fill 8 chunks
     {"stages": 1, "virtual": 2, "schedule": "zero_bubble", "gas": 2},  # torch needs 2 stages
+    {"stages": 2, "gas": 1},  # 1F1B with fewer micro-batches than stages
 ]
 
 
@@ -386,7 +387,7 @@ def test_each_rank_builds_only_its_stage(
 def test_bad_setups_fail_on_every_rank_naming_the_problem(two: dict[str, Any]) -> None:
     for per_rank in two["bad"]:
         assert per_rank[0] and len(set(per_rank)) == 1  # the same error on both ranks
-    divide, few, gpipe, one_chunk, micro, chunks, single, tied = (
+    divide, few, gpipe, one_chunk, micro, chunks, single, micro_1f1b, tied = (
         per_rank[0] for per_rank in two["bad"]
     )
     assert "pipeline.schedule" in gpipe and "'gpipe' is not one of" in gpipe
@@ -394,6 +395,8 @@ def test_bad_setups_fail_on_every_rank_naming_the_problem(two: dict[str, Any]) -
     assert "gradient_accumulation_steps (1)" in micro and "2 stages" in micro
     assert "7 layers cannot fill 2 stages x 4 virtual stages" in chunks
     assert "'zero_bubble' needs at least 2 pipeline stages" in single and "'1f1b'" in single
+    assert "'1f1b' needs gradient_accumulation_steps (1)" in micro_1f1b
+    assert "at least the 2 pipeline stages" in micro_1f1b
     assert "num_stages (3) must divide distributed world size (2)" in divide
     assert "1 layers cannot fill 2 pipeline stages" in few
     assert "TiedLayerSpec key 'embed'" in tied and "layer 2" in tied

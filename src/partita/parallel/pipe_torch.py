@@ -80,6 +80,13 @@ def check_schedule(name: str, stages: int, virtual: int, micro_batches: int) -> 
             f"pipeline.schedule: {name!r} needs at least 2 pipeline stages (torch's schedules "
             f"fail with num_stages={stages}); use '1f1b'"
         )
+    if name == "1f1b" and micro_batches < stages:
+        # DeepSpeed runs it, with most stages idle most of the step: 1F1B's bubble is
+        # (P - 1) / (m + P - 1), over half the step when m < P.
+        raise ValueError(
+            f"pipeline.schedule: '1f1b' needs gradient_accumulation_steps ({micro_batches}), "
+            f"the micro-batch count, to be at least the {stages} pipeline stages"
+        )
     if name != "1f1b":
         rounds = max(1, micro_batches // stages)
         if micro_batches % rounds or micro_batches < stages:
