@@ -5,7 +5,9 @@ One 4-rank CPU job (gloo) per configuration: a tiny-width, realistic-depth Llama
 Transformers (built from a config, nothing downloaded; untied head, byte vocabulary), AdamW,
 fp32, tensor parallelism over 2 consecutive ranks and data parallelism over the 2 lanes:
 
-* ``partita``: ``tensor_parallel.autotp_size: 2``, ZeRO stage 1 over the data-parallel ranks;
+* ``partita``: ``tensor_parallel.autotp_size: 2``, ZeRO stage 1 over the data-parallel ranks
+  (``partita-sp``: with ``sequence_parallel``; ``partita-z3``: ZeRO stage 3, which shards
+  parameters, gradients and optimizer state over the data-parallel ranks as FSDP2 does);
 * ``deepspeed``: the same config on DeepSpeed (``DS_ACCELERATOR=cpu``); when it refuses or
   fails, its error is the row;
 * ``fsdp2-tp``: a 2-D ``DeviceMesh`` ("dp", "tp"), ``parallelize_module`` with ColwiseParallel
@@ -48,6 +50,7 @@ WORLD, TP = 4, 2
 IMPLS: dict[str, str] = {
     "partita": "partita AutoTP tp 2 x ZeRO-1 dp 2",
     "partita-sp": "partita AutoTP tp 2 x ZeRO-1 dp 2, sequence_parallel",
+    "partita-z3": "partita AutoTP tp 2 x ZeRO-3 dp 2 (FSDP2's sharding)",
     "deepspeed": "DeepSpeed AutoTP tp 2 x ZeRO-1 dp 2",
     "fsdp2-tp": "FSDP2 + parallelize_module (tp 2 x dp 2) + AdamW(fused=True)",
 }
@@ -100,7 +103,10 @@ def setup_engine(args: argparse.Namespace, model: torch.nn.Module) -> Any:
     section: dict[str, Any] = {"autotp_size": TP}
     if args.worker == "partita-sp":  # the stream between the blocks split by sequence
         section["sequence_parallel"] = True
-    config = common.ds_config(args.micro_batch, 1, tensor_parallel=section)
+    stage = 3 if args.worker == "partita-z3" else 1
+    config = common.ds_config(args.micro_batch, stage, tensor_parallel=section)
+    if stage == 3:  # every weight sharded, as FSDP2 does (this model's all fall below 1e5)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     engine, _, _, _ = lib.initialize(
         model=model, model_parameters=model.parameters(), config=config
     )
@@ -176,7 +182,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     BYTES.install()  # before either library binds torch.distributed's functions
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if args.worker in ("partita", "partita-sp", "deepspeed"):
+    if args.worker != "fsdp2-tp":
         importlib.import_module("deepspeed" if args.worker == "deepspeed" else "partita")
     baseline = common.peak_rss_mb()
     model = build_llama(args)
