@@ -86,6 +86,8 @@ TWO = [
     },
 ]
 TORCH_ZERO23_TWO = [9, 10, 11]
+ZB_PP4 = {"tied": True, "stages": 4, "dp": 1, "schedule": "zero_bubble", "stage": 2,
+          "clip": 0.05, **BASE}  # fmt: skip
 FOUR = [
     {"tied": False, "stages": 2, "dp": 2, **BASE},
     {"tied": True, "stages": 2, "dp": 2, "stage": 1, "clip": 0.05, **BASE},
@@ -133,24 +135,8 @@ FOUR = [
         **BASE,
     },
     # pp 4 under zero-bubble (one chunk per rank), then again: bitwise.
-    {
-        "tied": True,
-        "stages": 4,
-        "dp": 1,
-        "schedule": "zero_bubble",
-        "stage": 2,
-        "clip": 0.05,
-        **BASE,
-    },
-    {
-        "tied": True,
-        "stages": 4,
-        "dp": 1,
-        "schedule": "zero_bubble",
-        "stage": 2,
-        "clip": 0.05,
-        **BASE,
-    },
+    ZB_PP4,
+    ZB_PP4,
 ]
 TORCH_ZERO23_FOUR = [15, 16, 17, 18]
 BAD_TWO = [
