@@ -84,8 +84,20 @@ TWO = [
         "clip": 0.05,
         **BASE,
     },
+    # ... with activation checkpointing of every layer.
+    {
+        "tied": True,
+        "stages": 2,
+        "dp": 1,
+        "virtual": 2,
+        "schedule": "zero_bubble",
+        "stage": 3,
+        "partition": "uniform",
+        "ckpt": 1,
+        **BASE,
+    },
 ]
-TORCH_ZERO23_TWO = [9, 10, 11]
+TORCH_ZERO23_TWO = [9, 10, 11, 12]
 ZB_PP4 = {"tied": True, "stages": 4, "dp": 1, "schedule": "zero_bubble", "stage": 2,
           "clip": 0.05, **BASE}  # fmt: skip
 FOUR = [
